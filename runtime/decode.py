@@ -1,0 +1,111 @@
+"""The decode loop: prefill, then cycles of draft -> verify -> accept -> commit.
+
+Autoregressive decoding is the same loop with a block of one token and no drafter, so both
+modes share every line of bookkeeping (stops, limits, statistics) and are compared like for like.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from trtspec.engines.eager import MAX_BLOCK_SIZE, EagerEngine
+from trtspec.errors import TrtspecError
+from trtspec.runtime.sampling import Sampler, SamplingConfig, accepted_length
+from trtspec.runtime.stats import DecodeStats
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What one request asks for. block_size 1 means autoregressive (target only)."""
+
+    block_size: int = 16
+    max_new_tokens: int = 256
+    stop_ids: tuple[int, ...] = ()
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise TrtspecError(f"block size must be in [2, {MAX_BLOCK_SIZE}] (or 1 for autoregressive), "
+                               f"got {self.block_size}")
+        if self.max_new_tokens < 1:
+            raise TrtspecError(f"max new tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stats: DecodeStats
+
+
+class _Output:
+    """Committed tokens with the stop rules applied: truncate after the first stop id or at the limit."""
+
+    def __init__(self, limit: int, stop_ids: tuple[int, ...], on_commit: Callable[[list[int]], None] | None):
+        self.tokens: list[int] = []
+        self.limit, self.stop_ids, self.on_commit = limit, set(stop_ids), on_commit
+        self.finish_reason = ""
+
+    def commit(self, tokens: list[int]) -> None:
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.tokens) + len(kept) == self.limit:
+                self.finish_reason = "length"
+                break
+        self.tokens.extend(kept)
+        if self.on_commit is not None:
+            self.on_commit(kept)
+
+
+def generate(engine: EagerEngine, prompt: list[int], config: GenerationConfig,
+             on_commit: Callable[[list[int]], None] | None = None) -> Generation:
+    """Decode one request. `on_commit` receives each batch of newly committed tokens (streaming)."""
+    block_size = config.block_size
+    if not prompt:
+        raise TrtspecError("the prompt is empty")
+    if len(prompt) >= engine.max_context:
+        raise TrtspecError(f"the prompt is {len(prompt)} tokens; the context holds {engine.max_context}")
+    if block_size > 1 and engine.drafter is None:
+        raise TrtspecError("speculative decoding needs a drafter (or use block size 1 / --ar)")
+    limit = min(config.max_new_tokens, engine.max_context - len(prompt))
+    sampler = Sampler(config.sampling, engine.device)
+    stats = DecodeStats(block_size=block_size, prompt_tokens=len(prompt))
+    out = _Output(limit, config.stop_ids, on_commit)
+    engine.reset(len(prompt) + limit)
+
+    with torch.inference_mode():
+        began = time.perf_counter()
+        logits, context = engine.prefill(prompt)
+        bonus = int(sampler.sample(logits)[0])
+        stats.prefill_s = time.perf_counter() - began
+        out.commit([bonus])
+        start = len(prompt)  # position of the bonus token
+
+        began = time.perf_counter()
+        while not out.finish_reason:
+            block = [bonus]
+            if block_size > 1:
+                block += [engine.drafter.config.mask_token_id] * (block_size - 1)
+                drafts = engine.draft(context, block, start)
+                block = [bonus] + drafts.tolist()
+            logits, features = engine.verify(block, start)
+            posterior = sampler.sample(logits)
+            accepted = int(accepted_length(torch.tensor(block[1:]), posterior.cpu())) if block_size > 1 else 0
+            bonus = int(posterior[accepted])
+            stats.record_cycle(accepted)
+            out.commit(block[1:accepted + 1] + [bonus])
+            start += accepted + 1
+            engine.rollback(start)
+            context = features[:accepted + 1] if features is not None else None
+        stats.decode_s = time.perf_counter() - began
+
+    stats.new_tokens = len(out.tokens)
+    stats.finish_reason = out.finish_reason
+    return Generation(out.tokens, stats)

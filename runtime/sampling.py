@@ -1,0 +1,75 @@
+"""Turning logits into tokens, and the acceptance rule that keeps speculation lossless."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trtspec.errors import TrtspecError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also rejects NaN
+            raise TrtspecError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise TrtspecError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise TrtspecError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Draws posterior tokens from the target's logits, one independent draw per row."""
+
+    def __init__(self, config: SamplingConfig, device: torch.device | str = "cpu"):
+        self.config = config
+        self.generator = torch.Generator(device=device)
+        if config.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(config.seed)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution sampled from at T > 0 (temperature, then top-k, then top-p), [N, V]."""
+        c = self.config
+        scaled = logits.float() / c.temperature
+        if c.top_k and c.top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, c.top_k, dim=-1).values[..., -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if c.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+            sorted_probs = sorted_probs.masked_fill(before >= c.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of `logits` [N, V] -> [N]."""
+        if self.config.greedy:
+            return logits.argmax(dim=-1)
+        return torch.multinomial(self.probabilities(logits), 1, generator=self.generator)[:, 0]
+
+
+def accepted_length(drafts: torch.Tensor, posterior: torch.Tensor) -> torch.Tensor:
+    """How many leading drafts the target agrees with, per row.
+
+    drafts [..., B-1] are the proposals for block positions 1..B-1; posterior [..., B] are the
+    target's tokens after block positions 0..B-1. Draft k is accepted while it equals the target's
+    token for its position, posterior[k-1]. With greedy (one-hot) proposals this is exactly
+    speculative sampling, so the output is distributed as the target's at any temperature.
+    """
+    matches = (drafts == posterior[..., :-1]).long()
+    return matches.cumprod(dim=-1).sum(dim=-1)

@@ -1,0 +1,73 @@
+"""Per-request decode statistics: acceptance length, histogram, ceiling fraction, timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    """`histogram[a]` counts cycles that accepted `a` drafts (0..B-1); bin B-1 is the ceiling.
+
+    tau is committed tokens per cycle *including the bonus* (a + 1), averaged over cycles, as
+    counted by the acceptance rule (a stop or the token limit may cut the last cycle short).
+    """
+
+    block_size: int
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str = ""
+    histogram: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.histogram:
+            self.histogram = [0] * self.block_size
+
+    def record_cycle(self, accepted: int) -> None:
+        self.histogram[accepted] += 1
+
+    @property
+    def cycles(self) -> int:
+        return sum(self.histogram)
+
+    @property
+    def tau(self) -> float:
+        if not self.cycles:
+            return 0.0
+        return sum((a + 1) * n for a, n in enumerate(self.histogram)) / self.cycles
+
+    @property
+    def ceiling_fraction(self) -> float:
+        return self.histogram[-1] / self.cycles if self.cycles else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens committed by decode cycles (all but the prefill's first) per second of decode."""
+        decoded = max(self.new_tokens - 1, 0)
+        return decoded / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "tau": self.tau,
+            "histogram": list(self.histogram),
+            "ceiling_fraction": self.ceiling_fraction,
+            "cycles": self.cycles,
+            "block_size": self.block_size,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "finish_reason": self.finish_reason,
+        }
+
+    def summary(self) -> str:
+        """One human-readable line for stderr."""
+        text = (f"{self.new_tokens} new tokens, {self.cycles} cycles at B={self.block_size}, "
+                f"tau {self.tau:.2f}")
+        if self.block_size > 1:
+            text += f", ceiling {self.ceiling_fraction:.1%}"
+        return (text + f" | prefill {self.prefill_s * 1e3:.1f} ms ({self.prompt_tokens} tokens), "
+                f"decode {self.decode_tokens_per_s:.1f} tok/s | finish: {self.finish_reason}")

@@ -1,0 +1,83 @@
+"""Tiny real checkpoints built inside the tests: a random Qwen3 saved by transformers, a byte-level
+BPE tokenizer trained with `tokenizers`, and DFlash drafters saved in the z-lab layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Target, save_drafter
+
+EOS, MASK = "<|endoftext|>", "<|mask|>"
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "Speculative decoding drafts a block of tokens and the target verifies it in one pass.",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
+] * 20
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, MASK],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return tokenizer
+
+
+def save_hf_target(directory: Path, *, vocab_size: int = 320, hidden: int = 64, layers: int = 4,
+                   heads: int = 4, kv_heads: int = 2, head_dim: int = 16, max_positions: int = 512,
+                   tie: bool = False, seed: int = 0, with_tokenizer: bool = True) -> Path:
+    """A random Qwen3ForCausalLM written by transformers' own save_pretrained."""
+    from transformers import Qwen3Config as HFConfig, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = train_tokenizer(vocab_size - 8) if with_tokenizer else None
+    eos = tokenizer.token_to_id(EOS) if tokenizer else 0
+    config = HFConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=max_positions, tie_word_embeddings=tie,
+                      rope_theta=1_000_000.0, eos_token_id=eos, bos_token_id=None)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():  # a larger init than HF's 0.02 so the logits are far from uniform
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.5 / param.shape[-1] ** 0.5 if "embed" not in name else 1.0)
+    model.save_pretrained(directory)
+    if tokenizer:
+        tokenizer.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps({
+            "eos_token": EOS,
+            "chat_template": "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                             "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+        }))
+    return directory
+
+
+def random_drafter(target: Qwen3Target, *, layers: int = 1, layer_ids=(0, 2), block_size: int = 16,
+                   mask_token_id: int = 1, seed: int = 1, scale: float = 1.0) -> DFlashDrafter:
+    t = target.config
+    config = DFlashConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+                          intermediate_size=t.intermediate_size, num_hidden_layers=layers,
+                          num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                          head_dim=t.head_dim, rope_theta=t.rope_theta, rms_norm_eps=t.rms_norm_eps,
+                          max_position_embeddings=t.max_position_embeddings, block_size=block_size,
+                          mask_token_id=mask_token_id, target_layer_ids=tuple(layer_ids),
+                          num_target_layers=t.num_hidden_layers)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    with torch.no_grad():
+        for param in drafter.parameters():
+            if param.dim() == 2:
+                param.normal_(0, scale / param.shape[-1] ** 0.5)
+    return drafter.to(target.dtype).bind(target)
+
+
+def save_random_drafter(directory: Path, target: Qwen3Target, **kwargs) -> Path:
+    return save_drafter(random_drafter(target, **kwargs), directory)

@@ -1,0 +1,91 @@
+"""The Python API: load a target (and drafter) once, then generate text for many requests.
+
+The CLI and serving code are thin layers over `Pipeline`; it never touches click or globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from trtspec.engines.eager import EagerEngine
+from trtspec.errors import TrtspecError
+from trtspec.models import load_drafter, load_target
+from trtspec.runtime.decode import Generation, GenerationConfig, generate
+from trtspec.tokenizer import TextCodec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TrtspecError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise TrtspecError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class TextResult:
+    text: str
+    generation: Generation
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.generation.tokens
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "stats": self.generation.stats.to_dict()}
+
+
+class Pipeline:
+    def __init__(self, target: str | Path, drafter: str | Path | None = None, *,
+                 dtype: str = "auto", device: str = "auto", max_context: int | None = None):
+        torch_device = resolve_device(device)
+        self.codec = TextCodec(target)
+        self.target = load_target(target, resolve_dtype(dtype, torch_device), torch_device)
+        self.drafter = load_drafter(drafter, self.target) if drafter is not None else None
+        self.engine = EagerEngine(self.target, self.drafter)
+        if max_context is not None:
+            if max_context < 2:
+                raise TrtspecError(f"max context must be >= 2, got {max_context}")
+            self.engine.max_context = min(max_context, self.engine.max_context)
+
+    @property
+    def default_block_size(self) -> int:
+        return self.drafter.config.block_size if self.drafter is not None else 1
+
+    def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
+                 on_text: Callable[[str], None] | None = None) -> TextResult:
+        """Decode `prompt`; `on_text` receives text pieces as tokens are committed."""
+        ids = self.codec.encode(prompt, chat=chat)
+        if not ids:
+            raise TrtspecError("the prompt is empty")
+        on_commit = None
+        if on_text is not None:
+            stream = self.codec.streamer()
+
+            def on_commit(tokens: list[int]) -> None:
+                for token in tokens:
+                    piece = stream.step(self.codec.tokenizer, token)
+                    if piece:
+                        on_text(piece)
+
+        config = _with_stops(config, self.codec.stop_ids)
+        generation = generate(self.engine, ids, config, on_commit)
+        return TextResult(self.codec.decode(generation.tokens), generation)
+
+
+def _with_stops(config: GenerationConfig, stop_ids: tuple[int, ...]) -> GenerationConfig:
+    return replace(config, stop_ids=tuple(dict.fromkeys(config.stop_ids + stop_ids)))

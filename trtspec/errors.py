@@ -1,0 +1,18 @@
+"""User-facing errors.
+
+Anything a user can cause (a wrong path, a bad flag, a checkpoint that does not fit) raises
+`TrtspecError`; the CLI prints its message as one line and exits non-zero. Everything else is
+a bug and keeps its traceback.
+"""
+
+
+class TrtspecError(Exception):
+    """An error caused by the input; its message is shown to the user as is."""
+
+
+class CheckpointError(TrtspecError):
+    """A checkpoint directory is missing, unreadable or does not match what is expected."""
+
+
+class MismatchError(CheckpointError):
+    """A drafter does not fit its target."""

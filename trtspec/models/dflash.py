@@ -1,0 +1,118 @@
+"""The DFlash block-diffusion drafter.
+
+One non-causal pass over a block [bonus, MASK x (B-1)] proposes B-1 tokens, conditioned on the
+target's hidden states. The context (projected target features) enters every layer only as
+extra keys/values, made with the layer's own k_proj/v_proj; it never passes through Q, o_proj or
+the MLP, so its K/V can be cached. Embedding and lm_head are the target's (shared, frozen).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trtspec.errors import MismatchError
+from trtspec.models.checkpoint import (build_empty, checkpoint_dir, load_into, load_state_dict, read_json,
+                                       save_checkpoint)
+from trtspec.models.config import DFlashConfig, Qwen3Config
+from trtspec.models.layers import DecoderLayer, KVCache, RMSNorm, RotaryEmbedding
+from trtspec.models.qwen3 import Qwen3Target
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(config.num_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self._shared: tuple[nn.Embedding, nn.Linear] | None = None  # a tuple: not registered as weights
+
+    def bind(self, target: Qwen3Target) -> "DFlashDrafter":
+        """Share the target's embedding and lm_head (after checking the pair fits)."""
+        check_pair(self.config, target.config)
+        self._shared = (target.model.embed_tokens, target.lm_head)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim,
+                       self.dtype, self.fc.weight.device)
+
+    def forward(self, context_features: torch.Tensor, block_tokens: torch.Tensor, start: int,
+                cache: KVCache) -> torch.Tensor:
+        """Logits [b, B-1, V] for block positions 1..B-1.
+
+        context_features [b, n, F]: target features of positions start-n..start-1 that the
+        drafter cache does not hold yet (n may be 0). block_tokens [b, B] sit at start..start+B-1.
+        The cache grows to `start` positions; block K/V are never stored.
+        """
+        if self._shared is None:
+            raise RuntimeError("drafter is not bound to a target; call bind(target) first")
+        embed_tokens, lm_head = self._shared
+        ctx_start = start - context_features.shape[1]
+        if ctx_start != cache.length:
+            raise ValueError(f"context starts at {ctx_start} but the drafter cache holds {cache.length}")
+        cache.check_write(ctx_start, context_features.shape[1])
+        device = block_tokens.device
+        ctx_cos, ctx_sin = self.rotary(torch.arange(ctx_start, start, device=device), self.dtype)
+        blk_cos, blk_sin = self.rotary(torch.arange(start, start + block_tokens.shape[1], device=device),
+                                       self.dtype)
+        context = self.hidden_norm(self.fc(context_features))
+        h = embed_tokens(block_tokens)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            ctx_k, ctx_v = attn.project_kv(context, ctx_cos, ctx_sin)
+            cache.write(i, ctx_start, ctx_k, ctx_v)
+            x = layer.input_layernorm(h)
+            q = attn.project_q(x, blk_cos, blk_sin)
+            blk_k, blk_v = attn.project_kv(x, blk_cos, blk_sin)
+            past_k, past_v = cache.read(i, start)
+            k = torch.cat((past_k, blk_k), dim=2)
+            v = torch.cat((past_v, blk_v), dim=2)
+            h = h + attn.attend(q, k, v, None)
+            h = layer.feed_forward(h)
+        cache.length = start
+        return lm_head(self.norm(h[:, 1:]))
+
+
+def check_pair(drafter: DFlashConfig, target: Qwen3Config) -> None:
+    """Refuse a drafter that was not made for this target, naming the mismatch."""
+    if drafter.hidden_size != target.hidden_size:
+        raise MismatchError(f"drafter hidden_size {drafter.hidden_size} != target hidden_size {target.hidden_size}")
+    if drafter.vocab_size != target.vocab_size:
+        raise MismatchError(f"drafter vocab_size {drafter.vocab_size} != target vocab_size {target.vocab_size}")
+    if drafter.num_target_layers != target.num_hidden_layers:
+        raise MismatchError(f"drafter was made for a {drafter.num_target_layers}-layer target; "
+                            f"this target has {target.num_hidden_layers} layers")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        raise MismatchError(f"drafter target_layer_ids {bad} are out of range for a "
+                            f"{target.num_hidden_layers}-layer target")
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        raise MismatchError(f"drafter mask_token_id {drafter.mask_token_id} is outside the target "
+                            f"vocabulary (size {target.vocab_size})")
+
+
+def load_drafter(path: str | Path, target: Qwen3Target) -> DFlashDrafter:
+    """Load a z-lab layout drafter directory and bind it to `target` (same dtype and device)."""
+    directory = checkpoint_dir(path, "drafter")
+    config = DFlashConfig.from_zlab(read_json(directory / "config.json", "drafter"))
+    check_pair(config, target.config)
+    tensors = load_state_dict(directory, "drafter")
+    drafter = build_empty(lambda: DFlashDrafter(config))
+    load_into(drafter, tensors, "drafter")
+    return drafter.to(device=target.device, dtype=target.dtype).eval().bind(target)
+
+
+def save_drafter(drafter: DFlashDrafter, path: str | Path) -> Path:
+    """Write the z-lab layout (no embedding or lm_head: those belong to the target)."""
+    return save_checkpoint(path, drafter.config.to_zlab(), drafter.state_dict())

@@ -1,0 +1,152 @@
+"""The building blocks shared by the Qwen3 target and the DFlash drafter.
+
+Both are stacks of Qwen3 decoder layers; they differ only in where keys and values come from.
+So attention is split into `project_q`, `project_kv` and `attend`, and each model composes them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtspec.models.config import Qwen3Config
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference so bf16/fp16 checkpoints behave the same.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Qwen3 RoPE (rotate-half layout) at absolute positions."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        # Computed per call rather than kept as a buffer: no state to move, save or re-create.
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape [T, head_dim] for the given positions."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device)
+        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, T, head_dim]; cos/sin: [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Qwen3 grouped-query attention with per-head q/k RMSNorm."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, count: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, count, self.head_dim).transpose(1, 2)
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values, [b, kv_heads, T, head_dim]."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention output after o_proj; `mask` is boolean [Tq, Tk] (True = may attend) or None."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Holds the weights of one Qwen3 layer; the models decide how its attention is fed."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class KVCache:
+    """Preallocated keys/values for every layer: [layers, batch, kv_heads, max_len, head_dim].
+
+    Writes happen at an explicit position; `length` is how many leading positions are valid and
+    rolling back is just lowering it (later writes overwrite the stale tail).
+    """
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def check_write(self, start: int, count: int) -> None:
+        if start > self.length:
+            raise ValueError(f"KV cache write at {start} would leave a gap after length {self.length}")
+        if start + count > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; cannot write {start}..{start + count - 1}")
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll KV cache of length {self.length} back to {length}")
+        self.length = length

@@ -1,0 +1,106 @@
+"""The Qwen3 target: a plain PyTorch decoder with a static KV cache.
+
+One `forward` serves prefill (many tokens from position 0), verify (B tokens at `start`) and the
+autoregressive step (one token). It also returns the hidden states that DFlash drafters read:
+the output of decoder layer i for each requested i (HF `hidden_states[i + 1]`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trtspec.errors import CheckpointError
+from trtspec.models.checkpoint import build_empty, checkpoint_dir, load_into, load_state_dict, read_json
+from trtspec.models.config import Qwen3Config
+from trtspec.models.layers import DecoderLayer, KVCache, RMSNorm, RotaryEmbedding
+
+
+class Qwen3Backbone(nn.Module):
+    """`model.*` in the HF checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3Target(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim,
+                       self.dtype, self.device)
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache,
+                feature_layers: tuple[int, ...] = (), last_logits_only: bool = False,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run `tokens` [b, T] at positions start..start+T-1, causally over the cache.
+
+        Returns logits [b, T, V] (or [b, 1, V]) and the requested layers' outputs concatenated
+        on the feature axis, [b, T, len(feature_layers) * hidden] (None when none requested).
+        Afterwards the cache holds start+T valid positions.
+        """
+        count = tokens.shape[1]
+        cache.check_write(start, count)
+        end = start + count
+        positions = torch.arange(start, end, device=tokens.device)
+        cos, sin = self.rotary(positions, self.dtype)
+        causal = None
+        if count > 1:
+            causal = torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
+        wanted = set(feature_layers)
+        taps: dict[int, torch.Tensor] = {}
+        h = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.project_q(x, cos, sin)
+            k, v = attn.project_kv(x, cos, sin)
+            cache.write(i, start, k, v)
+            h = h + attn.attend(q, *cache.read(i, end), causal)
+            h = layer.feed_forward(h)
+            if i in wanted:
+                taps[i] = h
+        cache.length = end
+        if last_logits_only:
+            h = h[:, -1:]
+        logits = self.lm_head(self.model.norm(h))
+        features = torch.cat([taps[i] for i in feature_layers], dim=-1) if feature_layers else None
+        return logits, features
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Qwen3Target:
+    """Load a local Hugging Face Qwen3 directory (single-file or sharded safetensors)."""
+    directory = checkpoint_dir(path, "target")
+    raw = read_json(directory / "config.json", "target")
+    model_type = raw.get("model_type", "qwen3")
+    if model_type != "qwen3":
+        raise CheckpointError(f"target: model_type {model_type!r} is not supported (expected 'qwen3')")
+    config = Qwen3Config.from_dict(raw, "target config")
+    tensors = load_state_dict(directory, "target")
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
+        tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+    target = build_empty(lambda: Qwen3Target(config))
+    load_into(target, tensors, "target", ignore_suffixes=("rotary_emb.inv_freq",))
+    return target.to(device=device, dtype=dtype).eval()
