@@ -51,17 +51,21 @@ class Qwen3Target(nn.Module):
         return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim,
                        self.dtype, self.device)
 
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache,
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache | None,
                 feature_layers: tuple[int, ...] = (), last_logits_only: bool = False,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run `tokens` [b, T] at positions start..start+T-1, causally over the cache.
 
         Returns logits [b, T, V] (or [b, 1, V]) and the requested layers' outputs concatenated
         on the feature axis, [b, T, len(feature_layers) * hidden] (None when none requested).
-        Afterwards the cache holds start+T valid positions.
+        Afterwards the cache holds start+T valid positions. Without a cache (training) the
+        tokens attend causally among themselves and start must be 0.
         """
         count = tokens.shape[1]
-        cache.check_write(start, count)
+        if cache is None and start != 0:
+            raise ValueError("without a KV cache the tokens must start at position 0")
+        if cache is not None:
+            cache.check_write(start, count)
         end = start + count
         positions = torch.arange(start, end, device=tokens.device)
         cos, sin = self.rotary(positions, self.dtype)
@@ -76,12 +80,15 @@ class Qwen3Target(nn.Module):
             x = layer.input_layernorm(h)
             q = attn.project_q(x, cos, sin)
             k, v = attn.project_kv(x, cos, sin)
-            cache.write(i, start, k, v)
-            h = h + attn.attend(q, *cache.read(i, end), causal)
+            if cache is not None:
+                cache.write(i, start, k, v)
+                k, v = cache.read(i, end)
+            h = h + attn.attend(q, k, v, causal)
             h = layer.feed_forward(h)
             if i in wanted:
                 taps[i] = h
-        cache.length = end
+        if cache is not None:
+            cache.length = end
         if last_logits_only:
             h = h[:, -1:]
         logits = self.lm_head(self.model.norm(h))
