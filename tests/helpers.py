@@ -81,3 +81,47 @@ def random_drafter(target: Qwen3Target, *, layers: int = 1, layer_ids=(0, 2), bl
 
 def save_random_drafter(directory: Path, target: Qwen3Target, **kwargs) -> Path:
     return save_drafter(random_drafter(target, **kwargs), directory)
+
+
+def tiny_config(vocab_size: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                max_positions: int = 512):
+    from trtspec.models import Qwen3Config
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=hidden // heads, rope_theta=1_000_000.0, max_position_embeddings=max_positions)
+
+
+def predictable_pair(seed: int = 1, vocab_size: int = 64, beta: float = 1.2, likely_token: int = 7,
+                     **config) -> tuple[Qwen3Target, DFlashDrafter]:
+    """A target that mostly (not always) continues with `likely_token`, and a real drafter that
+    mostly proposes it, so cycles accept nothing, part of the block, or all of it.
+
+    All embeddings share a large common direction g and the target's lm_head row for
+    `likely_token` points along g; the layers add enough context noise that the target sometimes
+    prefers another token. The drafter's layers are damped, so its output stays near the embedding
+    of the mask token and it proposes `likely_token` at every position.
+    """
+    torch.manual_seed(seed)
+    target = Qwen3Target(tiny_config(vocab_size=vocab_size, **config)).eval()
+    hidden = target.config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.randn(hidden, generator=gen)
+    direction /= direction.norm()
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            if param.dim() == 2 and "embed" not in name:
+                param.normal_(0, 0.5 / param.shape[-1] ** 0.5, generator=gen)
+        embed = target.model.embed_tokens.weight
+        embed.copy_(hidden ** 0.5 * direction + torch.randn(embed.shape, generator=gen))
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(2.0)
+            layer.mlp.down_proj.weight.mul_(2.0)
+        target.lm_head.weight.copy_(0.3 * torch.randn(target.lm_head.weight.shape, generator=gen))
+        target.lm_head.weight[likely_token] = beta * direction
+    layer_ids = (0, target.config.num_hidden_layers - 1)
+    drafter = random_drafter(target, layer_ids=layer_ids, mask_token_id=1, seed=seed + 1)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    return target, drafter

@@ -1,0 +1,111 @@
+"""The Qwen3 target against transformers' implementation as an independent oracle."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+
+from helpers import save_hf_target
+from trtspec.errors import CheckpointError
+from trtspec.models import load_target
+
+
+def _oracle(directory):
+    return Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_prefill_and_cached_steps_match_transformers(tmp_path, tie):
+    directory = save_hf_target(tmp_path / "t", tie=tie, with_tokenizer=False, seed=3)
+    hf, ours = _oracle(directory), load_target(directory)
+    prompts = torch.randint(0, ours.config.vocab_size, (4, 23), generator=torch.Generator().manual_seed(0))
+    layers = tuple(range(ours.config.num_hidden_layers - 1))  # HF normalises the last entry
+    with torch.no_grad():
+        expected = hf(prompts, output_hidden_states=True)
+        logits, features = ours(prompts, 0, ours.new_cache(4, 64), feature_layers=layers)
+        assert (logits - expected.logits).abs().max() < 1e-4
+        for n, layer in enumerate(layers):
+            width = ours.config.hidden_size
+            tapped = features[..., n * width:(n + 1) * width]
+            assert (tapped - expected.hidden_states[layer + 1]).abs().max() < 1e-4
+
+        # token by token through the KV cache, after a short prefill
+        cache = ours.new_cache(4, 64)
+        steps = [ours(prompts[:, :5], 0, cache)[0]]
+        steps += [ours(prompts[:, i:i + 1], i, cache)[0] for i in range(5, prompts.shape[1])]
+        assert (torch.cat(steps, dim=1) - expected.logits).abs().max() < 1e-4
+
+
+def test_rollback_then_rewrite_matches_fresh_pass(tmp_path):
+    directory = save_hf_target(tmp_path / "t", with_tokenizer=False)
+    ours = load_target(directory)
+    tokens = torch.randint(0, ours.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    other = torch.randint(0, ours.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = ours.new_cache(1, 64)
+        ours(tokens[:, :14], 0, cache)
+        ours(other, 14, cache)          # a rejected block
+        cache.rollback(14)
+        rewritten, _ = ours(tokens[:, 14:], 14, cache)
+        fresh, _ = ours(tokens, 0, ours.new_cache(1, 64))
+    assert (rewritten - fresh[:, 14:]).abs().max() < 1e-5
+
+
+def test_sharded_checkpoint_and_half_precision(tmp_path):
+    directory = save_hf_target(tmp_path / "t", with_tokenizer=False)
+    hf = _oracle(directory)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    prompt = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = load_target(directory)(prompt, 0, None)[0]
+        assert torch.equal(load_target(sharded)(prompt, 0, None)[0], full)
+        bf16 = load_target(directory, dtype=torch.bfloat16)
+        assert bf16.dtype == torch.bfloat16
+        assert (bf16(prompt, 0, None)[0].float() - full).abs().max() < 0.25
+
+
+def test_cache_refuses_gaps_and_overflow(tmp_path):
+    ours = load_target(save_hf_target(tmp_path / "t", with_tokenizer=False))
+    cache = ours.new_cache(1, 8)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="gap"):
+            ours(torch.zeros(1, 2, dtype=torch.long), 3, cache)
+        with pytest.raises(ValueError, match="holds 8"):
+            ours(torch.zeros(1, 9, dtype=torch.long), 0, cache)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing_dir", "directory not found"),
+    ("no_config", "missing config.json"),
+    ("bad_json", "not valid JSON"),
+    ("no_weights", "no model.safetensors"),
+    ("corrupt_weights", "cannot read"),
+    ("missing_tensor", "lacks tensor"),
+    ("wrong_type", "model_type"),
+])
+def test_bad_target_checkpoints_are_refused_by_name(tmp_path, damage, message):
+    directory = save_hf_target(tmp_path / "t", with_tokenizer=False)
+    weights = directory / "model.safetensors"
+    if damage == "missing_dir":
+        directory = tmp_path / "nowhere"
+    elif damage == "no_config":
+        (directory / "config.json").unlink()
+    elif damage == "bad_json":
+        (directory / "config.json").write_text("{not json")
+    elif damage == "no_weights":
+        weights.unlink()
+    elif damage == "corrupt_weights":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "missing_tensor":
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(weights)
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+        save_file(tensors, weights)
+    elif damage == "wrong_type":
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(CheckpointError, match=message):
+        load_target(directory)
