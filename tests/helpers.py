@@ -49,6 +49,8 @@ def save_hf_target(directory: Path, *, vocab_size: int = 320, hidden: int = 64, 
         for name, param in model.named_parameters():
             if param.dim() == 2:
                 param.normal_(0, 0.5 / param.shape[-1] ** 0.5 if "embed" not in name else 1.0)
+            else:
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(directory)
     if tokenizer:
         tokenizer.save(str(directory / "tokenizer.json"))
@@ -76,6 +78,8 @@ def random_drafter(target: Qwen3Target, *, layers: int = 1, layer_ids=(0, 2), bl
         for param in drafter.parameters():
             if param.dim() == 2:
                 param.normal_(0, scale / param.shape[-1] ** 0.5)
+            else:  # norm weights away from 1, so a misplaced norm changes the output
+                param.uniform_(0.5, 1.5)
     return drafter.to(target.dtype).bind(target)
 
 
