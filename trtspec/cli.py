@@ -1,7 +1,7 @@
 """The `trtspec` command. Commands are thin: validate, call the library, print.
 
-Known errors (`TrtspecError`) become one line on stderr and exit status 1; set TRTSPEC_DEBUG=1
-to see the traceback instead.
+Known errors (`TrtspecError`) become one line on stderr (`Error: ...`) and exit status 1; set
+TRTSPEC_DEBUG=1 to see the traceback instead.
 """
 
 from __future__ import annotations
@@ -38,7 +38,19 @@ def read_prompt(path: str) -> str:
     return text
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class TrtspecGroup(click.Group):
+    """Turns known errors into click's one-line `Error: ...` and exit status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except TrtspecError as exc:
+            if os.environ.get("TRTSPEC_DEBUG"):
+                raise
+            raise click.ClickException(str(exc)) from None
+
+
+@click.group(cls=TrtspecGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="trtspec")
 def cli() -> None:
     """trtspec: lossless speculative decoding with block-diffusion (DFlash) drafters."""
@@ -109,19 +121,5 @@ def run(prompt_file, target_dir, drafter_dir, block_size, temperature, top_k, to
 
 
 def main() -> None:
-    """Entry point: run the CLI, turning known errors into one line and a non-zero exit."""
-    try:
-        cli.main(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except TrtspecError as exc:
-        if os.environ.get("TRTSPEC_DEBUG"):
-            raise
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    """Console-script entry point."""
+    cli(prog_name="trtspec")

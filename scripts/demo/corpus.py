@@ -93,6 +93,7 @@ def corpus_manifest(root: Path | None = None) -> dict:
         "validation_bytes": sum(p.stat().st_size for p in valid),
         "sha256": digest.hexdigest(),
         "validation_list": [p.relative_to(root).as_posix() for p in valid],
+        "train_list": [p.relative_to(root).as_posix() for p in train],
     }
 
 
@@ -107,5 +108,5 @@ if __name__ == "__main__":
             for path in paths:
                 print(tag, path.relative_to(root).as_posix())
     else:
-        print(json.dumps({k: v for k, v in manifest.items() if k != "validation_list"}, indent=2))
+        print(json.dumps({k: v for k, v in manifest.items() if not k.endswith("_list")}, indent=2))
         print("validation files:", *manifest["validation_list"], sep="\n  ")

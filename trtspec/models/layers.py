@@ -21,9 +21,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like the reference so bf16/fp16 checkpoints behave the same.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,0 +1,125 @@
+"""`trtspec run` end to end through the real entry point, including every kind of bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def trtspec(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trtspec", *map(str, args)], input=stdin,
+                          capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompt.txt"
+    path.write_text("def add(a, b):\n")
+    return path
+
+
+def test_json_output_and_ar_baseline(target_dir, drafter_dir, prompt_file):
+    spec = trtspec("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir,
+                   "--block-size", 8, "--max-new-tokens", 40, "--json")
+    assert spec.returncode == 0, spec.stderr.decode()
+    result = json.loads(spec.stdout)
+    stats = result["stats"]
+    assert set(result) == {"text", "tokens", "stats"}
+    assert {"tau", "histogram", "ceiling_fraction", "cycles", "block_size", "new_tokens",
+            "decode_tokens_per_s", "prefill_s", "decode_s"} <= set(stats)
+    assert stats["block_size"] == 8 and len(stats["histogram"]) == 8
+    assert stats["new_tokens"] == len(result["tokens"]) and 1 <= len(result["tokens"]) <= 40
+    assert isinstance(result["text"], str)
+
+    ar = trtspec("run", prompt_file, "--target", target_dir, "--ar", "--max-new-tokens", 40, "--json")
+    assert ar.returncode == 0, ar.stderr.decode()
+    baseline = json.loads(ar.stdout)
+    assert baseline["tokens"] == result["tokens"] and baseline["text"] == result["text"]
+    assert baseline["stats"]["block_size"] == 1 and baseline["stats"]["tau"] == 1.0
+
+
+def test_streams_text_to_stdout_and_stats_to_stderr(target_dir, drafter_dir, prompt_file):
+    args = ("run", "-", "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 30)
+    streamed = trtspec(*args, stdin=prompt_file.read_bytes())
+    assert streamed.returncode == 0, streamed.stderr.decode()
+    as_json = json.loads(trtspec(*args, "--json", stdin=prompt_file.read_bytes()).stdout)
+    assert streamed.stdout.decode() == as_json["text"] + "\n"
+    assert "tau" in streamed.stderr.decode() and "B=16" in streamed.stderr.decode()
+
+
+def test_chat_template_and_extra_stop(target_dir, drafter_dir, prompt_file):
+    plain = json.loads(trtspec("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir,
+                               "--json", "--max-new-tokens", 30).stdout)
+    stop = plain["tokens"][4]
+    stopped = trtspec("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--json",
+                      "--max-new-tokens", 30, "--stop", stop)
+    tokens = json.loads(stopped.stdout)["tokens"]
+    assert tokens == plain["tokens"][:plain["tokens"].index(stop) + 1]
+    chat = trtspec("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--chat",
+                   "--json", "--max-new-tokens", 5)
+    assert chat.returncode == 0, chat.stderr.decode()
+
+
+def _bad_inputs(tmp, target_dir, drafter_dir, prompt_file):
+    import shutil
+    corrupt = tmp / "corrupt"
+    shutil.copytree(target_dir, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 64)
+    mismatched = tmp / "mismatched"
+    shutil.copytree(drafter_dir, mismatched)
+    config = json.loads((mismatched / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [0, 9]
+    (mismatched / "config.json").write_text(json.dumps(config))
+    empty = tmp / "empty.txt"
+    empty.write_text("")
+    long = tmp / "long.txt"
+    long.write_text("def add(a, b):\n    return a + b\n" * 20)
+    latin1 = tmp / "latin1.txt"
+    latin1.write_bytes("caf\xe9 = 1\n".encode("latin-1"))
+    common = ("--target", target_dir, "--drafter", drafter_dir)
+    return {
+        "missing target": (("run", prompt_file, "--target", tmp / "nope", "--drafter", drafter_dir),
+                           "target directory not found"),
+        "missing drafter": (("run", prompt_file, "--target", target_dir, "--drafter", tmp / "nope"),
+                            "drafter directory not found"),
+        "missing prompt": (("run", tmp / "nope.txt", *common), "prompt file not found"),
+        "no drafter given": (("run", prompt_file, "--target", target_dir), "give --drafter"),
+        "corrupt safetensors": (("run", prompt_file, "--target", corrupt, "--drafter", drafter_dir),
+                                "cannot read"),
+        "mismatched pair": (("run", prompt_file, "--target", target_dir, "--drafter", mismatched),
+                            "out of range"),
+        "empty prompt": (("run", empty, *common), "the prompt is empty"),
+        "prompt longer than context": (("run", long, *common, "--max-context", 32), "the context holds 32"),
+        "block size too large": (("run", prompt_file, *common, "--block-size", 65), "block size must be in"),
+        "block size one": (("run", prompt_file, *common, "--block-size", 1), "block size must be in"),
+        "negative temperature": (("run", prompt_file, *common, "--temperature", -0.5), "temperature must be"),
+        "non-UTF-8 prompt": (("run", latin1, *common), "not valid UTF-8"),
+        "bad top-p": (("run", prompt_file, *common, "--top-p", 0), "top-p must be"),
+        "multi-token stop": (("run", prompt_file, *common, "--stop", "return a + b and more"), "single tokens"),
+    }
+
+
+CASES = ["missing target", "missing drafter", "missing prompt", "no drafter given", "corrupt safetensors",
+         "mismatched pair", "empty prompt", "prompt longer than context", "block size too large",
+         "block size one", "negative temperature", "non-UTF-8 prompt", "bad top-p", "multi-token stop"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_gives_one_clear_line(case, tmp_path, target_dir, drafter_dir, prompt_file):
+    args, message = _bad_inputs(tmp_path, target_dir, drafter_dir, prompt_file)[case]
+    result = trtspec(*args)
+    stderr = result.stderr.decode()
+    assert result.returncode != 0
+    assert "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert message in stderr, stderr
+    assert result.stdout == b""
+
+
+def test_debug_switch_shows_the_traceback(tmp_path, target_dir, drafter_dir):
+    import os
+    env = {**os.environ, "TRTSPEC_DEBUG": "1"}
+    result = subprocess.run([sys.executable, "-m", "trtspec", "run", tmp_path / "nope.txt", "--target", target_dir,
+                             "--drafter", drafter_dir], capture_output=True, env=env, timeout=300)
+    assert result.returncode != 0 and b"Traceback" in result.stderr

@@ -1,0 +1,118 @@
+"""Greedy speculative decoding is token-for-token the target's own greedy decoding."""
+
+import pytest
+import torch
+
+from helpers import predictable_pair, random_drafter, tiny_config
+from trtspec.engines.eager import EagerEngine
+from trtspec.errors import TrtspecError
+from trtspec.models import Qwen3Target
+from trtspec.runtime.decode import GenerationConfig, generate
+
+BLOCK_SIZES = (2, 4, 8, 12, 16, 20, 24)
+
+
+def _prompts(count, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def predictable():
+    return EagerEngine(*predictable_pair())
+
+
+@pytest.fixture(scope="module")
+def unhelpful():
+    torch.manual_seed(0)
+    target = Qwen3Target(tiny_config(layers=3)).eval()
+    return EagerEngine(target, random_drafter(target, layer_ids=(0, 2), seed=5))
+
+
+def _mid_block_cut(stats) -> bool:
+    """True when the last cycle accepted more tokens than the output kept."""
+    counted = 1 + sum((a + 1) * n for a, n in enumerate(stats.histogram))
+    return counted > stats.new_tokens
+
+
+@pytest.mark.parametrize("engine_name", ["predictable", "unhelpful"])
+def test_greedy_speculative_equals_autoregressive(engine_name, request):
+    engine = request.getfixturevalue(engine_name)
+    totals = {b: [0] * b for b in BLOCK_SIZES}
+    for prompt in _prompts(8, engine.target.config.vocab_size):
+        expected = generate(engine, prompt, GenerationConfig(block_size=1, max_new_tokens=70)).tokens
+        for block_size in BLOCK_SIZES:
+            result = generate(engine, prompt, GenerationConfig(block_size=block_size, max_new_tokens=70))
+            assert result.tokens == expected, f"B={block_size} prompt={prompt}"
+            totals[block_size] = [x + y for x, y in zip(totals[block_size], result.stats.histogram)]
+    if engine_name == "predictable":
+        # the drafter exercises every kind of cycle: none, part of the block, the whole block
+        for block_size in (4, 8, 12):
+            hist = totals[block_size]
+            assert hist[0] > 0 and sum(hist[1:-1]) > 0 and hist[-1] > 0, (block_size, hist)
+    else:
+        assert all(sum(h[1:]) < 0.2 * sum(h) for h in totals.values())
+
+
+def test_stop_ids_and_token_limits_that_land_mid_block(predictable):
+    cuts = 0
+    for prompt in _prompts(12, 64, seed=1):
+        reference = generate(predictable, prompt, GenerationConfig(block_size=1, max_new_tokens=60)).tokens
+        for stop in set(reference[3:40:6]):
+            expected = reference[:reference.index(stop) + 1]
+            for block_size in (4, 8, 16):
+                result = generate(predictable, prompt, GenerationConfig(block_size=block_size, max_new_tokens=60,
+                                                                        stop_ids=(stop,)))
+                assert result.tokens == expected
+                assert result.stats.finish_reason == "stop"
+                cuts += _mid_block_cut(result.stats)
+        for limit in (1, 2, 7, 13, 29):
+            for block_size in (4, 8, 16):
+                result = generate(predictable, prompt, GenerationConfig(block_size=block_size, max_new_tokens=limit))
+                assert result.tokens == reference[:limit]
+                assert result.stats.new_tokens == limit and result.stats.finish_reason == "length"
+                cuts += _mid_block_cut(result.stats)
+    assert cuts > 20  # the truncation path really was exercised inside accepted blocks
+
+
+def test_context_limit_stops_generation(predictable):
+    predictable.max_context = 40
+    try:
+        prompt = _prompts(1, 64)[0]
+        ar = generate(predictable, prompt, GenerationConfig(block_size=1, max_new_tokens=500))
+        spec = generate(predictable, prompt, GenerationConfig(block_size=16, max_new_tokens=500))
+        assert len(prompt) + len(ar.tokens) == 40 and spec.tokens == ar.tokens
+        with pytest.raises(TrtspecError, match="the context holds 40"):
+            generate(predictable, list(range(2, 42)), GenerationConfig(block_size=4))
+    finally:
+        predictable.max_context = predictable.target.config.max_position_embeddings
+
+
+def test_statistics(predictable):
+    result = generate(predictable, _prompts(1, 64, seed=3)[0], GenerationConfig(block_size=8, max_new_tokens=64))
+    s = result.stats
+    assert len(s.histogram) == 8 and s.cycles == sum(s.histogram)
+    assert s.tau == pytest.approx(sum((a + 1) * n for a, n in enumerate(s.histogram)) / s.cycles)
+    assert 1 <= s.tau <= 8
+    assert s.ceiling_fraction == pytest.approx(s.histogram[-1] / s.cycles)
+    assert s.new_tokens == len(result.tokens) and s.decode_s > 0 and s.prefill_s > 0
+    ar = generate(predictable, [5, 6, 7], GenerationConfig(block_size=1, max_new_tokens=10)).stats
+    assert ar.histogram == [9] and ar.tau == 1.0 and ar.block_size == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": 0}, "block size must be in"),
+    ({"block_size": 65}, "block size must be in"),
+    ({"max_new_tokens": 0}, "max new tokens"),
+])
+def test_bad_generation_configs(kwargs, message):
+    with pytest.raises(TrtspecError, match=message):
+        GenerationConfig(**kwargs)
+
+
+def test_empty_prompt_and_missing_drafter(unhelpful):
+    with pytest.raises(TrtspecError, match="empty"):
+        generate(unhelpful, [], GenerationConfig(block_size=4))
+    with pytest.raises(TrtspecError, match="needs a drafter"):
+        generate(EagerEngine(unhelpful.target), [3, 4], GenerationConfig(block_size=4))

@@ -1,0 +1,133 @@
+"""At T > 0, speculative decoding samples exactly from the target's distribution.
+
+The decode loop runs for real (prefill, draft, verify, accept, commit) many times with different
+seeds; the first tokens it produces are compared with the exact distribution computed from the
+target's logits (chi-square, plus a Bonferroni-corrected binomial test per cell, which is what
+catches a shift concentrated on one token). The same test run with a subtly broken acceptance
+rule, moving 1% of probability mass onto the drafter's proposal, must fail: that shows it has the
+power to catch a shift of that size.
+"""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import binomtest, chisquare
+
+import trtspec.runtime.decode as decode
+from helpers import predictable_pair
+from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.sampling import Sampler, SamplingConfig, accepted_length
+
+VOCAB, PROMPT, SAMPLES, ALPHA = 8, [2, 3, 4, 5], 30_000, 1e-3
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # the drafter always proposes token 7, which the target samples with probability ~0.15
+    return EagerEngine(*predictable_pair(vocab_size=VOCAB, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1))
+
+
+def exact_three_token_distribution(target) -> np.ndarray:
+    """p(t1, t2, t3 | prompt) from the target's logits over every two-token continuation."""
+    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))
+    sequences = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], dim=1)
+    with torch.no_grad():
+        probs = torch.softmax(target(sequences, 0, None)[0].double(), dim=-1)
+    p1 = probs[0, len(PROMPT) - 1]                                       # [t1]
+    p2 = probs[::VOCAB, len(PROMPT)]                                     # [t1, t2]
+    p3 = probs[:, len(PROMPT) + 1].reshape(VOCAB, VOCAB, VOCAB)          # [t1, t2, t3]
+    return (p1[:, None, None] * p2[:, :, None] * p3).numpy()
+
+
+def sample_three_tokens(engine, count: int, block_size: int = 4) -> np.ndarray:
+    rows = []
+    for seed in range(count):
+        config = GenerationConfig(block_size=block_size, max_new_tokens=3,
+                                  sampling=SamplingConfig(temperature=1.0, seed=seed))
+        rows.append(generate(engine, PROMPT, config).tokens)
+    return np.array(rows)
+
+
+def fit_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
+    """p-value that `samples` come from `probs`: the smaller of chi-square and the per-cell
+    binomial tests (Bonferroni), doubled for taking the smaller. Cells expected below 5 counts
+    are pooled."""
+    n = len(samples)
+    counts = np.bincount(np.ravel_multi_index(samples.T, probs.shape), minlength=probs.size)
+    probs = probs.ravel() / probs.sum()
+    small = probs * n < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    probs = np.append(probs[~small], probs[small].sum())
+    if probs[-1] == 0:
+        counts, probs = counts[:-1], probs[:-1]
+    chi2 = chisquare(counts, probs * n).pvalue
+    per_cell = min(binomtest(int(k), n, float(p)).pvalue for k, p in zip(counts, probs)) * len(probs)
+    return min(1.0, 2 * min(chi2, per_cell))
+
+
+def pvalues(samples: np.ndarray, joint: np.ndarray) -> dict[str, float]:
+    return {
+        "next token (t2)": fit_pvalue(samples[:, 1:2], joint.sum(axis=(0, 2))),
+        "two tokens (t2, t3)": fit_pvalue(samples[:, 1:3], joint.sum(axis=0)),
+        "three tokens (t1, t2, t3)": fit_pvalue(samples, joint),
+    }
+
+
+@pytest.mark.slow
+def test_speculative_sampling_matches_the_target(engine):
+    joint = exact_three_token_distribution(engine.target)
+    samples = sample_three_tokens(engine, SAMPLES)
+    accepted_first = np.mean(samples[:, 1] == 7)
+    assert 0.1 < accepted_first < 0.5  # the drafter's proposal is sometimes, not always, right
+    results = pvalues(samples, joint)
+    assert min(results.values()) > ALPHA, results
+
+
+@pytest.mark.slow
+def test_a_one_percent_break_of_the_acceptance_rule_is_detected(engine, monkeypatch):
+    joint = exact_three_token_distribution(engine.target)
+    # First drafts (always token 7) are rejected with probability 1 - p(7); wrongly accepting
+    # this share of them moves exactly 1% of the next token's probability mass onto token 7.
+    break_rate = 0.01 / (1 - joint.sum(axis=(0, 2))[7])
+    coin = torch.Generator().manual_seed(0)
+
+    def sloppy_accepted_length(drafts, posterior):
+        accepted = accepted_length(drafts, posterior)
+        if accepted == 0 and torch.rand((), generator=coin) < break_rate:
+            return accepted + 1
+        return accepted
+
+    monkeypatch.setattr(decode, "accepted_length", sloppy_accepted_length)
+    results = pvalues(sample_three_tokens(engine, SAMPLES), joint)
+    assert min(results.values()) < ALPHA, results
+
+
+def test_an_off_by_one_acceptance_rule_is_detected(engine, monkeypatch):
+    monkeypatch.setattr(decode, "accepted_length",
+                        lambda drafts, posterior: (drafts == posterior[1:]).long().cumprod(-1).sum(-1))
+    joint = exact_three_token_distribution(engine.target)
+    results = pvalues(sample_three_tokens(engine, 3_000), joint)
+    assert min(results.values()) < ALPHA, results
+
+
+def test_accepted_length_rule():
+    drafts = torch.tensor([[4, 5, 6], [4, 5, 6], [9, 5, 6], [4, 5, 6]])
+    posterior = torch.tensor([[4, 5, 6, 1], [4, 0, 6, 1], [4, 5, 6, 1], [4, 5, 0, 1]])
+    assert accepted_length(drafts, posterior).tolist() == [3, 1, 0, 2]
+
+
+def test_top_k_and_top_p_filter_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    top_k = Sampler(SamplingConfig(temperature=1.0, top_k=2, seed=0)).probabilities(logits)
+    assert torch.allclose(top_k, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    top_p = Sampler(SamplingConfig(temperature=1.0, top_p=0.9, seed=0)).probabilities(logits)
+    assert torch.allclose(top_p, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    sampler = Sampler(SamplingConfig(temperature=1.0, top_k=2, seed=0))
+    draws = sampler.sample(logits.expand(2000, -1))
+    assert set(draws.tolist()) == {0, 1}
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    config = GenerationConfig(block_size=4, max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=7))
+    assert generate(engine, PROMPT, config).tokens == generate(engine, PROMPT, config).tokens
