@@ -13,6 +13,7 @@ import sys
 import click
 
 from trtspec import __version__
+from trtspec.engines.eager import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
@@ -89,12 +90,15 @@ def run(prompt_file, target_dir, drafter_dir, block_size, temperature, top_k, to
     Text streams to stdout as it is committed and statistics go to stderr; with --json one
     object {"text", "tokens", "stats"} is printed at the end.
     """
-    from trtspec.api import Pipeline  # imported here so `--help` stays fast
+    from trtspec.api import Pipeline
 
     if not ar and drafter_dir is None:
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
     if ar and block_size is not None:
         raise TrtspecError("--ar decodes one token at a time; drop --block-size")
+    if block_size is not None and not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise TrtspecError(f"block size must be in [2, {MAX_BLOCK_SIZE}], got {block_size} "
+                           "(use --ar for autoregressive decoding)")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     prompt = read_prompt(prompt_file)
     pipeline = Pipeline(target_dir, None if ar else drafter_dir, dtype=dtype, device=device,
@@ -105,8 +109,6 @@ def run(prompt_file, target_dir, drafter_dir, block_size, temperature, top_k, to
         stop_ids=tuple(pipeline.codec.stop_id(s) for s in stop),
         sampling=sampling,
     )
-    if config.block_size == 1 and not ar:
-        raise TrtspecError("block size must be in [2, 64]; use --ar for autoregressive decoding")
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)
