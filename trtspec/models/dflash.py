@@ -9,6 +9,7 @@ the MLP, so its K/V can be cached. Embedding and lm_head are the target's (share
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -39,6 +40,13 @@ class DFlashDrafter(nn.Module):
         return self
 
     @property
+    def lm_head(self) -> nn.Linear:
+        """The target's output head, shared (not part of the drafter's weights)."""
+        if self._shared is None:
+            raise RuntimeError("drafter is not bound to a target; call bind(target) first")
+        return self._shared[1]
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
@@ -49,39 +57,65 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, context_features: torch.Tensor, block_tokens: torch.Tensor, start: int,
                 cache: KVCache) -> torch.Tensor:
-        """Logits [b, B-1, V] for block positions 1..B-1.
+        """Logits [b, B-1, V] for block positions 1..B-1 (inference, one block per row).
 
         context_features [b, n, F]: target features of positions start-n..start-1 that the
         drafter cache does not hold yet (n may be 0). block_tokens [b, B] sit at start..start+B-1.
         The cache grows to `start` positions; block K/V are never stored.
         """
-        if self._shared is None:
-            raise RuntimeError("drafter is not bound to a target; call bind(target) first")
-        embed_tokens, lm_head = self._shared
         ctx_start = start - context_features.shape[1]
         if ctx_start != cache.length:
             raise ValueError(f"context starts at {ctx_start} but the drafter cache holds {cache.length}")
         cache.check_write(ctx_start, context_features.shape[1])
         device = block_tokens.device
+        context = self.project_context(context_features)
         ctx_cos, ctx_sin = self.rotary(torch.arange(ctx_start, start, device=device), self.dtype)
-        blk_cos, blk_sin = self.rotary(torch.arange(start, start + block_tokens.shape[1], device=device),
-                                       self.dtype)
-        context = self.hidden_norm(self.fc(context_features))
-        h = embed_tokens(block_tokens)
+
+        def cached_context(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
+            cache.write(i, ctx_start, *attn.project_kv(context, ctx_cos, ctx_sin))
+            return cache.read(i, start)
+
+        positions = torch.arange(start, start + block_tokens.shape[1], device=device)
+        hidden = self.block_pass(block_tokens, positions, cached_context, mask=None)
+        cache.length = start
+        return self.lm_head(hidden[:, 1:])
+
+    def forward_packed(self, context_features: torch.Tensor, block_tokens: torch.Tensor,
+                       block_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [b, N, H] of many blocks packed in one sequence (training).
+
+        context_features [b, L, F] are the target features of positions 0..L-1; block_tokens and
+        block_positions are [b, N]; mask [b, N, L + N] says which context and block positions each
+        block token may attend to (the caller builds the block-sparse pattern).
+        """
+        context = self.project_context(context_features)
+        ctx_cos, ctx_sin = self.rotary(
+            torch.arange(context.shape[1], device=context.device), self.dtype)
+        return self.block_pass(block_tokens, block_positions,
+                               lambda i, attn: attn.project_kv(context, ctx_cos, ctx_sin), mask[:, None])
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(features))
+
+    def block_pass(self, block_tokens: torch.Tensor, positions: torch.Tensor,
+                   context_kv: Callable[[int, nn.Module], tuple[torch.Tensor, torch.Tensor]],
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """The decoder stack over block tokens; context enters each layer only as keys/values."""
+        if self._shared is None:
+            raise RuntimeError("drafter is not bound to a target; call bind(target) first")
+        h = self._shared[0](block_tokens)
+        cos, sin = self.rotary(positions, self.dtype)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            ctx_k, ctx_v = attn.project_kv(context, ctx_cos, ctx_sin)
-            cache.write(i, ctx_start, ctx_k, ctx_v)
+            ctx_k, ctx_v = context_kv(i, attn)
             x = layer.input_layernorm(h)
-            q = attn.project_q(x, blk_cos, blk_sin)
-            blk_k, blk_v = attn.project_kv(x, blk_cos, blk_sin)
-            past_k, past_v = cache.read(i, start)
-            k = torch.cat((past_k, blk_k), dim=2)
-            v = torch.cat((past_v, blk_v), dim=2)
-            h = h + attn.attend(q, k, v, None)
+            q = attn.project_q(x, cos, sin)
+            blk_k, blk_v = attn.project_kv(x, cos, sin)
+            k = torch.cat((ctx_k, blk_k), dim=2)
+            v = torch.cat((ctx_v, blk_v), dim=2)
+            h = h + attn.attend(q, k, v, mask)
             h = layer.feed_forward(h)
-        cache.length = start
-        return lm_head(self.norm(h[:, 1:]))
+        return self.norm(h)
 
 
 def check_pair(drafter: DFlashConfig, target: Qwen3Config) -> None:

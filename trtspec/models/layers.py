@@ -34,16 +34,18 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.theta = head_dim, theta
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of shape [T, head_dim] for the given positions."""
+        """cos/sin [T, head_dim] for positions [T], or [b, 1, T, head_dim] for positions [b, T]."""
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device)
         inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
-        freqs = positions.float()[:, None] * inv_freq[None, :]
+        freqs = positions.float()[..., None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
+        if positions.dim() == 2:  # per-row positions: broadcast over heads
+            angles = angles[:, None]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, T, head_dim]; cos/sin: [T, head_dim]."""
+    """x: [b, heads, T, head_dim]; cos/sin: [T, head_dim] or [b, 1, T, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

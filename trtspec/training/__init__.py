@@ -1,0 +1,1 @@
+"""Training DFlash drafters: data from the target's own continuations, the DFlash recipe."""

@@ -1,0 +1,193 @@
+"""The DFlash training loop: frozen target, features on the fly, packed blocks, weighted loss.
+
+Runs on one CPU for small drafters and under `torchrun` with DistributedDataParallel at scale
+(each rank trains on its own share of the sequences). Checkpoints are written atomically every
+few steps to a work directory and training resumes from there when restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from trtspec.errors import TrtspecError
+from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Target, default_target_layer_ids, save_drafter
+from trtspec.training.blocks import IGNORE, PackedBatch, cosine_with_warmup, default_gamma, pack
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    block_size: int = 16
+    num_layers: int = 1
+    num_features: int = 3                       # target layers tapped, when target_layer_ids is not given
+    target_layer_ids: tuple[int, ...] = ()
+    mask_token_id: int = -1                     # -1: ask the caller (the tokenizer's <|mask|>)
+    steps: int = 1000
+    batch_size: int = 8
+    anchors_per_sequence: int = 32
+    max_length: int = 512
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup_fraction: float = 0.04
+    clip_norm: float = 1.0
+    gamma: float = 0.0                          # 0: the paper's value for this block size
+    seed: int = 0
+    checkpoint_every: int = 100
+    position_weight_shift: int = 0              # >0 moves loss weight toward positions >= shift (expand-block)
+    lineage: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.block_size <= 64:
+            raise TrtspecError(f"block size must be in [2, 64], got {self.block_size}")
+        for name in ("num_layers", "steps", "batch_size", "anchors_per_sequence", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise TrtspecError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
+        if self.max_length < 4:
+            raise TrtspecError(f"max length must be >= 4, got {self.max_length}")
+        if not self.lr > 0:
+            raise TrtspecError(f"learning rate must be > 0, got {self.lr}")
+
+    @property
+    def decay(self) -> float:
+        return self.gamma or default_gamma(self.block_size)
+
+
+class DrafterLoss(nn.Module):
+    """The weighted block cross-entropy, as a module so DDP can wrap it (the target stays outside)."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, features: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        hidden = self.drafter.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
+        chosen = batch.labels != IGNORE
+        logits = self.drafter.lm_head(hidden[chosen])
+        losses = F.cross_entropy(logits.float(), batch.labels[chosen], reduction="none")
+        weights = batch.weights[chosen]
+        return (losses * weights).sum() / weights.sum().clamp_min(1e-6)
+
+
+def new_drafter(target: Qwen3Target, config: TrainConfig) -> DFlashDrafter:
+    """A freshly initialised drafter shaped after the target (hidden size, heads, vocabulary)."""
+    t = target.config
+    layer_ids = config.target_layer_ids or tuple(default_target_layer_ids(t.num_hidden_layers, config.num_features))
+    drafter_config = DFlashConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
+        rms_norm_eps=t.rms_norm_eps, max_position_embeddings=t.max_position_embeddings,
+        block_size=config.block_size, mask_token_id=config.mask_token_id, target_layer_ids=layer_ids,
+        num_target_layers=t.num_hidden_layers, lineage=dict(config.lineage))
+    generator = torch.Generator().manual_seed(config.seed)
+    drafter = DFlashDrafter(drafter_config)
+    with torch.no_grad():
+        for param in drafter.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.02, generator=generator)
+    return drafter.to(device=target.device, dtype=target.dtype).bind(target)
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size); initialises torch.distributed when launched by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend)
+    return int(os.environ.get("RANK", "0")), world
+
+
+def _atomic_save(state: dict, path: Path) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], config: TrainConfig,
+                  output: str | Path, work_dir: str | Path | None = None,
+                  drafter: DFlashDrafter | None = None, progress: bool = True) -> Path:
+    """Train (or continue training `drafter`) and write it in the z-lab layout to `output`.
+
+    `sequences` are (token ids, prompt length) pairs; anchors are drawn among response tokens.
+    """
+    if config.mask_token_id < 0 and drafter is None:
+        raise TrtspecError("no mask token id: the tokenizer has no <|mask|> token; pass --mask-token-id")
+    sequences = [(ids[:config.max_length], prompt_len) for ids, prompt_len in sequences
+                 if min(len(ids), config.max_length) - prompt_len >= 2]
+    if not sequences:
+        raise TrtspecError("no training sequence has at least two response tokens within max length")
+    rank, world = _distributed()
+    for param in target.parameters():
+        param.requires_grad_(False)
+    target.eval()
+    if drafter is None:
+        drafter = new_drafter(target, config)
+    drafter.train()
+    loss_module: nn.Module = DrafterLoss(drafter)
+    if world > 1:
+        loss_module = nn.parallel.DistributedDataParallel(loss_module)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95),
+                                  weight_decay=config.weight_decay)
+    warmup = max(1, round(config.warmup_fraction * config.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_with_warmup(s, config.steps, warmup))
+    generator = torch.Generator().manual_seed(config.seed + rank)
+    work = Path(work_dir) if work_dir else Path(str(output).rstrip("/") + ".work")
+    checkpoint_path = work / "checkpoint.pt"
+    recorded = json.loads(json.dumps(asdict(config)))
+    step = 0
+    if checkpoint_path.exists():
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+        if state["config"] != recorded:
+            raise TrtspecError(f"{work} holds a checkpoint of a different training run; "
+                               "delete it or pass another --work directory")
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        generator.set_state(state["generator"])
+        step = state["step"]
+    work.mkdir(parents=True, exist_ok=True)
+
+    my_sequences = sequences[rank::world]
+    order: list[int] = []
+    layer_ids = drafter.config.target_layer_ids
+    bar = tqdm(total=config.steps, initial=step, disable=not progress or rank != 0, unit="step",
+               dynamic_ncols=True, desc="train-drafter")
+    while step < config.steps:
+        began = time.perf_counter()
+        if len(order) < config.batch_size:  # a new epoch: reshuffle (anchors are resampled every batch)
+            order += torch.randperm(len(my_sequences), generator=generator).tolist()
+        chosen, order = order[:config.batch_size], order[config.batch_size:]
+        batch = pack([my_sequences[i] for i in chosen], config.block_size, config.anchors_per_sequence,
+                     drafter.config.mask_token_id, config.decay, generator)
+        batch = PackedBatch(*(t.to(target.device) for t in vars(batch).values()))
+        with torch.no_grad():
+            _, features = target(batch.tokens, 0, None, layer_ids)
+        loss = loss_module(features, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.clip_norm)
+        optimizer.step()
+        schedule.step()
+        step += 1
+        rate = batch.predicted_tokens / (time.perf_counter() - began)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{rate:.0f}", lr=f"{schedule.get_last_lr()[0]:.2e}")
+        bar.update(1)
+        if rank == 0 and (step % config.checkpoint_every == 0 or step == config.steps):
+            _atomic_save({"config": recorded, "step": step, "drafter": drafter.state_dict(),
+                          "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                          "generator": generator.get_state()}, checkpoint_path)
+    bar.close()
+    drafter.eval()
+    if rank == 0:
+        save_drafter(drafter, output)
+    if world > 1:
+        torch.distributed.barrier()
+    return Path(output)
