@@ -142,7 +142,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     work = Path(work_dir) if work_dir else Path(str(output).rstrip("/") + ".work")
     checkpoint_path = work / "checkpoint.pt"
     recorded = json.loads(json.dumps(asdict(config)))
-    step = 0
+    step, order = 0, []  # order: the rest of this epoch's shuffled sequence indices
     if checkpoint_path.exists():
         state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
         if state["config"] != recorded:
@@ -152,11 +152,10 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         generator.set_state(state["generator"])
-        step = state["step"]
+        step, order = state["step"], state["order"]
     work.mkdir(parents=True, exist_ok=True)
 
     my_sequences = sequences[rank::world]
-    order: list[int] = []
     layer_ids = drafter.config.target_layer_ids
     bar = tqdm(total=config.steps, initial=step, disable=not progress or rank != 0, unit="step",
                dynamic_ncols=True, desc="train-drafter")
@@ -183,7 +182,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
         if rank == 0 and (step % config.checkpoint_every == 0 or step == config.steps):
             _atomic_save({"config": recorded, "step": step, "drafter": drafter.state_dict(),
                           "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                          "generator": generator.get_state()}, checkpoint_path)
+                          "generator": generator.get_state(), "order": order}, checkpoint_path)
     bar.close()
     drafter.eval()
     if rank == 0:

@@ -1,0 +1,143 @@
+"""The DFlash training recipe: block packing, train/inference agreement, learning, resuming."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import random_drafter
+from trtspec.api import Pipeline
+from trtspec.engines.eager import EagerEngine
+from trtspec.errors import TrtspecError
+from trtspec.models import load_drafter, load_target
+from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.training import trainer as trainer_module
+from trtspec.training.blocks import IGNORE, pack, position_weights
+from trtspec.training.data import generate_data, read_training_data
+from trtspec.training.trainer import TrainConfig, new_drafter, train_drafter
+
+WORDS = ["def", "return", "x", "y", "for", "in", "range", "(", ")", ":", "print", "if", "else", "=", "+", "1"]
+
+
+def test_packing_follows_the_recipe():
+    ids = list(range(10, 40))
+    batch = pack([(ids, 10)], block_size=4, anchors_per_sequence=3, mask_token_id=1, gamma=7.0,
+                 generator=torch.Generator().manual_seed(0))
+    length, n = len(ids), 3 * 4
+    assert batch.mask.shape == (1, n, length + n)
+    anchors = batch.block_positions[0, ::4].tolist()
+    assert all(10 <= a <= length - 2 for a in anchors) and len(set(anchors)) == 3
+    for slot, anchor in enumerate(anchors):
+        rows = slice(slot * 4, slot * 4 + 4)
+        assert batch.block_tokens[0, rows].tolist() == [ids[anchor], 1, 1, 1]
+        assert batch.block_positions[0, rows].tolist() == [anchor, anchor + 1, anchor + 2, anchor + 3]
+        expected = [IGNORE] + [ids[anchor + k] if anchor + k < length else IGNORE for k in (1, 2, 3)]
+        assert batch.labels[0, rows].tolist() == expected
+        mask = batch.mask[0, rows]
+        assert mask[:, :anchor].all() and not mask[:, anchor:length].any()   # context strictly before
+        own = torch.zeros(n, dtype=torch.bool)
+        own[rows] = True
+        assert (mask[:, length:] == own).all()                               # own block only
+    assert torch.allclose(position_weights(4, 7.0), torch.tensor([0.0, 1.0, 0.8669, 0.7515]), atol=1e-4)
+
+
+def test_packed_training_forward_equals_inference_forward(target_dir):
+    target = load_target(target_dir)
+    drafter = random_drafter(target, layers=2, layer_ids=(0, 2), mask_token_id=1)
+    ids = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = pack([(ids, 12)], block_size=6, anchors_per_sequence=5, mask_token_id=1, gamma=7.0,
+                 generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, features = target(batch.tokens, 0, None, (0, 2))
+        packed = drafter.lm_head(drafter.forward_packed(features, batch.block_tokens, batch.block_positions,
+                                                         batch.mask))
+        for slot in range(5):
+            anchor = int(batch.block_positions[0, slot * 6])
+            block = batch.block_tokens[:, slot * 6:(slot + 1) * 6]
+            alone = drafter(features[:, :anchor], block, anchor, drafter.new_cache(1, 64))
+            assert (packed[:, slot * 6 + 1:(slot + 1) * 6] - alone).abs().max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_data(target_dir, tmp_path_factory):
+    """The tiny target's own greedy continuations of random code-like prompts."""
+    pipeline = Pipeline(target_dir)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (6,), generator=gen).tolist())
+               for _ in range(112)]
+    path = generate_data(pipeline, prompts[:96], GenerationConfig(block_size=1, max_new_tokens=64),
+                         tmp_path_factory.mktemp("data") / "train.jsonl", progress=False)
+    return pipeline, read_training_data(path, pipeline.codec), prompts[96:]
+
+
+def _mean_tau(target, drafter, codec, prompts):
+    engine = EagerEngine(target, drafter)
+    taus = [generate(engine, codec.encode(p), GenerationConfig(block_size=8, max_new_tokens=48)).stats.tau
+            for p in prompts]
+    return sum(taus) / len(taus)
+
+
+@pytest.mark.slow
+def test_a_trained_drafter_beats_an_untrained_one(tiny_data, tmp_path):
+    pipeline, sequences, held_out = tiny_data
+    mask = pipeline.codec.tokenizer.token_to_id("<|mask|>")
+    config = TrainConfig(block_size=8, num_layers=1, num_features=2, mask_token_id=mask, steps=800,
+                         batch_size=8, anchors_per_sequence=8, lr=3e-3, checkpoint_every=200)
+    path = train_drafter(pipeline.target, sequences, config, tmp_path / "drafter", progress=False)
+    trained = load_drafter(path, pipeline.target)  # the same loader as a z-lab checkpoint
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+    trained_tau = _mean_tau(pipeline.target, trained, pipeline.codec, held_out)
+    untrained_tau = _mean_tau(pipeline.target, new_drafter(pipeline.target, config), pipeline.codec, held_out)
+    assert trained_tau > 1.5 and trained_tau > untrained_tau + 0.4, (trained_tau, untrained_tau)
+
+
+def test_interrupted_training_resumes_to_the_same_weights(tiny_data, tmp_path, monkeypatch):
+    pipeline, sequences, _ = tiny_data
+    config = TrainConfig(block_size=4, num_features=2, mask_token_id=1, steps=12, batch_size=4,
+                         anchors_per_sequence=4, checkpoint_every=4)
+    straight = train_drafter(pipeline.target, sequences, config, tmp_path / "straight", progress=False)
+
+    real_pack, calls = trainer_module.pack, {"n": 0}
+
+    def crash_at_step_seven(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise KeyboardInterrupt
+        return real_pack(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "pack", crash_at_step_seven)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(pipeline.target, sequences, config, tmp_path / "resumed", progress=False)
+    assert not (tmp_path / "resumed").exists()  # nothing half-written looks complete
+    monkeypatch.setattr(trainer_module, "pack", real_pack)
+    resumed = train_drafter(pipeline.target, sequences, config, tmp_path / "resumed", progress=False)
+    a, b = load_drafter(straight, pipeline.target), load_drafter(resumed, pipeline.target)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+
+    with pytest.raises(TrtspecError, match="different training run"):
+        train_drafter(pipeline.target, sequences, TrainConfig(block_size=4, num_features=2, mask_token_id=1,
+                                                              steps=13), tmp_path / "resumed", progress=False)
+
+
+def test_generate_data_and_train_drafter_commands(target_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(6)))
+    data = tmp_path / "train.jsonl"
+
+    def trtspec(*args):
+        return subprocess.run([sys.executable, "-m", "trtspec", *map(str, args)], capture_output=True, timeout=300)
+
+    made = trtspec("generate-data", "--target", target_dir, "--prompts", prompts, "-o", data, "--max-new-tokens", 24)
+    assert made.returncode == 0, made.stderr.decode()
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    assert len(records) == 6 and all(len(r["response_ids"]) >= 1 for r in records)
+    trained = trtspec("train-drafter", "--target", target_dir, "--data", data, "--block-size", 4, "-o",
+                      tmp_path / "d", "--steps", 5, "--batch-size", 2, "--num-features", 2)
+    assert trained.returncode == 0, trained.stderr.decode()
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["block_size"] == 4
+    bad = trtspec("train-drafter", "--target", target_dir, "--data", tmp_path / "nope.jsonl", "--block-size", 4,
+                  "-o", tmp_path / "e")
+    assert bad.returncode == 1 and b"file not found" in bad.stderr and b"Traceback" not in bad.stderr

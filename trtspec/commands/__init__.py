@@ -1,0 +1,1 @@
+"""One module per command (group); `trtspec.cli` wires them into the `trtspec` group."""

@@ -1,0 +1,58 @@
+"""Options shared by several commands, declared once."""
+
+from __future__ import annotations
+
+import functools
+
+import click
+
+from trtspec.runtime.sampling import SamplingConfig
+
+
+def _stack(*decorators):
+    def apply(function):
+        for decorator in reversed(decorators):
+            function = decorator(function)
+        return function
+    return apply
+
+
+target_option = click.option(
+    "--target", "target", metavar="DIR",
+    help="Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json). [default: bundled demo target]")
+drafter_option = click.option(
+    "--drafter", "drafter", metavar="DIR|NAME",
+    help="DFlash drafter directory (z-lab layout) or a bundled name such as demo-b16. "
+         "[default: demo-b16 with the demo target]")
+device_options = _stack(
+    click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+                 show_default=True, help="auto = float32 on CPU, bfloat16 on CUDA."),
+    click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+)
+model_options = _stack(target_option, drafter_option, device_options)
+sampling_options = _stack(
+    click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+    click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k likeliest (0 = off)."),
+    click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1 = off)."),
+    click.option("--seed", type=int, help="Seed for sampling at T > 0. [default: random]"),
+)
+
+
+def sampling_config(temperature: float, top_k: int, top_p: float, seed: int | None) -> SamplingConfig:
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+@functools.cache
+def _pipeline_class():
+    from trtspec.api import Pipeline
+    return Pipeline
+
+
+def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: str, *,
+                  with_drafter: bool = True, max_context: int | None = None):
+    """Resolve model arguments (bundled names, defaults) and load them once."""
+    from trtspec.assets import resolve_drafter, resolve_target
+
+    drafter_dir = resolve_drafter(drafter, target) if with_drafter else None
+    return _pipeline_class()(resolve_target(target), drafter_dir, dtype=dtype, device=device,
+                             max_context=max_context)

@@ -1,0 +1,88 @@
+"""`trtspec run`: generate one continuation, streaming text and reporting statistics."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from trtspec.commands.options import load_pipeline, model_options, sampling_config, sampling_options
+from trtspec.engines.eager import MAX_BLOCK_SIZE
+from trtspec.errors import TrtspecError
+from trtspec.runtime.decode import GenerationConfig
+
+
+def read_prompt(path: str) -> str:
+    """The prompt text of a file, or of stdin for '-', as strict UTF-8."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
+    except FileNotFoundError:
+        raise TrtspecError(f"prompt file not found: {path}") from None
+    except IsADirectoryError:
+        raise TrtspecError(f"prompt path is a directory: {path}") from None
+    except OSError as exc:
+        raise TrtspecError(f"cannot read prompt file {path}: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        name = "stdin" if path == "-" else path
+        raise TrtspecError(f"prompt {name} is not valid UTF-8 (byte {data[exc.start]:#04x} at offset {exc.start})") from None
+    if not text.strip():
+        raise TrtspecError("the prompt is empty")
+    return text
+
+
+@click.command(epilog="""\b
+Examples:
+  trtspec run prompt.txt                            # bundled demo pair, B=16
+  trtspec run prompt.txt --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16
+  echo "def fib(n):" | trtspec run - --block-size 12 --json
+  trtspec run prompt.txt --ar                       # autoregressive baseline
+""")
+@click.argument("prompt_file", metavar="PROMPT_FILE")
+@model_options
+@click.option("--block-size", type=int, metavar="N",
+              help="Block size B in [2, 64]; proposes B-1 tokens per cycle. [default: the drafter's]")
+@sampling_options
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--max-context", type=int, metavar="N", help="Cap on prompt + output tokens. [default: the model's]")
+@click.option("--stop", multiple=True, metavar="TOKEN",
+              help="Extra stop token (id or single-token text); repeatable. EOS ids are always stops.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the target's chat template.")
+@click.option("--ar", is_flag=True, help="Decode autoregressively with the target alone (baseline).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def run(prompt_file, target, drafter, dtype, device, block_size, temperature, top_k, top_p, seed,
+        max_new_tokens, max_context, stop, chat, ar, as_json) -> None:
+    """Generate a continuation of PROMPT_FILE ('-' reads stdin).
+
+    Text streams to stdout as it is committed and statistics go to stderr; with --json one
+    object {"text", "tokens", "stats"} is printed at the end.
+    """
+    if ar and block_size is not None:
+        raise TrtspecError("--ar decodes one token at a time; drop --block-size")
+    if block_size is not None and not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise TrtspecError(f"block size must be in [2, {MAX_BLOCK_SIZE}], got {block_size} "
+                           "(use --ar for autoregressive decoding)")
+    sampling = sampling_config(temperature, top_k, top_p, seed)
+    prompt = read_prompt(prompt_file)
+    pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context)
+    if not ar and pipeline.drafter is None:
+        raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
+    config = GenerationConfig(
+        block_size=1 if ar else (block_size if block_size is not None else pipeline.default_block_size),
+        max_new_tokens=max_new_tokens,
+        stop_ids=tuple(pipeline.codec.stop_id(s) for s in stop),
+        sampling=sampling,
+    )
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = pipeline.generate(prompt, config, chat=chat, on_text=None if as_json else stream)
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+    else:
+        click.echo()
+        click.echo(result.generation.stats.summary(), err=True)

@@ -1,0 +1,89 @@
+"""`trtspec generate-data` and `trtspec train-drafter`: the DFlash training recipe."""
+
+from __future__ import annotations
+
+import click
+
+from trtspec.commands.options import device_options, load_pipeline, sampling_config, sampling_options, target_option
+from trtspec.errors import TrtspecError
+from trtspec.runtime.decode import GenerationConfig
+
+
+def _layer_ids(value: str | None) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise TrtspecError(f"--target-layer-ids must be comma-separated integers, got {value!r}") from None
+
+
+@click.command("generate-data", epilog="""\b
+Example:
+  trtspec generate-data --target ./Qwen3-4B --prompts prompts.jsonl -o train.jsonl --max-new-tokens 512
+""")
+@target_option
+@click.option("--prompts", "prompts_file", required=True, metavar="FILE", help='JSONL of {"prompt": ...} lines.')
+@click.option("-o", "--output", required=True, metavar="FILE", help="JSONL to write (atomically).")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--limit", type=int, help="Use only the first N prompts.")
+@sampling_options
+@device_options
+def generate_data(target, prompts_file, output, max_new_tokens, limit, temperature, top_k, top_p, seed,
+                  dtype, device) -> None:
+    """Continue each prompt with the target alone: the training set the recipe asks for."""
+    from trtspec.training.data import generate_data as generate, read_jsonl
+
+    prompts = [r["prompt"] for r in read_jsonl(prompts_file, ("prompt",))][:limit]
+    config = GenerationConfig(block_size=1, max_new_tokens=max_new_tokens,
+                              sampling=sampling_config(temperature, top_k, top_p, seed))
+    pipeline = load_pipeline(target, None, dtype, device, with_drafter=False)
+    path = generate(pipeline, prompts, config, output)
+    click.echo(f"wrote {len(prompts)} continuations to {path}", err=True)
+
+
+@click.command("train-drafter", epilog="""\b
+Examples:
+  trtspec train-drafter --data train.jsonl --block-size 16 -o my-drafter
+  torchrun --nproc-per-node 8 -m trtspec train-drafter --target ./Qwen3-4B --data train.jsonl \\
+      --block-size 16 --layers 5 --num-features 5 --anchors 512 -o Qwen3-4B-DFlash-b16
+""")
+@target_option
+@click.option("--data", "data_file", required=True, metavar="FILE",
+              help='JSONL of {"prompt", "response"} (e.g. from generate-data).')
+@click.option("--block-size", type=int, required=True, help="Block size B the drafter is trained for.")
+@click.option("-o", "--output", required=True, metavar="DIR", help="Drafter directory to write (z-lab layout).")
+@click.option("--layers", type=int, default=1, show_default=True, help="Drafter decoder layers.")
+@click.option("--num-features", type=int, default=3, show_default=True,
+              help="Target layers to tap (DFlash's default spread).")
+@click.option("--target-layer-ids", metavar="I,J,...", help="Explicit target layers to tap (overrides --num-features).")
+@click.option("--steps", type=int, default=1000, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per step.")
+@click.option("--anchors", type=int, default=32, show_default=True, help="Blocks sampled per sequence each step.")
+@click.option("--max-length", type=int, default=512, show_default=True, help="Tokens kept per sequence.")
+@click.option("--lr", type=float, default=6e-4, show_default=True)
+@click.option("--gamma", type=float, default=0.0, help="Position-weight decay. [default: 7 for B=16, 5 for 10, 4 for 8]")
+@click.option("--mask-token-id", type=int, help="[default: the tokenizer's <|mask|> token]")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--checkpoint-every", type=int, default=100, show_default=True, help="Steps between resumable checkpoints.")
+@click.option("--work", "work_dir", metavar="DIR", help="Checkpoint directory. [default: OUTPUT.work]")
+@device_options
+def train_drafter(target, data_file, block_size, output, layers, num_features, target_layer_ids, steps,
+                  batch_size, anchors, max_length, lr, gamma, mask_token_id, seed, checkpoint_every, work_dir,
+                  dtype, device) -> None:
+    """Train a DFlash drafter for a frozen target (resumes from --work when restarted)."""
+    from trtspec.training.data import read_training_data
+    from trtspec.training.trainer import TrainConfig, train_drafter as train
+
+    pipeline = load_pipeline(target, None, "float32" if dtype == "auto" else dtype, device, with_drafter=False)
+    if mask_token_id is None:
+        mask_token_id = pipeline.codec.tokenizer.token_to_id("<|mask|>")
+        if mask_token_id is None:
+            raise TrtspecError("the tokenizer has no <|mask|> token; pass --mask-token-id")
+    config = TrainConfig(block_size=block_size, num_layers=layers, num_features=num_features,
+                         target_layer_ids=_layer_ids(target_layer_ids), mask_token_id=mask_token_id,
+                         steps=steps, batch_size=batch_size, anchors_per_sequence=anchors, max_length=max_length,
+                         lr=lr, gamma=gamma, seed=seed, checkpoint_every=checkpoint_every)
+    sequences = read_training_data(data_file, pipeline.codec)
+    path = train(pipeline.target, sequences, config, output, work_dir)
+    click.echo(f"wrote drafter to {path}", err=True)
