@@ -67,7 +67,7 @@ def tiny_data(target_dir, tmp_path_factory):
     gen = torch.Generator().manual_seed(0)
     prompts = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (6,), generator=gen).tolist())
                for _ in range(112)]
-    path = generate_data(pipeline, prompts[:96], GenerationConfig(block_size=1, max_new_tokens=64),
+    path = generate_data(pipeline, [{"prompt": p} for p in prompts[:96]], GenerationConfig(block_size=1, max_new_tokens=64),
                          tmp_path_factory.mktemp("data") / "train.jsonl", progress=False)
     return pipeline, read_training_data(path, pipeline.codec), prompts[96:]
 
@@ -141,3 +141,14 @@ def test_generate_data_and_train_drafter_commands(target_dir, tmp_path):
     bad = trtspec("train-drafter", "--target", target_dir, "--data", tmp_path / "nope.jsonl", "--block-size", 4,
                   "-o", tmp_path / "e")
     assert bad.returncode == 1 and b"file not found" in bad.stderr and b"Traceback" not in bad.stderr
+
+
+def test_batched_continuations_equal_single_request_decoding(target_dir):
+    pipeline = Pipeline(target_dir)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15], [5, 6, 7, 8]]
+    stop = pipeline.codec.stop_ids
+    config = GenerationConfig(block_size=1, max_new_tokens=20, stop_ids=stop)
+    from trtspec.training.data import continue_prompts
+    batched = continue_prompts(pipeline.target, prompts, config, batch_size=3, progress=False)
+    for prompt, row in zip(prompts, batched):
+        assert row == generate(pipeline.engine, prompt, config).tokens

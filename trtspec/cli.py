@@ -12,6 +12,7 @@ import os
 import click
 
 from trtspec import __version__
+from trtspec.commands.bench import bench
 from trtspec.commands.run import run
 from trtspec.commands.train import generate_data, train_drafter
 from trtspec.errors import TrtspecError
@@ -35,7 +36,7 @@ def cli() -> None:
     """trtspec: lossless speculative decoding with block-diffusion (DFlash) drafters."""
 
 
-for command in (run, generate_data, train_drafter):
+for command in (run, bench, generate_data, train_drafter):
     cli.add_command(command)
 
 

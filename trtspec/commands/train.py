@@ -23,22 +23,26 @@ Example:
   trtspec generate-data --target ./Qwen3-4B --prompts prompts.jsonl -o train.jsonl --max-new-tokens 512
 """)
 @target_option
-@click.option("--prompts", "prompts_file", required=True, metavar="FILE", help='JSONL of {"prompt": ...} lines.')
+@click.option("--prompts", "prompts_file", required=True, metavar="FILE",
+              help='JSONL of {"prompt": ...} lines (optional "prompt_ids" are used as given).')
 @click.option("-o", "--output", required=True, metavar="FILE", help="JSONL to write (atomically).")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--limit", type=int, help="Use only the first N prompts.")
+@click.option("--batch-size", type=int, default=16, show_default=True, help="Equal-length prompts decoded together.")
 @sampling_options
 @device_options
-def generate_data(target, prompts_file, output, max_new_tokens, limit, temperature, top_k, top_p, seed,
-                  dtype, device) -> None:
+def generate_data(target, prompts_file, output, max_new_tokens, limit, batch_size, temperature, top_k, top_p,
+                  seed, dtype, device) -> None:
     """Continue each prompt with the target alone: the training set the recipe asks for."""
     from trtspec.training.data import generate_data as generate, read_jsonl
 
-    prompts = [r["prompt"] for r in read_jsonl(prompts_file, ("prompt",))][:limit]
+    prompts = read_jsonl(prompts_file, ("prompt",))[:limit]
     config = GenerationConfig(block_size=1, max_new_tokens=max_new_tokens,
                               sampling=sampling_config(temperature, top_k, top_p, seed))
     pipeline = load_pipeline(target, None, dtype, device, with_drafter=False)
-    path = generate(pipeline, prompts, config, output)
+    if batch_size < 1:
+        raise TrtspecError(f"--batch-size must be >= 1, got {batch_size}")
+    path = generate(pipeline, prompts, config, output, batch_size)
     click.echo(f"wrote {len(prompts)} continuations to {path}", err=True)
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import GenerationConfig
+from trtspec.runtime.sampling import Sampler
 
 
 def read_jsonl(path: str | Path, required: tuple[str, ...]) -> list[dict]:
@@ -49,15 +52,58 @@ def write_jsonl_atomic(records: list[dict], path: str | Path) -> Path:
     return target
 
 
-def generate_data(pipeline, prompts: list[str], config: GenerationConfig, output: str | Path,
-                  progress: bool = True) -> Path:
-    """Continue every prompt with the target alone and write {"prompt", "response", *_ids} lines."""
-    records = []
-    for prompt in tqdm(prompts, desc="generate-data", unit="prompt", disable=not progress, dynamic_ncols=True):
-        prompt_ids = pipeline.codec.encode(prompt)
-        result = pipeline.generate(prompt, config)
-        records.append({"prompt": prompt, "response": result.text,
-                        "prompt_ids": prompt_ids, "response_ids": result.tokens})
+def continue_prompts(target, prompts: list[list[int]], config: GenerationConfig, batch_size: int = 16,
+                     progress: bool = True) -> list[list[int]]:
+    """The target's own continuation of every prompt, decoded in batches of equal-length prompts.
+
+    Data generation is throughput work, so prompts of the same token length share one batched
+    autoregressive pass; each row is cut after its first stop id or at the token limit.
+    """
+    sampler = Sampler(config.sampling, target.device)
+    stops = torch.tensor(sorted(set(config.stop_ids)) or [-1], device=target.device)
+    by_length: dict[int, list[int]] = {}
+    for index, ids in enumerate(prompts):
+        if not ids:
+            raise TrtspecError(f"prompt {index + 1} is empty")
+        by_length.setdefault(len(ids), []).append(index)
+    chunks = [members[i:i + batch_size] for members in by_length.values() for i in range(0, len(members), batch_size)]
+    results: list[list[int]] = [[] for _ in prompts]
+    bar = tqdm(total=len(prompts), desc="generate-data", unit="prompt", disable=not progress, dynamic_ncols=True)
+    with torch.inference_mode():
+        for chunk in chunks:
+            length = len(prompts[chunk[0]])
+            budget = min(config.max_new_tokens, target.config.max_position_embeddings - length)
+            if budget < 1:
+                raise TrtspecError(f"a prompt of {length} tokens leaves no room in the target's context")
+            tokens = torch.tensor([prompts[i] for i in chunk], device=target.device)
+            cache = target.new_cache(len(chunk), length + budget)
+            logits, _ = target(tokens, 0, cache, last_logits_only=True)
+            generated, finished = [], torch.zeros(len(chunk), dtype=torch.bool, device=target.device)
+            for step in range(budget):
+                token = sampler.sample(logits[:, -1])
+                generated.append(token)
+                finished |= torch.isin(token, stops)
+                if bool(finished.all()) or step == budget - 1:
+                    break
+                logits, _ = target(token[:, None], length + step, cache)
+            rows = torch.stack(generated, dim=1).tolist()
+            for index, row in zip(chunk, rows):
+                cut = next((k + 1 for k, t in enumerate(row) if t in config.stop_ids), len(row))
+                results[index] = row[:cut]
+            bar.update(len(chunk))
+    bar.close()
+    return results
+
+
+def generate_data(pipeline, prompts: list[dict], config: GenerationConfig, output: str | Path,
+                  batch_size: int = 16, progress: bool = True) -> Path:
+    """Continue every prompt record ({"prompt"} and optionally its "prompt_ids") with the target
+    alone; write {"prompt", "response", "prompt_ids", "response_ids"} lines."""
+    config = replace(config, stop_ids=tuple(dict.fromkeys(config.stop_ids + pipeline.codec.stop_ids)))
+    prompt_ids = [r.get("prompt_ids") or pipeline.codec.encode(r["prompt"]) for r in prompts]
+    responses = continue_prompts(pipeline.target, prompt_ids, config, batch_size, progress)
+    records = [{"prompt": r["prompt"], "response": pipeline.codec.decode(out), "prompt_ids": ids,
+                "response_ids": out} for r, ids, out in zip(prompts, prompt_ids, responses)]
     return write_jsonl_atomic(records, output)
 
 

