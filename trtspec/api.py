@@ -5,6 +5,7 @@ The CLI and serving code are thin layers over `Pipeline`; it never touches click
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -61,6 +62,15 @@ class Pipeline:
             if max_context < 2:
                 raise TrtspecError(f"max context must be >= 2, got {max_context}")
             self.engine.max_context = min(max_context, self.engine.max_context)
+
+    def autoregressive(self) -> "Pipeline":
+        """The same target, tokenizer and context cap without the drafter: the AR baseline, whose
+        target computes no drafter features (what `trtspec run --ar` measures)."""
+        baseline = copy.copy(self)
+        baseline.drafter = None
+        baseline.engine = EagerEngine(self.target)
+        baseline.engine.max_context = self.engine.max_context
+        return baseline
 
     @property
     def default_block_size(self) -> int:

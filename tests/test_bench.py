@@ -1,0 +1,148 @@
+"""`trtspec bench`: prompt sets, the speed-up aggregation, and the command end to end on the tiny pair."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trtspec.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, parse_block_sizes, run_bench,
+                           speedups)
+from trtspec.errors import TrtspecError
+from trtspec.runtime.decode import Generation
+from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.stats import DecodeStats
+
+PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n"]
+
+
+def trtspec(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trtspec", *map(str, args)], capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipeline(target_dir, drafter_dir):
+    from trtspec.api import Pipeline
+    return Pipeline(target_dir, drafter_dir)
+
+
+def test_humaneval_prompts_are_bundled():
+    name, prompts = load_prompts("humaneval")
+    assert name == "humaneval" and len(prompts) == 164
+    for prompt in prompts:
+        assert prompt.lstrip().split()[0] in {"def", "from", "import", "FIX"}, prompt[:40]
+        assert "def " in prompt
+    assert load_prompts("humaneval", limit=5)[1] == prompts[:5]
+
+
+def test_jsonl_prompts(prompts_file, tmp_path):
+    assert load_prompts(str(prompts_file)) == (str(prompts_file), PROMPTS)
+    assert load_prompts(str(prompts_file), limit=2)[1] == PROMPTS[:2]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"prompt": "  "}) + "\n")
+    with pytest.raises(TrtspecError, match="prompt 1 is empty"):
+        load_prompts(str(empty))
+    with pytest.raises(TrtspecError, match="--limit must be >= 1"):
+        load_prompts("humaneval", limit=0)
+
+
+def test_block_sizes_are_parsed_and_checked():
+    assert parse_block_sizes("8,12,8, 16") == (8, 12, 16)
+    for bad, message in [("8,x", "comma-separated integers"), ("8,,12", "comma-separated integers"),
+                         ("1", r"in \[2, 64\], got 1"), ("65", "got 65")]:
+        with pytest.raises(TrtspecError, match=message):
+            parse_block_sizes(bad)
+    with pytest.raises(TrtspecError, match="--repeats"):
+        BenchConfig(repeats=0)
+    with pytest.raises(TrtspecError, match="--max-new-tokens"):
+        BenchConfig(max_new_tokens=1)
+
+
+def _run(block_size: int, repeats: list[list[tuple[int, float, list[int]]]]) -> BenchRun:
+    """A run from hand-made (new_tokens, decode_s, histogram) per request, per repeat."""
+    return BenchRun(block_size, [[Generation([], DecodeStats(block_size, new_tokens=n, decode_s=s, histogram=h))
+                                  for n, s, h in repeat] for repeat in repeats])
+
+
+def test_aggregation_on_hand_made_numbers():
+    # AR: 2 prompts x 3 repeats; decode tokens are new_tokens - 1 (the first comes from prefill).
+    ar = _run(1, [[(11, 1.0, [10]), (21, 1.0, [20])],     # 30 tokens / 2 s = 15 tok/s
+                  [(11, 2.0, [10]), (21, 1.0, [20])],     # 30 / 3 = 10
+                  [(11, 0.5, [10]), (21, 1.0, [20])]])    # 30 / 1.5 = 20
+    spec = _run(4, [[(11, 0.5, [2, 1, 0, 2]), (21, 0.5, [5, 0, 0, 5])],   # 30 / 1 = 30 -> x2
+                    [(11, 0.5, [2, 1, 0, 2]), (21, 1.0, [5, 0, 0, 5])],   # 30 / 1.5 = 20 -> x2
+                    [(11, 0.1, [2, 1, 0, 2]), (21, 0.1, [5, 0, 0, 5])]])  # 30 / 0.2 = 150 -> x7.5
+    assert ar.tokens_per_s_repeats == pytest.approx([15, 10, 20])
+    assert spec.tokens_per_s_repeats == pytest.approx([30, 20, 150])
+    assert spec.tokens_per_s == pytest.approx(30)
+    assert speedups(spec.tokens_per_s_repeats, ar.tokens_per_s_repeats) == pytest.approx([2, 2, 7.5])
+    # tau is the mean of per-request means: (2*1+1*2+2*4)/5 = 2.4 and (5*1+5*4)/10 = 2.5 -> 2.45
+    # (pooling all cycles would give 111/45 = 2.47)
+    assert spec.tau == pytest.approx(2.45)
+    assert spec.histogram == [21, 3, 0, 21] and spec.ceiling_fraction == pytest.approx(21 / 45)
+    report = BenchReport("hand", 2, BenchConfig(block_sizes=(4,), repeats=3), ar, [spec], {})
+    assert report.speedup(spec) == pytest.approx(2.0)  # the median, not the mean (3.83)
+    assert report.speedup(ar) == 1.0 and ar.tau == 1.0
+    with pytest.raises(TrtspecError, match="no decode tokens"):
+        speedups([1.0, 2.0], [1.0, 0.0])
+
+
+def test_greedy_speculation_matches_ar_and_sampling_reproduces(pipeline):
+    config = BenchConfig(block_sizes=(4,), max_new_tokens=12, repeats=1)
+    report = run_bench(pipeline, PROMPTS, config, progress=False)
+    ar, spec = report.runs
+    assert [g.tokens for g in spec.generations[0]] == [g.tokens for g in ar.generations[0]]
+    assert ar.tau == 1.0 and all(len(g.tokens) >= 1 for g in ar.generations[0])
+
+    sampled = BenchConfig(block_sizes=(4,), max_new_tokens=12, repeats=2, sampling=SamplingConfig(temperature=1.0))
+    first, second = (run_bench(pipeline, PROMPTS[:2], sampled, progress=False) for _ in range(2))
+    tokens = [[[g.tokens for g in repeat] for repeat in run.generations] for run in first.runs]
+    assert tokens == [[[g.tokens for g in repeat] for repeat in run.generations] for run in second.runs]
+    assert tokens[0][0] != tokens[0][1]  # a different seed per repeat
+
+
+def test_cli_end_to_end(target_dir, drafter_dir, prompts_file, tmp_path):
+    out = tmp_path / "out" / "bench.json"
+    result = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts_file,
+                     "--limit", 2, "--repeats", 2, "--block-sizes", "4,8", "--max-new-tokens", 16, "--json", out)
+    assert result.returncode == 0, result.stderr.decode()
+    data = json.loads(out.read_text())
+    assert {"runs", "machine", "prompts", "n_prompts"} <= set(data)
+    assert data["prompts"] == str(prompts_file) and data["n_prompts"] == 2
+    assert {"platform", "processor", "cpu_count", "torch", "torch_threads", "device", "dtype", "python",
+            "trtspec"} <= set(data["machine"])
+    runs = data["runs"]
+    assert [r["block_size"] for r in runs] == [1, 4, 8]
+    for run in runs:
+        assert {"block_size", "temperature", "tau", "ceiling_fraction", "histogram", "tokens_per_s",
+                "speedup_vs_ar", "tokens_per_s_repeats", "speedup_repeats"} <= set(run)
+        assert len(run["histogram"]) == run["block_size"]
+        assert len(run["tokens_per_s_repeats"]) == 2 and run["tokens_per_s"] > 0
+        assert run["temperature"] == 0.0 and 2 * 2 <= run["new_tokens"] <= 2 * 2 * 16
+    assert runs[0]["speedup_vs_ar"] == 1.0 and runs[0]["tau"] == 1.0
+    table = result.stdout.decode().splitlines()
+    assert [line.split()[0] for line in table[-3:]] == ["AR", "4", "8"]
+    assert not list(out.parent.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--prompts", "nope.jsonl"), "not found: nope.jsonl"),
+    (("--block-sizes", "8,x"), "comma-separated integers"),
+    (("--block-sizes", "1"), "block sizes must be in [2, 64], got 1"),
+    (("--block-sizes", "65"), "block sizes must be in [2, 64], got 65"),
+    (("--repeats", 0), "--repeats must be >= 1"),
+    (("--limit", 0), "--limit must be >= 1"),
+])
+def test_bad_input_gives_one_clear_line(args, message, target_dir, drafter_dir):
+    result = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, *args)
+    stderr = result.stderr.decode()
+    assert result.returncode == 1 and "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1 and message in stderr, stderr
+    assert result.stdout == b""
