@@ -32,8 +32,14 @@ class TrtspecGroup(click.Group):
 
 @click.group(cls=TrtspecGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="trtspec")
-def cli() -> None:
+@click.option("--threads", type=click.IntRange(min=1), envvar="TRTSPEC_THREADS", metavar="N",
+              help="CPU threads for torch (env TRTSPEC_THREADS). [default: torch's choice; "
+                   "use 1 when other jobs share the CPU]")
+def cli(threads: int | None) -> None:
     """trtspec: lossless speculative decoding with block-diffusion (DFlash) drafters."""
+    if threads is not None:
+        import torch
+        torch.set_num_threads(threads)
 
 
 for command in (run, bench, generate_data, train_drafter):

@@ -92,6 +92,7 @@ def save_checkpoint(directory: str | os.PathLike, config: dict, tensors: dict[st
         save_file(contiguous, str(staging / SINGLE_FILE), metadata={"format": "pt"})
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text, encoding="utf-8")
+        _make_shareable(staging)
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
@@ -106,6 +107,15 @@ def build_empty(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     with torch.device("meta"):
         module = factory()
     return module.to_empty(device="cpu")
+
+
+def _make_shareable(directory: Path) -> None:
+    """mkdtemp creates a private (0700) directory; give it and its files the usual umask modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str,

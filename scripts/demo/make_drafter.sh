@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Trains the bundled demo drafter (trtspec/assets/demo-b16) for the bundled demo target, with the
+# product's own commands. Run from the repository root after installing the package; WORK holds
+# the intermediate files (prompts, training data, resumable checkpoints) outside the package.
+set -euo pipefail
+WORK=${WORK:-build/demo}
+THREADS=${THREADS:-2}
+STEPS=${STEPS:-1200}
+mkdir -p "$WORK"
+
+# 1. Prompts from the standard library's test suites and other files left out of the target's
+#    corpus; the script refuses to write them if they overlap the corpus or HumanEval.
+python scripts/demo/drafter_prompts.py --tokenizer trtspec/assets/demo-target/tokenizer.json \
+    --count 2400 -o "$WORK/drafter-prompts.jsonl"
+
+# 2. The target's own greedy continuations (the recipe trains on target-regenerated responses).
+trtspec --threads "$THREADS" generate-data --prompts "$WORK/drafter-prompts.jsonl" \
+    -o "$WORK/drafter-data.jsonl" --max-new-tokens 128 --batch-size 32
+
+# 3. The DFlash recipe at B=16: one drafter layer, taps on target layers 1, 3 and 5.
+trtspec --threads "$THREADS" train-drafter --data "$WORK/drafter-data.jsonl" --block-size 16 \
+    --layers 1 --target-layer-ids 1,3,5 --steps "$STEPS" --batch-size 8 --anchors 16 --lr 1.5e-3 \
+    --seed 0 --checkpoint-every 100 --work "$WORK/drafter-work" -o trtspec/assets/demo-b16
