@@ -152,3 +152,16 @@ def test_batched_continuations_equal_single_request_decoding(target_dir):
     batched = continue_prompts(pipeline.target, prompts, config, batch_size=3, progress=False)
     for prompt, row in zip(prompts, batched):
         assert row == generate(pipeline.engine, prompt, config).tokens
+
+
+def test_train_drafter_runs_under_torchrun_with_ddp(target_dir, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": "    return x + 1\n" * 3}) + "\n"
+                            for i in range(8)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+               "-m", "trtspec", "--threads", "1", "train-drafter", "--target", str(target_dir), "--data", str(data),
+               "--block-size", "4", "--num-features", "2", "--steps", "3", "--batch-size", "2",
+               "-o", str(tmp_path / "ddp")]
+    result = subprocess.run(command, capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert load_drafter(tmp_path / "ddp", load_target(target_dir)).config.block_size == 4
