@@ -46,11 +46,21 @@ SAMPLE_PROMPT = "def fibonacci(n):\n"
 
 # ---------------------------------------------------------------- tokenizer and tokens
 
+# Qwen2/Qwen3's pre-tokenisation split. Unlike GPT-2's, it keeps a line break out of the next
+# line's indentation ("):\n" | "   " | " return"), so a prompt that ends with "\n" (every
+# HumanEval prompt) tokenizes exactly as the same text does in the middle of a training file.
+PRE_TOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def train_tokenizer(files: list[Path], vocab_size: int):
-    """Byte-level BPE (GPT-2 style pre-tokenisation); special tokens take ids 0 and 1."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE with Qwen's split regex; special tokens take ids 0 and 1."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZE), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, MASK],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
