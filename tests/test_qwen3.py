@@ -19,6 +19,7 @@ def _oracle(directory):
 def test_prefill_and_cached_steps_match_transformers(tmp_path, tie):
     directory = save_hf_target(tmp_path / "t", tie=tie, with_tokenizer=False, seed=3)
     hf, ours = _oracle(directory), load_target(directory)
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie  # tied weights stay shared
     prompts = torch.randint(0, ours.config.vocab_size, (4, 23), generator=torch.Generator().manual_seed(0))
     layers = tuple(range(ours.config.num_hidden_layers - 1))  # HF normalises the last entry
     with torch.no_grad():

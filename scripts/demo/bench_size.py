@@ -79,14 +79,12 @@ def main() -> None:
     torch.manual_seed(0)
     config = make_config(a)
     model = Qwen3Target(config)
-    total = sum(t.numel() for t in model.state_dict().values() if True)
     embed = config.vocab_size * config.hidden_size
     non_embed = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
     stored = non_embed + embed * (1 if a.tie else 2)
     print(f"config {config}")
     print(f"non-embedding params {non_embed / 1e6:.2f}M, stored params {stored / 1e6:.2f}M "
           f"(bf16 file {stored * 2 / 1e6:.1f} MB; + drafter of 1/4 non-embedding = {(stored + non_embed / 4) * 2 / 1e6:.1f} MB)")
-    del total
     torch.set_num_threads(1)
     if a.train_steps:
         model.train()

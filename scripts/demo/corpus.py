@@ -83,7 +83,6 @@ def corpus_manifest(root: Path | None = None) -> dict:
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return {
         "source": "CPython standard library (*.py under sysconfig.get_paths()['stdlib'])",
-        "stdlib_root": str(root),
         "excluded_top_level": sorted(EXCLUDED_TOP),
         "excluded_path_parts": sorted(EXCLUDED_PARTS),
         "validation_rule": f"the round({VALIDATION_FRACTION} * files) files with the lowest sha256(relative path)",

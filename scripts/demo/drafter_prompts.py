@@ -8,7 +8,7 @@ refuses to write, any overlap: no prompt comes from a corpus file or occurs in t
 and no HumanEval prompt occurs in the corpus or among the drafter prompts.
 
     python scripts/demo/drafter_prompts.py --tokenizer trtspec/assets/demo-target/tokenizer.json \
-        -o /work/demo-train/drafter-prompts.jsonl
+        -o build/demo/drafter-prompts.jsonl
 """
 
 from __future__ import annotations

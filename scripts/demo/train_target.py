@@ -1,6 +1,6 @@
 """Train the bundled demo target: a small Qwen3 causal LM on the Python standard library.
 
-    OMP_NUM_THREADS=1 python scripts/demo/train_target.py --work /work/demo-train \\
+    OMP_NUM_THREADS=1 python scripts/demo/train_target.py --work build/demo-target \\
         --out trtspec/assets/demo-target --minutes 70
 
 Stages (each is skipped when its output already exists in --work, so a restart resumes):
@@ -213,7 +213,7 @@ def export(out: Path, model: Qwen3Target, tokenizer_path: Path, work: Path, info
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", type=Path, default=Path("/work/demo-train"), help="scratch dir (outside the repo)")
+    p.add_argument("--work", type=Path, default=Path("build/demo-target"), help="scratch dir (build/ is git-ignored)")
     p.add_argument("--out", type=Path, default=Path("trtspec/assets/demo-target"))
     p.add_argument("--minutes", type=float, default=70.0, help="training-time budget (schedule length)")
     p.add_argument("--steps", type=int, default=0, help="run the schedule on steps instead of time")

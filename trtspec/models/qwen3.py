@@ -109,5 +109,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
     if config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
         tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
     target = build_empty(lambda: Qwen3Target(config))
+    if config.tie_word_embeddings:  # materialising from meta unties shared weights; tie them again
+        target.lm_head.weight = target.model.embed_tokens.weight
     load_into(target, tensors, "target", ignore_suffixes=("rotary_emb.inv_freq",))
     return target.to(device=device, dtype=dtype).eval()
