@@ -1,0 +1,54 @@
+"""The bundled demo pair: it ships, fits the size budget, and decodes losslessly out of the box."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtspec.api import Pipeline
+from trtspec.assets import ASSETS, resolve_drafter, resolve_target
+from trtspec.bench import load_prompts
+from trtspec.errors import TrtspecError
+from trtspec.runtime.decode import GenerationConfig
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fibonacci.py.txt"
+
+
+def _non_embedding_parameters(module) -> int:
+    return sum(p.numel() for n, p in module.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return Pipeline(resolve_target(None), resolve_drafter(None, None))
+
+
+def test_the_demo_pair_ships_within_budget(demo):
+    size = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
+    assert size <= 40 * 2**20, f"bundled assets are {size / 2**20:.1f} MB"
+    assert _non_embedding_parameters(demo.drafter) <= _non_embedding_parameters(demo.target) / 4
+    assert demo.drafter.config.block_size == 16
+    assert resolve_drafter("demo-b16", "elsewhere") == ASSETS / "demo-b16"
+    with pytest.raises(TrtspecError, match="no bundled drafter named 'demo-b99'"):
+        resolve_drafter("demo-b99", None)
+
+
+def test_demo_speculative_equals_autoregressive_on_humaneval(demo):
+    _, prompts = load_prompts("humaneval", limit=4)
+    baseline = demo.autoregressive()
+    for prompt in prompts:
+        expected = baseline.generate(prompt, GenerationConfig(block_size=1, max_new_tokens=48)).tokens
+        for block_size in (8, 16):
+            result = demo.generate(prompt, GenerationConfig(block_size=block_size, max_new_tokens=48))
+            assert result.tokens == expected
+            assert result.generation.stats.tau > 1.5  # a trained drafter, not a random one
+
+
+def test_run_defaults_to_the_demo_pair():
+    result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", "run", EXAMPLE, "--json",
+                             "--max-new-tokens", "40"], capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()
+    output = json.loads(result.stdout)
+    assert output["stats"]["block_size"] == 16 and output["text"].strip()
