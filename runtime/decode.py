@@ -7,7 +7,7 @@ modes share every line of bookkeeping (stops, limits, statistics) and are compar
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -33,6 +33,10 @@ class GenerationConfig:
                                f"got {self.block_size}")
         if self.max_new_tokens < 1:
             raise TrtspecError(f"max new tokens must be >= 1, got {self.max_new_tokens}")
+
+    def with_stop_ids(self, extra: tuple[int, ...]) -> "GenerationConfig":
+        """This config with `extra` stop ids added (e.g. the tokenizer's EOS ids)."""
+        return replace(self, stop_ids=tuple(dict.fromkeys(self.stop_ids + tuple(extra))))
 
 
 @dataclass
@@ -88,16 +92,16 @@ def generate(engine: EagerEngine, prompt: list[int], config: GenerationConfig,
         out.commit([bonus])
         start = len(prompt)  # position of the bonus token
 
+        masks = [engine.drafter.config.mask_token_id] * (block_size - 1) if block_size > 1 else []
         began = time.perf_counter()
         while not out.finish_reason:
             block = [bonus]
-            if block_size > 1:
-                block += [engine.drafter.config.mask_token_id] * (block_size - 1)
-                drafts = engine.draft(context, block, start)
-                block = [bonus] + drafts.tolist()
+            if masks:
+                drafts = engine.draft(context, block + masks, start)
+                block += drafts.tolist()
             logits, features = engine.verify(block, start)
             posterior = sampler.sample(logits)
-            accepted = int(accepted_length(torch.tensor(block[1:]), posterior.cpu())) if block_size > 1 else 0
+            accepted = int(accepted_length(drafts, posterior)) if masks else 0
             bonus = int(posterior[accepted])
             stats.record_cycle(accepted)
             out.commit(block[1:accepted + 1] + [bonus])

@@ -6,7 +6,7 @@ The CLI and serving code are thin layers over `Pipeline`; it never touches click
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -92,10 +92,6 @@ class Pipeline:
                     if piece:
                         on_text(piece)
 
-        config = _with_stops(config, self.codec.stop_ids)
+        config = config.with_stop_ids(self.codec.stop_ids)
         generation = generate(self.engine, ids, config, on_commit)
         return TextResult(self.codec.decode(generation.tokens), generation)
-
-
-def _with_stops(config: GenerationConfig, stop_ids: tuple[int, ...]) -> GenerationConfig:
-    return replace(config, stop_ids=tuple(dict.fromkeys(config.stop_ids + stop_ids)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -99,7 +98,7 @@ def generate_data(pipeline, prompts: list[dict], config: GenerationConfig, outpu
                   batch_size: int = 16, progress: bool = True) -> Path:
     """Continue every prompt record ({"prompt"} and optionally its "prompt_ids") with the target
     alone; write {"prompt", "response", "prompt_ids", "response_ids"} lines."""
-    config = replace(config, stop_ids=tuple(dict.fromkeys(config.stop_ids + pipeline.codec.stop_ids)))
+    config = config.with_stop_ids(pipeline.codec.stop_ids)
     prompt_ids = [r.get("prompt_ids") or pipeline.codec.encode(r["prompt"]) for r in prompts]
     responses = continue_prompts(pipeline.target, prompt_ids, config, batch_size, progress)
     records = [{"prompt": r["prompt"], "response": pipeline.codec.decode(out), "prompt_ids": ids,
