@@ -24,6 +24,7 @@ from tqdm import tqdm
 from trtspec import __version__
 from trtspec.engines.eager import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
+from trtspec.fileio import atomic_write_text
 from trtspec.runtime.decode import Generation, GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.stats import DecodeStats
@@ -272,9 +273,4 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, prompts_name
 
 def write_json(data: dict, path: str | Path) -> Path:
     """Write `data` atomically: a reader never sees half a file, even if the run is interrupted."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp")
-    temporary.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(temporary, target)
-    return target
+    return atomic_write_text(path, json.dumps(data, indent=2) + "\n")

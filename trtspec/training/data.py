@@ -4,13 +4,13 @@ target-regenerated responses), and reading them back as token sequences."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from trtspec.errors import TrtspecError
+from trtspec.fileio import atomic_write_text
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.sampling import Sampler
 
@@ -41,14 +41,7 @@ def read_jsonl(path: str | Path, required: tuple[str, ...]) -> list[dict]:
 
 
 def write_jsonl_atomic(records: list[dict], path: str | Path) -> Path:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp")
-    with temporary.open("w", encoding="utf-8") as out:
-        for record in records:
-            out.write(json.dumps(record) + "\n")
-    os.replace(temporary, target)
-    return target
+    return atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in records))
 
 
 def continue_prompts(target, prompts: list[list[int]], config: GenerationConfig, batch_size: int = 16,
