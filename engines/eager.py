@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.models import DFlashDrafter, KVCache, Qwen3Target
-
-MAX_BLOCK_SIZE = 64
 
 
 class EagerEngine:
@@ -21,6 +20,8 @@ class EagerEngine:
         self.feature_layers = tuple(drafter.config.target_layer_ids) if drafter else ()
         self.device = target.device
         self.max_context = target.config.max_position_embeddings  # positions a request may fill
+        self.mask_token_id = drafter.config.mask_token_id if drafter else None
+        self.block_sizes = None  # any block size
         self._target_cache: KVCache | None = None
         self._drafter_cache: KVCache | None = None
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
-from trtspec.engines.eager import MAX_BLOCK_SIZE, EagerEngine
+from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
 from trtspec.runtime.sampling import Sampler, SamplingConfig, accepted_length
 from trtspec.runtime.stats import DecodeStats
@@ -68,7 +68,22 @@ class _Output:
             self.on_commit(kept)
 
 
-def generate(engine: EagerEngine, prompt: list[int], config: GenerationConfig,
+class DecodeEngine(Protocol):
+    """What the loop needs from a backend (eager modules or compiled graphs)."""
+
+    device: torch.device
+    max_context: int
+    mask_token_id: int | None           # None: no drafter, autoregressive only
+    block_sizes: tuple[int, ...] | None  # None: any block size
+
+    def reset(self, positions: int) -> None: ...
+    def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def verify(self, block: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def draft(self, context_features: torch.Tensor, block: list[int], start: int) -> torch.Tensor: ...
+    def rollback(self, length: int) -> None: ...
+
+
+def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
              on_commit: Callable[[list[int]], None] | None = None) -> Generation:
     """Decode one request. `on_commit` receives each batch of newly committed tokens (streaming)."""
     block_size = config.block_size
@@ -76,8 +91,11 @@ def generate(engine: EagerEngine, prompt: list[int], config: GenerationConfig,
         raise TrtspecError("the prompt is empty")
     if len(prompt) >= engine.max_context:
         raise TrtspecError(f"the prompt is {len(prompt)} tokens; the context holds {engine.max_context}")
-    if block_size > 1 and engine.drafter is None:
+    if block_size > 1 and engine.mask_token_id is None:
         raise TrtspecError("speculative decoding needs a drafter (or use block size 1 / --ar)")
+    if block_size > 1 and engine.block_sizes is not None and block_size not in engine.block_sizes:
+        raise TrtspecError(f"the engine was built for block sizes {', '.join(map(str, engine.block_sizes))}; "
+                           f"block size {block_size} is not among them (rebuild with --block-sizes)")
     limit = min(config.max_new_tokens, engine.max_context - len(prompt))
     sampler = Sampler(config.sampling, engine.device)
     stats = DecodeStats(block_size=block_size, prompt_tokens=len(prompt))
@@ -92,7 +110,7 @@ def generate(engine: EagerEngine, prompt: list[int], config: GenerationConfig,
         out.commit([bonus])
         start = len(prompt)  # position of the bonus token
 
-        masks = [engine.drafter.config.mask_token_id] * (block_size - 1) if block_size > 1 else []
+        masks = [engine.mask_token_id] * (block_size - 1) if block_size > 1 else []
         began = time.perf_counter()
         while not out.finish_reason:
             block = [bonus]

@@ -4,6 +4,8 @@ BPE tokenizer trained with `tokenizers`, and DFlash drafters saved in the z-lab 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -129,3 +131,20 @@ def predictable_pair(seed: int = 1, vocab_size: int = 64, beta: float = 1.2, lik
             layer.self_attn.o_proj.weight.mul_(0.1)
             layer.mlp.down_proj.weight.mul_(0.1)
     return target, drafter
+
+
+def trtspec(*args, stdin: bytes | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the real `trtspec` entry point in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "trtspec", *map(str, args)], input=stdin,
+                          capture_output=True, timeout=timeout)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """A user error: exit 1, one `Error: ...` line naming every fragment, no traceback, empty stdout."""
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), err
+    assert "Traceback" not in err and result.stdout == b""
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]

@@ -1,10 +1,9 @@
 """`trtspec bench`: prompt sets, the speed-up aggregation, and the command end to end on the tiny pair."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from helpers import trtspec
 
 from trtspec.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, parse_block_sizes, run_bench,
                            speedups)
@@ -16,8 +15,6 @@ from trtspec.runtime.stats import DecodeStats
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n"]
 
 
-def trtspec(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trtspec", *map(str, args)], capture_output=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import assert_one_line_error, trtspec
 
 
-def trtspec(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trtspec", *map(str, args)], input=stdin,
-                          capture_output=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -108,13 +106,7 @@ CASES = ["missing target", "missing drafter", "missing prompt", "no drafter give
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_gives_one_clear_line(case, tmp_path, target_dir, drafter_dir, prompt_file):
     args, message = _bad_inputs(tmp_path, target_dir, drafter_dir, prompt_file)[case]
-    result = trtspec(*args)
-    stderr = result.stderr.decode()
-    assert result.returncode != 0
-    assert "Traceback" not in stderr
-    assert len(stderr.strip().splitlines()) == 1, stderr
-    assert message in stderr, stderr
-    assert result.stdout == b""
+    assert_one_line_error(trtspec(*args), message)
 
 
 def test_debug_switch_shows_the_traceback(tmp_path, target_dir, drafter_dir):

@@ -14,8 +14,10 @@ import torch
 
 from trtspec.engines.eager import EagerEngine
 from trtspec.errors import TrtspecError
+from trtspec.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
 from trtspec.runtime.decode import Generation, GenerationConfig, generate
+from trtspec.runtime.graphs import open_engine
 from trtspec.tokenizer import TextCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,30 +53,52 @@ class TextResult:
 
 
 class Pipeline:
-    def __init__(self, target: str | Path, drafter: str | Path | None = None, *,
-                 dtype: str = "auto", device: str = "auto", max_context: int | None = None):
+    """A loaded model pair: from checkpoint directories (eager PyTorch) or from a built engine
+    directory (`engine=`; then `target`/`drafter`, when given, must be what it was built from)."""
+
+    def __init__(self, target: str | Path | None = None, drafter: str | Path | None = None, *,
+                 engine: str | Path | None = None, dtype: str = "auto", device: str = "auto",
+                 max_context: int | None = None):
         torch_device = resolve_device(device)
-        self.codec = TextCodec(target)
-        self.target = load_target(target, resolve_dtype(dtype, torch_device), torch_device)
-        self.drafter = load_drafter(drafter, self.target) if drafter is not None else None
-        self.engine = EagerEngine(self.target, self.drafter)
+        self.target = self.drafter = None
+        if engine is not None:
+            self.engine = open_engine(engine, torch_device)
+            check_sources(self.engine.manifest, target, drafter)
+            self.codec = TextCodec(Path(engine) / TOKENIZER_DIR)
+            self.backend, self.dtype = self.engine.manifest.backend, self.engine.dtype
+            self.default_block_size = self.engine.manifest.drafter.block_size
+            if self.default_block_size not in self.engine.block_sizes:
+                self.default_block_size = min(self.engine.block_sizes, key=lambda b: abs(b - self.default_block_size))
+        else:
+            if target is None:
+                raise TrtspecError("give a target checkpoint directory or an engine directory")
+            self.codec = TextCodec(target)
+            self.target = load_target(target, resolve_dtype(dtype, torch_device), torch_device)
+            self.drafter = load_drafter(drafter, self.target) if drafter is not None else None
+            self.engine = EagerEngine(self.target, self.drafter)
+            self.backend, self.dtype = "torch-eager", self.target.dtype
+            self.default_block_size = self.drafter.config.block_size if self.drafter is not None else 1
         if max_context is not None:
             if max_context < 2:
                 raise TrtspecError(f"max context must be >= 2, got {max_context}")
             self.engine.max_context = min(max_context, self.engine.max_context)
 
+    @property
+    def has_drafter(self) -> bool:
+        return self.engine.mask_token_id is not None
+
     def autoregressive(self) -> "Pipeline":
-        """The same target, tokenizer and context cap without the drafter: the AR baseline, whose
-        target computes no drafter features (what `trtspec run --ar` measures)."""
+        """The same target, backend, tokenizer and context cap without the drafter: the AR
+        baseline (eager: a target that computes no drafter features; graphs: verify(1))."""
         baseline = copy.copy(self)
         baseline.drafter = None
-        baseline.engine = EagerEngine(self.target)
-        baseline.engine.max_context = self.engine.max_context
+        if isinstance(self.engine, EagerEngine):
+            baseline.engine = EagerEngine(self.target)
+            baseline.engine.max_context = self.engine.max_context
+        else:
+            baseline.engine = self.engine.without_drafter()
+        baseline.default_block_size = 1
         return baseline
-
-    @property
-    def default_block_size(self) -> int:
-        return self.drafter.config.block_size if self.drafter is not None else 1
 
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
                  on_text: Callable[[str], None] | None = None) -> TextResult:

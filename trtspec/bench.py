@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from trtspec import __version__
-from trtspec.engines.eager import MAX_BLOCK_SIZE
+from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
 from trtspec.runtime.decode import Generation, GenerationConfig
@@ -149,6 +149,8 @@ class BenchReport:
     ar: BenchRun
     spec: list[BenchRun]
     machine: dict
+    reference: "BenchReport | None" = None   # the same measurement through a reference backend
+    agreement: list[dict] = field(default_factory=list)  # per block size: identical outputs vs reference
 
     @property
     def runs(self) -> list[BenchRun]:
@@ -181,7 +183,14 @@ class BenchReport:
                 "mean_new_tokens": statistics.fmean(s.new_tokens for s in stats),
             })
         sampling = self.config.sampling
+        comparison = {}
+        if self.reference is not None:
+            comparison = {"reference": self.reference.to_dict(), "agreement": self.agreement,
+                          "time_per_token_vs_reference": [
+                              {"block_size": run.block_size, "ratio": statistics.median(ratios), "ratio_repeats": ratios}
+                              for run, ratios in self.time_ratios()]}
         return {
+            "backend": self.machine.get("backend"),
             "runs": runs,
             "machine": self.machine,
             "prompts": self.prompts,
@@ -190,7 +199,13 @@ class BenchReport:
             "max_new_tokens": self.config.max_new_tokens,
             "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                          "seed": sampling.seed},
+            **comparison,
         }
+
+    def time_ratios(self) -> list[tuple[BenchRun, list[float]]]:
+        """Per run, this backend's time per decode token over the reference's, per repeat (< 1: faster)."""
+        return [(run, [ref / own for own, ref in zip(run.tokens_per_s_repeats, other.tokens_per_s_repeats)])
+                for run, other in zip(self.runs, self.reference.runs)]
 
     def format_table(self) -> str:
         m, c = self.machine, self.config
@@ -202,11 +217,18 @@ class BenchReport:
             ceiling = "-" if ar else f"{run.ceiling_fraction:.1%}"
             lines.append(f"{'AR' if ar else run.block_size:>4}  {run.tau:>6.2f}  {ceiling:>7}  "
                          f"{run.tokens_per_s:>12.1f}  {self.speedup(run):>7.2f}x")
+        if self.reference is not None:
+            own, ref = self.machine["backend"], self.reference.machine["backend"]
+            lines += ["", f"reference backend: {ref}", *self.reference.format_table().splitlines()[1:], "",
+                      f"{own} vs {ref}: time per decode token (median ratio; < 1 = {own} faster) and identical outputs"]
+            for (run, ratios), agree in zip(self.time_ratios(), self.agreement):
+                lines.append(f"{'AR' if run is self.ar else run.block_size:>4}  {statistics.median(ratios):>6.2f}x  "
+                             f"identical {agree['identical']}/{agree['requests']}")
         return "\n".join(lines)
 
 
 def machine_info(pipeline) -> dict:
-    device = pipeline.target.device
+    device = pipeline.engine.device
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -214,7 +236,8 @@ def machine_info(pipeline) -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
-        "dtype": str(pipeline.target.dtype).removeprefix("torch."),
+        "dtype": str(pipeline.dtype).removeprefix("torch."),
+        "backend": pipeline.backend,
         "python": platform.python_version(),
         "trtspec": __version__,
     }
@@ -231,44 +254,94 @@ def _check_prompts_fit(pipeline, prompts: list[str]) -> None:
             raise TrtspecError(f"prompt {number} is {length} tokens; the context holds {pipeline.engine.max_context}")
 
 
-def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, prompts_name: str = "prompts",
-              progress: bool = True) -> BenchReport:
-    """Measure AR and every block size over `prompts`, `config.repeats` times, interleaved per repeat."""
-    if pipeline.drafter is None:
-        raise TrtspecError("a benchmark needs a drafter (give --drafter DIR)")
+def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=None,
+              prompts_name: str = "prompts", progress: bool = True) -> BenchReport:
+    """Measure AR and every block size over `prompts`, `config.repeats` times, interleaved per repeat.
+
+    With a `reference` pipeline (another backend of the same checkpoints) every configuration
+    also runs through it, interleaved with the main one so both see the same machine state, and
+    the report compares their outputs request by request and their time per token.
+    """
+    backends = [pipeline] + ([reference] if reference is not None else [])
+    for backend in backends:
+        if not backend.has_drafter:
+            raise TrtspecError("a benchmark needs a drafter (give --drafter DIR)")
     if not prompts:
         raise TrtspecError("no prompts to benchmark")
     _check_prompts_fit(pipeline, prompts)
-    ar = BenchRun(1)
-    runs = [ar, *(BenchRun(b) for b in config.block_sizes)]
-    ar_pipeline = pipeline.autoregressive()
+    sizes = (1, *config.block_sizes)
+    runs = [[BenchRun(b) for b in sizes] for _ in backends]  # [backend][configuration]
+    baselines = [backend.autoregressive() for backend in backends]
 
-    def request(run: BenchRun, prompt: str, max_new_tokens: int, seed: int) -> Generation:
+    def request(k: int, block_size: int, prompt: str, max_new_tokens: int, seed: int) -> Generation:
         sampling = replace(config.sampling, seed=seed)
-        generation_config = GenerationConfig(block_size=run.block_size, max_new_tokens=max_new_tokens,
-                                             sampling=sampling)
-        return (ar_pipeline if run is ar else pipeline).generate(prompt, generation_config).generation
+        generation_config = GenerationConfig(block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling)
+        return (baselines[k] if block_size == 1 else backends[k]).generate(prompt, generation_config).generation
 
-    for run in runs:  # warm-up: first-call overheads (allocations, kernels per shape) stay out of the figures
-        request(run, prompts[0], min(WARMUP_TOKENS, config.max_new_tokens), config.request_seed(0, 0, len(prompts)))
+    for k in range(len(backends)):  # warm-up: first-call overheads (allocations, kernels per shape) stay out
+        for block_size in sizes:
+            request(k, block_size, prompts[0], min(WARMUP_TOKENS, config.max_new_tokens),
+                    config.request_seed(0, 0, len(prompts)))
 
-    total = config.repeats * len(runs) * len(prompts)
+    total = config.repeats * len(sizes) * len(prompts) * len(backends)
     with tqdm(total=total, desc="bench", unit="req", file=sys.stderr, disable=not progress,
               dynamic_ncols=True) as bar:
         for repeat in range(config.repeats):
-            for run in runs:
-                name = "AR" if run is ar else f"B={run.block_size}"
-                bar.set_postfix_str(f"repeat {repeat + 1}/{config.repeats}, {name}")
-                generations = []
-                for index, prompt in enumerate(prompts):
-                    seed = config.request_seed(repeat, index, len(prompts))
-                    generations.append(request(run, prompt, config.max_new_tokens, seed))
-                    bar.update()
-                run.generations.append(generations)
-    if 0.0 in ar.tokens_per_s_repeats:  # no baseline: say so now rather than when the table is printed
-        raise TrtspecError(NO_AR_TOKENS)
-    return BenchReport(prompts=prompts_name, n_prompts=len(prompts), config=config, ar=ar, spec=runs[1:],
-                       machine=machine_info(pipeline))
+            for index_in_sizes, block_size in enumerate(sizes):
+                for k, backend in enumerate(backends):
+                    name = "AR" if block_size == 1 else f"B={block_size}"
+                    bar.set_postfix_str(f"repeat {repeat + 1}/{config.repeats}, {name}, {backend.backend}")
+                    generations = []
+                    for index, prompt in enumerate(prompts):
+                        seed = config.request_seed(repeat, index, len(prompts))
+                        generations.append(request(k, block_size, prompt, config.max_new_tokens, seed))
+                        bar.update()
+                    runs[k][index_in_sizes].generations.append(generations)
+    reports = []
+    for backend, backend_runs in zip(backends, runs):
+        if 0.0 in backend_runs[0].tokens_per_s_repeats:  # no baseline: say so now, not when printing
+            raise TrtspecError(NO_AR_TOKENS)
+        reports.append(BenchReport(prompts=prompts_name, n_prompts=len(prompts), config=config, ar=backend_runs[0],
+                                   spec=backend_runs[1:], machine=machine_info(backend)))
+    report = reports[0]
+    if reference is not None:
+        report.reference = reports[1]
+        report.agreement = [compare_outputs(pipeline, reference, prompts, own, other)
+                            for own, other in zip(report.runs, report.reference.runs)]
+    return report
+
+
+def compare_outputs(pipeline, reference, prompts: list[str], own: BenchRun, other: BenchRun) -> dict:
+    """How many requests produced identical tokens on both backends; each divergence traced."""
+    divergences = []
+    pairs = [(repeat, index) for repeat in range(len(own.generations)) for index in range(len(prompts))]
+    for repeat, index in pairs:
+        a, b = own.generations[repeat][index].tokens, other.generations[repeat][index].tokens
+        if a != b:
+            trace = trace_divergence(pipeline, reference, pipeline.codec.encode(prompts[index]), a, b)
+            divergences.append({"repeat": repeat, "prompt": index, **trace})
+    return {"block_size": own.block_size, "requests": len(pairs), "identical": len(pairs) - len(divergences),
+            "divergences": divergences}
+
+
+def trace_divergence(pipeline, reference, prompt_ids: list[int], tokens: list[int], reference_tokens: list[int]) -> dict:
+    """Where two outputs part, and how close the call was: both backends' logits for the next
+    token after the common prefix, the reference's top-1 minus top-2 logit (the margin), and the
+    largest logit difference between the backends there."""
+    common = next((i for i, (x, y) in enumerate(zip(tokens, reference_tokens)) if x != y),
+                  min(len(tokens), len(reference_tokens)))
+    context = prompt_ids + tokens[:common]
+    logits = []
+    with torch.inference_mode():
+        for backend in (pipeline, reference):
+            backend.engine.reset(len(context))
+            logits.append(backend.engine.prefill(context)[0][-1].float().cpu())
+    top2 = logits[1].topk(2).values
+    return {"token_index": common,
+            "token": tokens[common] if common < len(tokens) else None,
+            "reference_token": reference_tokens[common] if common < len(reference_tokens) else None,
+            "reference_margin": float(top2[0] - top2[1]),
+            "max_abs_logit_diff": float((logits[0] - logits[1]).abs().max())}
 
 
 def write_json(data: dict, path: str | Path) -> Path:

@@ -13,6 +13,7 @@ import click
 
 from trtspec import __version__
 from trtspec.commands.bench import bench
+from trtspec.commands.build import build
 from trtspec.commands.run import run
 from trtspec.commands.train import generate_data, train_drafter
 from trtspec.errors import TrtspecError
@@ -42,7 +43,7 @@ def cli(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-for command in (run, bench, generate_data, train_drafter):
+for command in (run, build, bench, generate_data, train_drafter):
     cli.add_command(command)
 
 

@@ -16,6 +16,7 @@ Examples:
   trtspec bench                                     # bundled demo pair on HumanEval
   trtspec bench --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16 --limit 20 --json bench.json
   trtspec bench --prompts prompts.jsonl --block-sizes 8,16 --temperature 1 --repeats 5
+  trtspec bench --engine build/engine --block-sizes 12,16,20,24 --against-eager
 """)
 @model_options
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE",
@@ -27,9 +28,12 @@ Examples:
 @click.option("--limit", type=int, metavar="N", help="Use only the first N prompts.")
 @click.option("--repeats", type=int, default=DEFAULT.repeats, show_default=True,
               help="Passes over the prompt set; speed-up is the median of the per-repeat ratios.")
+@click.option("--against-eager", is_flag=True,
+              help="With --engine: also run the source checkpoints in eager PyTorch, interleaved, and report "
+                   "identical outputs and time per token relative to eager.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
-def bench(target, drafter, dtype, device, prompts_spec, block_sizes, temperature, top_k, top_p, seed,
-          max_new_tokens, limit, repeats, json_path) -> None:
+def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, temperature, top_k, top_p, seed,
+          max_new_tokens, limit, repeats, against_eager, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
     Every repeat runs AR and then each block size over all prompts (same backend and loop;
@@ -39,10 +43,19 @@ def bench(target, drafter, dtype, device, prompts_spec, block_sizes, temperature
     config = BenchConfig(block_sizes=parse_block_sizes(block_sizes), max_new_tokens=max_new_tokens,
                          repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
     name, prompts = load_prompts(prompts_spec, limit)
-    pipeline = load_pipeline(target, drafter, dtype, device)
-    if pipeline.drafter is None:
+    if against_eager and engine is None:
+        raise TrtspecError("--against-eager compares a built engine with eager PyTorch; give --engine DIR")
+    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine)
+    if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
-    report = run_bench(pipeline, prompts, config, prompts_name=name)
+    reference = None
+    if against_eager:  # the engine's own sources, in its dtype: the bundled demo pair unless named
+        from trtspec.assets import resolve_drafter, resolve_target
+        from trtspec.manifest import check_sources
+
+        check_sources(pipeline.engine.manifest, resolve_target(target), resolve_drafter(drafter, target))
+        reference = load_pipeline(target, drafter, str(pipeline.dtype).removeprefix("torch."), device)
+    report = run_bench(pipeline, prompts, config, reference=reference, prompts_name=name)
     click.echo(report.format_table())
     if json_path:
         click.echo(f"wrote {write_json(report.to_dict(), json_path)}", err=True)

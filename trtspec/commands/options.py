@@ -6,6 +6,7 @@ import functools
 
 import click
 
+from trtspec.errors import TrtspecError
 from trtspec.runtime.sampling import SamplingConfig
 
 
@@ -29,7 +30,11 @@ device_options = _stack(
                  show_default=True, help="auto = float32 on CPU, bfloat16 on CUDA."),
     click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
 )
-model_options = _stack(target_option, drafter_option, device_options)
+engine_option = click.option(
+    "--engine", "engine", metavar="DIR",
+    help="Run a built engine directory (trtspec build) instead of the checkpoints; --target/--drafter, "
+         "if given, must be the checkpoints it was built from.")
+model_options = _stack(target_option, drafter_option, engine_option, device_options)
 sampling_options = _stack(
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
     click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k likeliest (0 = off)."),
@@ -49,10 +54,18 @@ def _pipeline_class():
 
 
 def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: str, *,
-                  with_drafter: bool = True, max_context: int | None = None):
+                  with_drafter: bool = True, max_context: int | None = None, engine: str | None = None):
     """Resolve model arguments (bundled names, defaults) and load them once."""
     from trtspec.assets import resolve_drafter, resolve_target
 
+    if engine is not None:
+        pipeline = _pipeline_class()(
+            resolve_target(target) if target else None, resolve_drafter(drafter, target) if drafter else None,
+            engine=engine, device=device, max_context=max_context)
+        built = str(pipeline.dtype).removeprefix("torch.")
+        if dtype not in ("auto", built):
+            raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
+        return pipeline.autoregressive() if not with_drafter else pipeline
     drafter_dir = resolve_drafter(drafter, target) if with_drafter else None
     return _pipeline_class()(resolve_target(target), drafter_dir, dtype=dtype, device=device,
                              max_context=max_context)

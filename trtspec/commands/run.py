@@ -8,7 +8,7 @@ import sys
 import click
 
 from trtspec.commands.options import load_pipeline, model_options, sampling_config, sampling_options
-from trtspec.engines.eager import MAX_BLOCK_SIZE
+from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import GenerationConfig
 
@@ -39,6 +39,7 @@ Examples:
   trtspec run prompt.txt --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16
   echo "def fib(n):" | trtspec run - --block-size 12 --json
   trtspec run prompt.txt --ar                       # autoregressive baseline
+  trtspec run prompt.txt --engine build/engine      # a built engine (trtspec build)
 """)
 @click.argument("prompt_file", metavar="PROMPT_FILE")
 @model_options
@@ -52,7 +53,7 @@ Examples:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the target's chat template.")
 @click.option("--ar", is_flag=True, help="Decode autoregressively with the target alone (baseline).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run(prompt_file, target, drafter, dtype, device, block_size, temperature, top_k, top_p, seed,
+def run(prompt_file, target, drafter, engine, dtype, device, block_size, temperature, top_k, top_p, seed,
         max_new_tokens, max_context, stop, chat, ar, as_json) -> None:
     """Generate a continuation of PROMPT_FILE ('-' reads stdin).
 
@@ -66,8 +67,9 @@ def run(prompt_file, target, drafter, dtype, device, block_size, temperature, to
                            "(use --ar for autoregressive decoding)")
     sampling = sampling_config(temperature, top_k, top_p, seed)
     prompt = read_prompt(prompt_file)
-    pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context)
-    if not ar and pipeline.drafter is None:
+    pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context,
+                             engine=engine)
+    if not ar and not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
     config = GenerationConfig(
         block_size=1 if ar else (block_size if block_size is not None else pipeline.default_block_size),

@@ -2,16 +2,14 @@
 
 A directory holds `config.json` and either `model.safetensors` or a sharded set indexed by
 `model.safetensors.index.json`. Every failure is turned into a one-line `CheckpointError`.
-Writes go to a temporary sibling directory that is renamed into place, so an interrupted save
-never leaves a directory that looks complete.
+Writes are staged (`trtspec.fileio.staged_directory`), so an interrupted save never leaves a
+directory that looks complete.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from trtspec.errors import CheckpointError
+from trtspec.fileio import staged_directory
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,23 +82,13 @@ def load_state_dict(directory: Path, what: str) -> dict[str, torch.Tensor]:
 def save_checkpoint(directory: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor],
                     extra_files: dict[str, str] | None = None) -> Path:
     """Write config.json + model.safetensors atomically (temp dir, then rename)."""
-    target = Path(directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with staged_directory(directory) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
         save_file(contiguous, str(staging / SINGLE_FILE), metadata={"format": "pt"})
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text, encoding="utf-8")
-        _make_shareable(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+    return Path(directory)
 
 
 def build_empty(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -107,15 +96,6 @@ def build_empty(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     with torch.device("meta"):
         module = factory()
     return module.to_empty(device="cpu")
-
-
-def _make_shareable(directory: Path) -> None:
-    """mkdtemp creates a private (0700) directory; give it and its files the usual umask modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.iterdir():
-        path.chmod(0o666 & ~umask)
 
 
 def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str,

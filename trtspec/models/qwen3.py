@@ -8,6 +8,7 @@ the output of decoder layer i for each requested i (HF `hidden_states[i + 1]`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -16,6 +17,9 @@ from trtspec.errors import CheckpointError
 from trtspec.models.checkpoint import build_empty, checkpoint_dir, load_into, load_state_dict, read_json
 from trtspec.models.config import Qwen3Config
 from trtspec.models.layers import DecoderLayer, KVCache, RMSNorm, RotaryEmbedding
+
+# (layer index, new keys, new values) -> the keys and values those tokens attend to
+KVHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Qwen3Backbone(nn.Module):
@@ -68,10 +72,32 @@ class Qwen3Target(nn.Module):
             cache.check_write(start, count)
         end = start + count
         positions = torch.arange(start, end, device=tokens.device)
-        cos, sin = self.rotary(positions, self.dtype)
         causal = None
         if count > 1:
             causal = torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
+
+        def cached(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if cache is None:
+                return k, v
+            cache.write(i, start, k, v)
+            return cache.read(i, end)
+
+        h, features = self.decode(tokens, positions, cached, causal, feature_layers)
+        if cache is not None:
+            cache.length = end
+        if last_logits_only:
+            h = h[:, -1:]
+        return self.logits(h), features
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attend_kv: KVHook, mask: torch.Tensor | None,
+               feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder stack: final hidden states [b, T, H] and the tapped layers' outputs.
+
+        `attend_kv(layer, k, v)` turns the new tokens' keys/values into the keys/values they attend
+        to (a KV cache in eager mode, graph inputs and outputs in an exported step); `mask` is
+        boolean [T, keys] (True = may attend) or None for "everything".
+        """
+        cos, sin = self.rotary(positions, self.dtype)
         wanted = set(feature_layers)
         taps: dict[int, torch.Tensor] = {}
         h = self.model.embed_tokens(tokens)
@@ -79,21 +105,16 @@ class Qwen3Target(nn.Module):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.project_q(x, cos, sin)
-            k, v = attn.project_kv(x, cos, sin)
-            if cache is not None:
-                cache.write(i, start, k, v)
-                k, v = cache.read(i, end)
-            h = h + attn.attend(q, k, v, causal)
+            k, v = attend_kv(i, *attn.project_kv(x, cos, sin))
+            h = h + attn.attend(q, k, v, mask)
             h = layer.feed_forward(h)
             if i in wanted:
                 taps[i] = h
-        if cache is not None:
-            cache.length = end
-        if last_logits_only:
-            h = h[:, -1:]
-        logits = self.lm_head(self.model.norm(h))
         features = torch.cat([taps[i] for i in feature_layers], dim=-1) if feature_layers else None
-        return logits, features
+        return h, features
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32,

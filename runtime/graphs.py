@@ -1,0 +1,121 @@
+"""The decode loop's engine over compiled step graphs (ONNX Runtime, TensorRT, torch.export).
+
+It offers the same calls as the eager engine (reset / prefill / verify / draft / rollback) and
+turns each into one graph run. It owns the KV caches: position-major buffers allocated once
+at their full size, whose valid prefix is passed as `past_*` and whose next slots receive the
+graph's `new_*` outputs directly, so rolling back is just remembering a shorter length.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trtspec.engines.executor import PREFILL, TORCH_DTYPES, Executor, ProfileKey
+from trtspec.errors import TrtspecError
+from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec
+from trtspec.manifest import Manifest, read_manifest
+
+
+class GraphEngine:
+    def __init__(self, executor: Executor, manifest: Manifest):
+        self.executor, self.manifest = executor, manifest
+        self.device = executor.device
+        self.dtype = TORCH_DTYPES[manifest.dtype]
+        self.max_context = manifest.max_context
+        self.block_sizes = tuple(manifest.block_sizes)
+        self.mask_token_id: int | None = manifest.drafter.mask_token_id
+        self.specs: dict[str, GraphSpec] = manifest.specs()
+        capacity = manifest.max_context + MAX_BLOCK_SIZE
+        self._caches = {graph: [torch.zeros((capacity, *spec.inputs[-1].dims[1:]), dtype=self.dtype,
+                                            device=self.device) for _ in range(2)]
+                        for graph, spec in self.specs.items()}
+        self._length = {TARGET: 0, DRAFT: 0}
+        self._start = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._outputs: dict[tuple[str, ProfileKey], dict[str, torch.Tensor]] = {}
+
+    def without_drafter(self) -> "GraphEngine":
+        """The same graphs and buffers used autoregressively (the AR baseline)."""
+        baseline = GraphEngine.__new__(GraphEngine)
+        baseline.__dict__.update(self.__dict__)
+        baseline.mask_token_id = None
+        return baseline
+
+    def reset(self, positions: int) -> None:
+        if positions > self.max_context:
+            raise TrtspecError(f"a request of {positions} positions does not fit the engine's context "
+                               f"of {self.max_context}")
+        self._length = {TARGET: 0, DRAFT: 0}
+
+    def _run(self, graph: str, profile: ProfileKey, start: int, count: int, sizes: dict[str, int],
+             inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run `graph` for `count` new cache positions written at `start` (static output buffers per shape)."""
+        spec = self.specs[graph]
+        cache_k, cache_v = self._caches[graph]
+        cached = self._length[graph]
+        self._start.fill_(start)
+        inputs = {**inputs, "start": self._start, "past_k": cache_k[:cached], "past_v": cache_v[:cached]}
+        # Output shapes are fixed per profile (B tokens, B-1 proposals), so each profile keeps one
+        # set of buffers; a prompt's length varies, so prefill outputs are allocated per request.
+        outputs = self._outputs.get((graph, profile))
+        if outputs is None:
+            outputs = {t.name: torch.empty(t.shape(sizes), dtype=TORCH_DTYPES.get(t.dtype, self.dtype),
+                                           device=self.device)
+                       for t in spec.outputs if not t.name.startswith("new_")}
+            if profile != PREFILL:
+                self._outputs[(graph, profile)] = outputs
+        outputs = {**outputs, "new_k": cache_k[cached:cached + count], "new_v": cache_v[cached:cached + count]}
+        self.executor.run(graph, profile, inputs, outputs)
+        self._length[graph] = cached + count
+        return outputs
+
+    def _tokens(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long, device=self.device)
+
+    def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last-position logits [1, V] and the drafter features of every prompt position [P, F]."""
+        out = self._run(TARGET, PREFILL, 0, len(prompt), {"tokens": len(prompt)}, {"tokens": self._tokens(prompt)})
+        return out["logits"][-1:], out["features"]
+
+    def verify(self, block: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, V] and drafter features [B, F] of `block` placed at start..start+B-1."""
+        if start != self._length[TARGET]:
+            raise ValueError(f"verify at {start} but the target cache holds {self._length[TARGET]} positions")
+        out = self._run(TARGET, len(block), start, len(block), {"tokens": len(block)}, {"tokens": self._tokens(block)})
+        return out["logits"], out["features"]
+
+    def draft(self, context_features: torch.Tensor, block: list[int], start: int) -> torch.Tensor:
+        """Greedy proposals [B-1] for block positions 1..B-1."""
+        count = context_features.shape[0]
+        if start - count != self._length[DRAFT]:
+            raise ValueError(f"context starts at {start - count} but the drafter cache holds {self._length[DRAFT]}")
+        sizes = {"context": count, "proposals": len(block) - 1}
+        out = self._run(DRAFT, len(block), start, count, sizes,
+                        {"context": context_features, "block": self._tokens(block)})
+        return out["drafts"]
+
+    def rollback(self, length: int) -> None:
+        """Forget target cache entries at positions >= length (rejected drafts)."""
+        if not 0 <= length <= self._length[TARGET]:
+            raise ValueError(f"cannot roll the target cache of length {self._length[TARGET]} back to {length}")
+        self._length[TARGET] = length
+
+
+def open_engine(directory: str | Path, device: torch.device, threads: int | None = None) -> GraphEngine:
+    """Load a built engine directory (manifest verified) onto `device` with its backend's executor."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    graphs = {graph: directory / info["file"] for graph, info in manifest.graphs.items()}
+    if manifest.backend == "onnxruntime":
+        from trtspec.engines.onnxruntime import OnnxRuntimeExecutor
+        executor = OnnxRuntimeExecutor(graphs, device, threads)
+    elif manifest.backend == "tensorrt":
+        from trtspec.engines.tensorrt import TensorRTExecutor
+        executor = TensorRTExecutor(graphs, device, manifest.profiles)
+    elif manifest.backend == "torch":
+        from trtspec.engines.torch_graphs import TorchExecutor
+        executor = TorchExecutor(graphs, device, manifest.specs())
+    else:
+        raise TrtspecError(f"engine {directory}: unknown backend {manifest.backend!r}")
+    return GraphEngine(executor, manifest)

@@ -1,0 +1,227 @@
+"""Compiled step graphs: export, ONNX Runtime and torch.export engines, manifests, TensorRT profiles.
+
+The tiny random pair from conftest is exported and built for real; every engine must reproduce
+eager PyTorch (logits to float tolerance, greedy tokens exactly), and every damaged or foreign
+engine directory must be refused with one clear line.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import assert_one_line_error, save_random_drafter, trtspec
+
+from trtspec.build import BuildConfig, build_engine
+from trtspec.engines import tensorrt as trt_engine
+from trtspec.engines.eager import EagerEngine
+from trtspec.errors import TrtspecError
+from trtspec.export.bindings import DRAFT, TARGET, graph_specs
+from trtspec.export.steps import DraftStep, TargetStep
+from trtspec.manifest import MANIFEST_FILE, read_manifest
+from trtspec.models import load_drafter, load_target
+from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.graphs import open_engine
+
+BLOCK_SIZES = (4, 8)
+
+
+@pytest.fixture(scope="module")
+def pair(target_dir, drafter_dir):
+    target = load_target(target_dir)
+    return target, load_drafter(drafter_dir, target)
+
+
+@pytest.fixture(scope="module")
+def ort_engine(target_dir, drafter_dir, tmp_path_factory):
+    pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
+    output = tmp_path_factory.mktemp("engines") / "ort"
+    build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=BLOCK_SIZES, backend="onnxruntime"),
+                 progress=False)
+    return output
+
+
+def _position_major(cache, layer_count_end):
+    """Eager KVCache [layers, 1, heads, T, D] -> the graphs' [T, layers, heads, D] for positions < end."""
+    return cache.k[:, 0, :, :layer_count_end].permute(2, 0, 1, 3), cache.v[:, 0, :, :layer_count_end].permute(2, 0, 1, 3)
+
+
+def test_step_graphs_match_eager_including_a_stale_fixed_buffer(pair):
+    target, drafter = pair
+    layers = tuple(drafter.config.target_layer_ids)
+    tokens = torch.randint(2, target.config.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
+    cache = target.new_cache(1, 64)
+    with torch.inference_mode():
+        logits, features = target(tokens[None], 0, cache, layers)
+        past_k, past_v = _position_major(cache, 22)
+        step = TargetStep(target, layers)
+        out = step(tokens[22:], torch.tensor([22]), past_k.contiguous(), past_v.contiguous())
+        assert (out[0] - logits[0, 22:]).abs().max() < 1e-5 and (out[1] - features[0, 22:]).abs().max() < 1e-5
+        assert torch.allclose(out[2], _position_major(cache, 30)[0][22:], atol=1e-6)
+        # A whole fixed-size buffer whose slots from `start` on hold garbage gives the same answer.
+        buffer_k, buffer_v = torch.full((40, *past_k.shape[1:]), 9.0), torch.full((40, *past_v.shape[1:]), -9.0)
+        buffer_k[:22], buffer_v[:22] = past_k, past_v
+        assert (step(tokens[22:], torch.tensor([22]), buffer_k, buffer_v)[0] - logits[0, 22:]).abs().max() < 1e-5
+
+        draft_cache = drafter.new_cache(1, 64)
+        block = torch.tensor([int(tokens[29])] + [drafter.config.mask_token_id] * 7)
+        drafter(features[:, :20], block[None], 20, draft_cache)  # the drafter cache now holds 20 positions
+        expected = drafter(features[:, 20:29], block[None], 29, draft_cache).argmax(-1)[0]
+        ctx_k, ctx_v = _position_major(draft_cache, 20)
+        drafts, new_k, _ = DraftStep(drafter)(features[0, 20:29], block, torch.tensor([29]), ctx_k.contiguous(),
+                                              ctx_v.contiguous())
+        assert drafts.tolist() == expected.tolist()
+        assert torch.allclose(new_k, _position_major(draft_cache, 29)[0][20:], atol=1e-6)
+
+
+def test_build_writes_a_manifest_with_one_profile_per_block_size(ort_engine, pair):
+    import onnx
+
+    manifest = read_manifest(ort_engine)
+    assert manifest.backend == "onnxruntime" and manifest.dtype == "float32"
+    assert manifest.block_sizes == list(BLOCK_SIZES) and manifest.profiles[TARGET] == ["prefill", 1, 4, 8]
+    assert [row["block_size"] for row in manifest.block_size_table()] == [4, 8]
+    assert [row["draft_profile"] for row in manifest.block_size_table()] == [0, 1]
+    assert {"target.onnx", "draft.onnx", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= set(
+        manifest.artifacts)
+    assert manifest.check["max_abs_logit_diff"] < 1e-4
+    for graph, spec in graph_specs(*(m.config for m in pair)).items():
+        model = onnx.load(str(ort_engine / f"{graph}.onnx"), load_external_data=False)
+        assert [i.name for i in model.graph.input] == [t.name for t in spec.inputs]
+        assert [o.name for o in model.graph.output] == [t.name for t in spec.outputs]
+
+
+def _greedy(engine, prompts, block_size, tokens=24):
+    return [generate(engine, prompt, GenerationConfig(block_size=block_size, max_new_tokens=tokens)).tokens
+            for prompt in prompts]
+
+
+@pytest.mark.parametrize("block_size", [1, *BLOCK_SIZES])
+def test_onnxruntime_greedy_equals_eager(ort_engine, pair, block_size):
+    generator = torch.Generator().manual_seed(block_size)
+    prompts = [torch.randint(2, 300, (n,), generator=generator).tolist() for n in (1, 5, 17, 40)]
+    graph_engine = open_engine(ort_engine, torch.device("cpu"))
+    if block_size == 1:
+        graph_engine = graph_engine.without_drafter()
+    assert _greedy(graph_engine, prompts, block_size) == _greedy(EagerEngine(*pair), prompts, block_size)
+
+
+def test_torch_export_backend_equals_eager(target_dir, drafter_dir, pair, tmp_path):
+    output = tmp_path / "torch-engine"
+    manifest = build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4,), backend="torch"),
+                            progress=False)
+    assert {"target.pt2", "draft.pt2"} <= set(manifest.artifacts)
+    prompts = [[5, 9, 33, 2, 7], [100]]
+    assert _greedy(open_engine(output, torch.device("cpu")), prompts, 4) == _greedy(EagerEngine(*pair), prompts, 4)
+
+
+def test_cli_build_run_and_block_sizes_the_engine_lacks(target_dir, drafter_dir, ort_engine, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n")
+    common = ("--max-new-tokens", 20, "--json")
+    eager = trtspec("run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--block-size", 8, *common)
+    built = trtspec("run", prompt, "--engine", ort_engine, "--block-size", 8, *common)
+    assert eager.returncode == 0 and built.returncode == 0, built.stderr.decode()
+    assert json.loads(built.stdout)["tokens"] == json.loads(eager.stdout)["tokens"]
+    ar = trtspec("run", prompt, "--engine", ort_engine, "--ar", *common)
+    assert json.loads(ar.stdout)["tokens"] == json.loads(eager.stdout)["tokens"]  # greedy spec == AR
+    assert_one_line_error(trtspec("run", prompt, "--engine", ort_engine, "--block-size", 16),
+                          "built for block sizes 4, 8")
+
+
+def _damaged(source, tmp_path, how):
+    engine = tmp_path / "engine"
+    shutil.copytree(source, engine)
+    manifest_path = engine / MANIFEST_FILE
+    if how == "other manifest version":
+        data = json.loads(manifest_path.read_text())
+        data["manifest_version"], data["trtspec_version"] = 99, "9.9.9"
+        manifest_path.write_text(json.dumps(data))
+    elif how == "truncated graph":
+        data = (engine / "target.onnx").read_bytes()
+        (engine / "target.onnx").write_bytes(data[: len(data) // 2])
+    elif how == "corrupted graph":
+        data = bytearray((engine / "draft.onnx").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (engine / "draft.onnx").write_bytes(bytes(data))
+    elif how == "missing graph":
+        (engine / "draft.onnx").unlink()
+    elif how == "no manifest":
+        manifest_path.unlink()
+    elif how == "manifest not JSON":
+        manifest_path.write_text("{ half a manifest")
+    return engine
+
+
+@pytest.mark.parametrize("how, message", [
+    ("other manifest version", "manifest version 99"),
+    ("truncated graph", "truncated"),
+    ("corrupted graph", "SHA-256"),
+    ("missing graph", "draft.onnx is missing"),
+    ("no manifest", "not an engine directory"),
+    ("manifest not JSON", "not valid JSON"),
+])
+def test_damaged_engine_directories_are_refused(ort_engine, tmp_path, how, message):
+    with pytest.raises(TrtspecError, match=message.replace("(", r"\(")):
+        open_engine(_damaged(ort_engine, tmp_path, how), torch.device("cpu"))
+
+
+def test_engine_from_other_checkpoints_is_refused_on_the_command_line(ort_engine, target_dir, pair, tmp_path):
+    other = save_random_drafter(tmp_path / "other-drafter", pair[0], seed=7)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n")
+    assert_one_line_error(trtspec("run", prompt, "--engine", ort_engine, "--target", target_dir, "--drafter", other),
+                          "built from another drafter checkpoint")
+    assert_one_line_error(trtspec("run", prompt, "--engine", _damaged(ort_engine, tmp_path, "corrupted graph")),
+                          "does not match its SHA-256")
+
+
+def test_a_failed_build_leaves_nothing_that_looks_complete(target_dir, drafter_dir, ort_engine, tmp_path, monkeypatch):
+    import trtspec.build
+
+    def broken_export(*args, **kwargs):
+        (args[-1]).write_bytes(b"half a graph")
+        raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-export
+    monkeypatch.setattr(trtspec.build, "export_onnx", broken_export)
+    existing = tmp_path / "existing"
+    shutil.copytree(ort_engine, existing)
+    for output in (tmp_path / "fresh", existing):
+        with pytest.raises(KeyboardInterrupt):
+            build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4,), backend="onnxruntime"),
+                         progress=False)
+    assert not (tmp_path / "fresh").exists()
+    read_manifest(existing)  # the previous engine is untouched and still verifies
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]  # no staging directories left behind
+
+
+def test_tensorrt_profile_table(pair):
+    specs = graph_specs(*(m.config for m in pair))
+    table = trt_engine.profile_table(specs, [12, 16], max_context=512)
+    assert [p["key"] for p in table[TARGET]] == ["prefill", 1, 12, 16]
+    assert [p["key"] for p in table[DRAFT]] == [12, 16]
+    layers, heads, dim = pair[0].config.num_hidden_layers, pair[0].config.num_key_value_heads, pair[0].config.head_dim
+    prefill, ar, b12, _ = table[TARGET]
+    assert prefill["shapes"]["tokens"] == {"min": [1], "opt": [256], "max": [512]}
+    assert prefill["shapes"]["past_k"]["max"] == [0, layers, heads, dim]
+    assert ar["shapes"]["tokens"] == {"min": [1], "opt": [1], "max": [1]}
+    assert b12["shapes"]["tokens"] == {"min": [12], "opt": [12], "max": [12]}
+    assert b12["shapes"]["past_v"]["min"] == [1, layers, heads, dim]
+    assert b12["shapes"]["past_v"]["max"][0] >= 512 + 12  # verify near the end of the context still fits
+    d16 = table[DRAFT][1]["shapes"]
+    assert d16["block"] == {"min": [16], "opt": [16], "max": [16]}
+    assert d16["context"]["min"][0] == 1 and d16["context"]["max"][0] == 512  # first draft: the whole prompt
+    assert set(d16) == {"context", "block", "past_k", "past_v"}  # every input with a dynamic axis, no more
+    for graph, profiles in table.items():
+        for profile in profiles:
+            for shape in profile["shapes"].values():
+                assert all(lo <= opt <= hi for lo, opt, hi in zip(shape["min"], shape["opt"], shape["max"]))
+
+
+@pytest.mark.skipif(not trt_engine.available(), reason="TensorRT and a CUDA GPU are not available here")
+def test_tensorrt_engine_equals_eager(target_dir, drafter_dir, pair, tmp_path):
+    output = tmp_path / "trt"
+    build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4,), backend="tensorrt",
+                                                               dtype="float32"), progress=False)
+    prompts = [[5, 9, 33, 2, 7], [100]]
+    cuda_pair = EagerEngine(*(m.to("cuda") for m in pair))
+    assert _greedy(open_engine(output, torch.device("cuda")), prompts, 4) == _greedy(cuda_pair, prompts, 4)

@@ -1,0 +1,162 @@
+"""`trtspec build`: export the step graphs once and compile them for one backend.
+
+Output: an engine directory with the graphs (`*.onnx`, `*.plan` or `*.pt2`), the tokenizer and
+`manifest.json`. Everything is written into a staging directory that replaces the output only
+once the build has finished and checked itself against eager PyTorch, so an interrupted or
+failed build never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from trtspec import __version__
+from trtspec.engines import onnxruntime as ort_engine
+from trtspec.engines import tensorrt as trt_engine
+from trtspec.engines.executor import TORCH_DTYPES
+from trtspec.errors import TrtspecError
+from trtspec.export.bindings import MAX_BLOCK_SIZE, graph_specs
+from trtspec.export.graphs import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
+from trtspec.fileio import staged_directory
+from trtspec.manifest import TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
+from trtspec.models import load_drafter, load_target
+
+BACKENDS = ("onnxruntime", "tensorrt", "torch")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json")
+CHECK_TOLERANCE = 1e-3  # max |logit difference| vs eager torch at float32 for a build to pass its self-check
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    block_sizes: tuple[int, ...] = (12, 16, 20, 24)
+    backend: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.block_sizes or any(not MIN_COMPILED_BLOCK_SIZE <= b <= MAX_BLOCK_SIZE for b in self.block_sizes):
+            raise TrtspecError(f"engine block sizes must be in [{MIN_COMPILED_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+                               f"got {list(self.block_sizes)}")
+        if self.backend not in ("auto", *BACKENDS):
+            raise TrtspecError(f"backend must be auto, {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.max_context is not None and self.max_context < 2:
+            raise TrtspecError(f"--max-context must be >= 2, got {self.max_context}")
+
+
+def best_backend() -> str:
+    if trt_engine.available():
+        return "tensorrt"
+    return "onnxruntime" if ort_engine.available() else "torch"
+
+
+def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
+    from trtspec.api import resolve_device, resolve_dtype
+
+    backend = best_backend() if config.backend == "auto" else config.backend
+    device = resolve_device(config.device)
+    if backend == "tensorrt" and not trt_engine.available():
+        raise TrtspecError("--backend tensorrt needs the tensorrt package and a CUDA GPU; "
+                           "use --backend onnxruntime (or torch) on this machine")
+    if backend == "tensorrt":
+        device = torch.device("cuda")
+    if backend == "onnxruntime" and not ort_engine.available():
+        raise TrtspecError("--backend onnxruntime needs onnxruntime: pip install 'trtspec[onnx]'")
+    dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
+    if backend == "onnxruntime" and dtype == "bfloat16":
+        raise TrtspecError("ONNX Runtime engines are float32 or float16; pass --dtype float32 or float16")
+    return backend, device, dtype
+
+
+def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: BuildConfig,
+                 progress: bool = True) -> Manifest:
+    backend, device, dtype = _resolve(config)
+    # Export on the CPU in float32 unless the engine's dtype needs otherwise; TensorRT/ORT move it.
+    export_device = device if backend == "torch" else torch.device("cpu")
+    target = load_target(target_dir, TORCH_DTYPES[dtype], export_device)
+    drafter = load_drafter(drafter_dir, target)
+    max_context = min(config.max_context or target.config.max_position_embeddings,
+                      target.config.max_position_embeddings)
+    block_sizes = sorted(config.block_sizes)
+    modules = step_modules(target, drafter)
+    specs = graph_specs(target.config, drafter.config)
+    table = trt_engine.profile_table(specs, block_sizes, max_context) if backend == "tensorrt" else None
+    steps = [(name, stage) for name in modules for stage in
+             (("export",) if backend != "tensorrt" else ("export", "compile"))] + [("engine", "self-check")]
+    with staged_directory(output) as staging, tqdm(total=len(steps), desc="build", unit="step", file=sys.stderr,
+                                                   disable=not progress, dynamic_ncols=True) as bar:
+        files = {}
+        for name, stage in steps[:-1]:
+            bar.set_postfix_str(f"{stage} {name}")
+            if stage == "export" and backend == "torch":
+                files[name] = f"{name}.pt2"
+                torch.export.save(export_program(modules[name], specs[name], max_context, target.dtype, export_device),
+                                  str(staging / files[name]))
+            elif stage == "export":
+                files[name] = f"{name}.onnx"
+                export_onnx(modules[name], specs[name], max_context, target.dtype, export_device, staging / files[name])
+            else:
+                plan = f"{name}.plan"
+                trt_engine.build_plan(staging / files[name], staging / plan, table[name],
+                                      timing_cache=output.parent / ".trtspec-timing.cache")
+                (staging / files[name]).unlink()  # the plan replaces the graph it was built from
+                files[name] = plan
+            bar.update()
+        _copy_tokenizer(target_dir, staging / TOKENIZER_DIR)
+        manifest = Manifest(
+            backend=backend, dtype=dtype, max_context=max_context, block_sizes=block_sizes,
+            profiles=trt_engine.profile_keys(block_sizes),
+            target_config=target.config.to_dict(), drafter_config=drafter.config.to_zlab(),
+            sources={"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir)},
+            artifacts=record_artifacts(staging),
+            graphs={name: {"file": files[name], **specs[name].to_dict()} for name in modules},
+            tensorrt_profiles=table, trtspec_version=__version__)
+        manifest.write(staging)
+        bar.set_postfix_str("self-check")
+        manifest.check = self_check(staging, device, target, drafter, block_sizes)
+        manifest.write(staging)
+        bar.update()
+    return manifest
+
+
+def _copy_tokenizer(source: Path, destination: Path) -> None:
+    destination.mkdir()
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, destination / name)
+
+
+def self_check(directory: Path, device: torch.device, target, drafter, block_sizes: list[int]) -> dict:
+    """Run the built engine's prefill, verify(B) and draft(B) on a fixed prompt and compare them
+    with the eager modules; refuse the build if the logits differ by more than the tolerance."""
+    from trtspec.engines.eager import EagerEngine
+    from trtspec.runtime.graphs import open_engine
+
+    engine, eager = open_engine(directory, device), EagerEngine(target, drafter)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, target.config.vocab_size, (24,), generator=generator).tolist()
+    worst = 0.0
+    with torch.inference_mode():
+        for block_size in block_sizes:
+            for e in (engine, eager):
+                e.reset(len(prompt) + block_size)
+            (logits_g, features_g), (logits_e, features_e) = engine.prefill(prompt), eager.prefill(prompt)
+            block = [prompt[-1]] + [drafter.config.mask_token_id] * (block_size - 1)
+            drafts_g = engine.draft(features_g, block, len(prompt))
+            drafts_e = eager.draft(features_e, block, len(prompt))
+            block = [block[0], *drafts_e.tolist()]
+            verified = engine.verify(block, len(prompt))[0], eager.verify(block, len(prompt))[0]
+            worst = max(worst, (logits_g.float().cpu() - logits_e.float().cpu()).abs().max().item(),
+                        (verified[0].float().cpu() - verified[1].float().cpu()).abs().max().item())
+            agree = (drafts_g.cpu() == drafts_e.cpu()).float().mean().item()
+            if target.dtype == torch.float32 and (worst > CHECK_TOLERANCE or agree < 1.0):
+                raise TrtspecError(f"self-check failed at block size {block_size}: max |logit difference| {worst:.2e}, "
+                                   f"draft agreement {agree:.0%} (the engine does not reproduce PyTorch)")
+    return {"max_abs_logit_diff": worst, "block_sizes": block_sizes, "prompt_tokens": len(prompt)}

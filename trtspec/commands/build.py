@@ -1,0 +1,50 @@
+"""`trtspec build`: compile the target and drafter into an engine directory."""
+
+from __future__ import annotations
+
+import click
+
+from trtspec.commands.options import drafter_option, target_option
+from trtspec.errors import TrtspecError
+
+
+@click.command(epilog="""\b
+Examples:
+  trtspec build -o build/engine                      # demo pair, block sizes 12,16,20,24, best backend
+  trtspec build --block-sizes 16,24 --backend onnxruntime -o build/engine-ort
+  trtspec build --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16 --backend tensorrt --dtype bfloat16 -o engine
+  trtspec run prompt.txt --engine build/engine
+""")
+@target_option
+@drafter_option
+@click.option("--block-sizes", default="12,16,20,24", show_default=True, metavar="B,B,...",
+              help="Candidate block sizes; each gets its own optimization profile.")
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "torch"]), default="auto",
+              show_default=True, help="auto = tensorrt with a GPU and TensorRT, else onnxruntime, else torch.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="auto = float32 on CPU, bfloat16 on CUDA.")
+@click.option("--device", default="auto", show_default=True, help="Device the engine runs on (auto, cpu, cuda).")
+@click.option("--max-context", type=int, metavar="N", help="Positions a request may fill. [default: the model's]")
+@click.option("-o", "--output", required=True, metavar="DIR", help="Engine directory to write (replaced if it exists).")
+def build(target, drafter, block_sizes, backend, dtype, device, max_context, output) -> None:
+    """Export the step graphs and compile them into an engine directory.
+
+    The directory holds the compiled graphs, the tokenizer and manifest.json (backend, dtype,
+    block sizes with their profile indices, max context, hashes of the source checkpoints).
+    """
+    from pathlib import Path
+
+    from trtspec.assets import resolve_drafter, resolve_target
+    from trtspec.bench import parse_block_sizes
+    from trtspec.build import BuildConfig, build_engine
+
+    config = BuildConfig(block_sizes=parse_block_sizes(block_sizes), backend=backend, dtype=dtype, device=device,
+                         max_context=max_context)
+    drafter_dir = resolve_drafter(drafter, target)
+    if drafter_dir is None:
+        raise TrtspecError("give --drafter DIR: an engine holds the target and its drafter")
+    manifest = build_engine(resolve_target(target), drafter_dir, Path(output), config)
+    sizes = ", ".join(f"B={row['block_size']} (target profile {row['target_profile']}, draft profile "
+                      f"{row['draft_profile']})" for row in manifest.block_size_table())
+    click.echo(f"wrote {output}: {manifest.backend} {manifest.dtype}, max context {manifest.max_context}; {sizes}; "
+               f"self-check max |logit diff| {manifest.check['max_abs_logit_diff']:.2e}")
