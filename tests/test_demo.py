@@ -52,3 +52,20 @@ def test_run_defaults_to_the_demo_pair():
     assert result.returncode == 0, result.stderr.decode()
     output = json.loads(result.stdout)
     assert output["stats"]["block_size"] == 16 and output["text"].strip()
+
+
+def test_demo_engine_built_with_defaults_reproduces_eager(demo, tmp_path):
+    """`trtspec build` with its defaults (demo pair, 12/16/20/24, best backend here), then the
+    ONNX Runtime engine's greedy output equals eager PyTorch's on HumanEval prompts."""
+    pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
+    result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", "build", "-o", tmp_path / "engine"],
+                            capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr.decode()
+    assert "B=12 (target profile 2, draft profile 0)" in result.stdout.decode()
+    engine = Pipeline(resolve_target(None), resolve_drafter(None, None), engine=tmp_path / "engine")
+    assert engine.backend == "onnxruntime" and engine.engine.block_sizes == (12, 16, 20, 24)
+    _, prompts = load_prompts("humaneval", limit=6)
+    for prompt in prompts:
+        for block_size in (12, 24):
+            config = GenerationConfig(block_size=block_size, max_new_tokens=48)
+            assert engine.generate(prompt, config).tokens == demo.generate(prompt, config).tokens
