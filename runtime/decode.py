@@ -13,6 +13,7 @@ from typing import Callable, Protocol
 import torch
 
 from trtspec.export.bindings import MAX_BLOCK_SIZE
+from trtspec.policy import AUTO, BlockPilot
 from trtspec.errors import TrtspecError
 from trtspec.runtime.sampling import Sampler, SamplingConfig, accepted_length
 from trtspec.runtime.stats import DecodeStats
@@ -20,7 +21,8 @@ from trtspec.runtime.stats import DecodeStats
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """What one request asks for. block_size 1 means autoregressive (target only)."""
+    """What one request asks for. block_size 1 means autoregressive (target only); AUTO (0) lets
+    the BlockPilot policy choose once after prefill."""
 
     block_size: int = 16
     max_new_tokens: int = 256
@@ -28,9 +30,9 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
-            raise TrtspecError(f"block size must be in [2, {MAX_BLOCK_SIZE}] (or 1 for autoregressive), "
-                               f"got {self.block_size}")
+        if not (self.block_size == AUTO or 1 <= self.block_size <= MAX_BLOCK_SIZE):
+            raise TrtspecError(f"block size must be in [2, {MAX_BLOCK_SIZE}] (or 1 for autoregressive, "
+                               f"or auto), got {self.block_size}")
         if self.max_new_tokens < 1:
             raise TrtspecError(f"max new tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -84,21 +86,22 @@ class DecodeEngine(Protocol):
 
 
 def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
-             on_commit: Callable[[list[int]], None] | None = None) -> Generation:
-    """Decode one request. `on_commit` receives each batch of newly committed tokens (streaming)."""
+             on_commit: Callable[[list[int]], None] | None = None, policy: BlockPilot | None = None) -> Generation:
+    """Decode one request. `on_commit` receives each batch of newly committed tokens (streaming);
+    `policy` chooses the block size after prefill when the config asks for AUTO."""
     block_size = config.block_size
     if not prompt:
         raise TrtspecError("the prompt is empty")
     if len(prompt) >= engine.max_context:
         raise TrtspecError(f"the prompt is {len(prompt)} tokens; the context holds {engine.max_context}")
-    if block_size > 1 and engine.mask_token_id is None:
+    if block_size != 1 and engine.mask_token_id is None:
         raise TrtspecError("speculative decoding needs a drafter (or use block size 1 / --ar)")
-    if block_size > 1 and engine.block_sizes is not None and block_size not in engine.block_sizes:
-        raise TrtspecError(f"the engine was built for block sizes {', '.join(map(str, engine.block_sizes))}; "
-                           f"block size {block_size} is not among them (rebuild with --block-sizes)")
+    if block_size == AUTO and policy is None:
+        raise TrtspecError("block size auto needs a BlockPilot policy (trtspec train-policy; then --policy DIR "
+                           "or trtspec build --policy DIR)")
+    _check_block_size(engine, block_size)
     limit = min(config.max_new_tokens, engine.max_context - len(prompt))
     sampler = Sampler(config.sampling, engine.device)
-    stats = DecodeStats(block_size=block_size, prompt_tokens=len(prompt))
     out = _Output(limit, config.stop_ids, on_commit)
     engine.reset(len(prompt) + limit)
 
@@ -106,12 +109,18 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
         began = time.perf_counter()
         logits, context = engine.prefill(prompt)
         bonus = int(sampler.sample(logits)[0])
-        stats.prefill_s = time.perf_counter() - began
+        prefill_s = time.perf_counter() - began
         out.commit([bonus])
         start = len(prompt)  # position of the bonus token
 
+        began = time.perf_counter()  # the policy's choice counts as decode time
+        chosen = block_size == AUTO
+        if chosen:
+            block_size = policy.choose(context)
+            _check_block_size(engine, block_size)
+        stats = DecodeStats(block_size=block_size, prompt_tokens=len(prompt), prefill_s=prefill_s,
+                            auto=chosen, policy_s=time.perf_counter() - began if chosen else 0.0)
         masks = [engine.mask_token_id] * (block_size - 1) if block_size > 1 else []
-        began = time.perf_counter()
         while not out.finish_reason:
             block = [bonus]
             if masks:
@@ -131,3 +140,9 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
     stats.new_tokens = len(out.tokens)
     stats.finish_reason = out.finish_reason
     return Generation(out.tokens, stats)
+
+
+def _check_block_size(engine: DecodeEngine, block_size: int) -> None:
+    if block_size > 1 and engine.block_sizes is not None and block_size not in engine.block_sizes:
+        raise TrtspecError(f"the engine was built for block sizes {', '.join(map(str, engine.block_sizes))}; "
+                           f"block size {block_size} is not among them (rebuild with --block-sizes)")

@@ -20,6 +20,8 @@ class DecodeStats:
     decode_s: float = 0.0
     finish_reason: str = ""
     histogram: list[int] = field(default_factory=list)
+    auto: bool = False      # block_size was chosen by the BlockPilot policy
+    policy_s: float = 0.0   # time of that choice (part of decode_s)
 
     def __post_init__(self) -> None:
         if not self.histogram:
@@ -55,6 +57,8 @@ class DecodeStats:
             "ceiling_fraction": self.ceiling_fraction,
             "cycles": self.cycles,
             "block_size": self.block_size,
+            "block_size_auto": self.auto,
+            "policy_s": self.policy_s,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "prefill_s": self.prefill_s,
@@ -65,7 +69,8 @@ class DecodeStats:
 
     def summary(self) -> str:
         """One human-readable line for stderr."""
-        text = (f"{self.new_tokens} new tokens, {self.cycles} cycles at B={self.block_size}, "
+        chosen = " (chosen by BlockPilot)" if self.auto else ""
+        text = (f"{self.new_tokens} new tokens, {self.cycles} cycles at B={self.block_size}{chosen}, "
                 f"tau {self.tau:.2f}")
         if self.block_size > 1:
             text += f", ceiling {self.ceiling_fraction:.1%}"

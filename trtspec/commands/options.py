@@ -35,6 +35,25 @@ engine_option = click.option(
     help="Run a built engine directory (trtspec build) instead of the checkpoints; --target/--drafter, "
          "if given, must be the checkpoints it was built from.")
 model_options = _stack(target_option, drafter_option, engine_option, device_options)
+policy_option = click.option(
+    "--policy", "policy", metavar="DIR",
+    help="BlockPilot policy (trtspec train-policy) for --block-size auto. [default: the engine's, if it has one]")
+
+
+class BlockSizeType(click.ParamType):
+    """An integer block size, or "auto" (BlockPilot chooses per request)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        from trtspec.policy import AUTO
+
+        if value in ("auto", AUTO):
+            return AUTO
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither an integer nor auto", param, ctx)
 sampling_options = _stack(
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
     click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k likeliest (0 = off)."),
@@ -54,18 +73,19 @@ def _pipeline_class():
 
 
 def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: str, *,
-                  with_drafter: bool = True, max_context: int | None = None, engine: str | None = None):
+                  with_drafter: bool = True, max_context: int | None = None, engine: str | None = None,
+                  policy: str | None = None):
     """Resolve model arguments (bundled names, defaults) and load them once."""
     from trtspec.assets import resolve_drafter, resolve_target
 
     if engine is not None:
         pipeline = _pipeline_class()(
             resolve_target(target) if target else None, resolve_drafter(drafter, target) if drafter else None,
-            engine=engine, device=device, max_context=max_context)
+            engine=engine, policy=policy if with_drafter else None, device=device, max_context=max_context)
         built = str(pipeline.dtype).removeprefix("torch.")
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
         return pipeline.autoregressive() if not with_drafter else pipeline
     drafter_dir = resolve_drafter(drafter, target) if with_drafter else None
     return _pipeline_class()(resolve_target(target), drafter_dir, dtype=dtype, device=device,
-                             max_context=max_context)
+                             max_context=max_context, policy=policy if with_drafter else None)

@@ -7,9 +7,11 @@ import sys
 
 import click
 
-from trtspec.commands.options import load_pipeline, model_options, sampling_config, sampling_options
+from trtspec.commands.options import (BlockSizeType, load_pipeline, model_options, policy_option, sampling_config,
+                                      sampling_options)
 from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
+from trtspec.policy import AUTO
 from trtspec.runtime.decode import GenerationConfig
 
 
@@ -43,8 +45,10 @@ Examples:
 """)
 @click.argument("prompt_file", metavar="PROMPT_FILE")
 @model_options
-@click.option("--block-size", type=int, metavar="N",
-              help="Block size B in [2, 64]; proposes B-1 tokens per cycle. [default: the drafter's]")
+@click.option("--block-size", type=BlockSizeType(),
+              help="Block size B in [2, 64] (proposes B-1 tokens per cycle), or auto: BlockPilot chooses once "
+                   "after prefill. [default: auto with a policy, else the drafter's]")
+@policy_option
 @sampling_options
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
 @click.option("--max-context", type=int, metavar="N", help="Cap on prompt + output tokens. [default: the model's]")
@@ -53,7 +57,7 @@ Examples:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the target's chat template.")
 @click.option("--ar", is_flag=True, help="Decode autoregressively with the target alone (baseline).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run(prompt_file, target, drafter, engine, dtype, device, block_size, temperature, top_k, top_p, seed,
+def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy, temperature, top_k, top_p, seed,
         max_new_tokens, max_context, stop, chat, ar, as_json) -> None:
     """Generate a continuation of PROMPT_FILE ('-' reads stdin).
 
@@ -62,13 +66,13 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, tempera
     """
     if ar and block_size is not None:
         raise TrtspecError("--ar decodes one token at a time; drop --block-size")
-    if block_size is not None and not 2 <= block_size <= MAX_BLOCK_SIZE:
+    if block_size is not None and block_size != AUTO and not 2 <= block_size <= MAX_BLOCK_SIZE:
         raise TrtspecError(f"block size must be in [2, {MAX_BLOCK_SIZE}], got {block_size} "
                            "(use --ar for autoregressive decoding)")
     sampling = sampling_config(temperature, top_k, top_p, seed)
     prompt = read_prompt(prompt_file)
     pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context,
-                             engine=engine)
+                             engine=engine, policy=policy)
     if not ar and not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
     config = GenerationConfig(

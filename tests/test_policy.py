@@ -1,0 +1,139 @@
+"""BlockPilot: the policy itself, label -> train -> evaluate on the tiny pair, and `auto` at run time."""
+
+import json
+
+import pytest
+import torch
+from helpers import assert_one_line_error, trtspec
+
+from trtspec.errors import TrtspecError
+from trtspec.policy import AUTO, expected_regret, load_policy, summarize_prefill, train_policy
+from trtspec.runtime.decode import GenerationConfig, generate
+
+PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n", "import os\nimport sys\n",
+           "Speculative decoding drafts", "def f(x):\n    return"]
+
+
+def test_prefill_summary():
+    features = torch.arange(12.0).reshape(4, 3)
+    assert summarize_prefill(features, ("last",)).tolist() == [9, 10, 11]
+    assert summarize_prefill(features, ("mean",)).tolist() == [4.5, 5.5, 6.5]
+    assert summarize_prefill(features, ("length",)).item() == pytest.approx(torch.log(torch.tensor(4.0)).item())
+    assert summarize_prefill(features).shape == (7,)
+    with pytest.raises(TrtspecError, match="unknown BlockPilot feature"):
+        summarize_prefill(features, ("median",))
+
+
+def test_policy_learns_a_feature_dependent_choice_and_round_trips(tmp_path):
+    """Prompts whose first feature is positive run fastest at B=16, the others at B=8: the
+    trained policy must tell them apart on new prompts, and survive save/load."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(400, 5, generator=generator)
+    positive = inputs[:, 0] > 0
+    speeds = torch.stack([torch.where(positive, 1.0, 2.0), torch.where(positive, 2.0, 1.0)], dim=1)
+    policy = train_policy(inputs, speeds, (8, 16), ("last",), hidden=16, steps=300)
+    fresh = torch.randn(200, 5, generator=generator)
+    picks = policy.net(fresh).argmax(dim=1)
+    assert (picks == (fresh[:, 0] > 0).long()).float().mean() > 0.95
+    assert expected_regret(policy.net(inputs), speeds) < 0.05
+    loaded = load_policy(policy.save(tmp_path / "policy"), available_block_sizes=(8, 12, 16))
+    assert torch.equal(loaded.net(fresh), policy.net(fresh)) and loaded.block_sizes == (8, 16)
+    with pytest.raises(TrtspecError, match="16 is not in the engine"):
+        load_policy(tmp_path / "policy", available_block_sizes=(8, 12))
+    with pytest.raises(TrtspecError, match="not a BlockPilot policy"):
+        load_policy(tmp_path)
+
+
+def test_auto_without_a_policy_is_refused(target_dir, drafter_dir):
+    from trtspec.engines.eager import EagerEngine
+    from trtspec.models import load_drafter, load_target
+
+    target = load_target(target_dir)
+    engine = EagerEngine(target, load_drafter(drafter_dir, target))
+    with pytest.raises(TrtspecError, match="needs a BlockPilot policy"):
+        generate(engine, [3, 4], GenerationConfig(block_size=AUTO))
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir, drafter_dir, tmp_path_factory):
+    """label-blocks -> train-policy through the real CLI on the tiny pair."""
+    work = tmp_path_factory.mktemp("blockpilot")
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    labels = work / "labels.jsonl"
+    result = trtspec("--threads", 1, "label-blocks", "--target", target_dir, "--drafter", drafter_dir,
+                     "--prompts", prompts, "--block-sizes", "4,8", "--max-new-tokens", 16, "-o", labels)
+    assert result.returncode == 0, result.stderr.decode()
+    result = trtspec("train-policy", labels, "-o", work / "policy", "--steps", 50, "--ablation")
+    assert result.returncode == 0, result.stderr.decode()
+    assert "cross-validated mean regret" in result.stderr.decode()
+    return work, prompts, labels
+
+
+def test_label_blocks_records_every_block_size_and_the_cost_table(trained):
+    from trtspec.labels import read_labels
+
+    _, _, path = trained
+    labels = read_labels(path)
+    assert labels.block_sizes == (4, 8) and len(labels.records) == len(PROMPTS)
+    assert set(labels.header["cycle_cost_s"]) == {"1", "4", "8"} and labels.header["ar_token_s"] > 0
+    for record, label in zip(labels.records, labels.labels()):
+        assert set(record["runs"]) == {"1", "4", "8"} and record["label"] == label
+        speeds = {b: record["runs"][str(b)]["tau"] / labels.cycle_cost(b) for b in (4, 8)}
+        assert label == max(speeds, key=speeds.get)
+        assert record["runs"]["1"]["tau"] == 1.0 and 1.0 <= record["runs"]["8"]["tau"] <= 8.0
+    assert labels.features["last"].shape[0] == len(PROMPTS) and labels.features["length"].shape[1] == 1
+
+
+def test_eval_policy_reports_fixed_blockpilot_and_oracle(trained):
+    work, _, labels = trained
+    out = work / "eval.json"
+    result = trtspec("eval-policy", "--policy", work / "policy", "--labels", labels, "--json", out)
+    assert result.returncode == 0, result.stderr.decode()
+    report = json.loads(out.read_text())
+    assert set(report["strategies"]) == {"B=4", "B=8", "blockpilot", "oracle"}
+    oracle = report["strategies"]["oracle"]
+    assert oracle["mean_regret"] == 0.0
+    for metrics in report["strategies"].values():  # nothing beats the per-prompt oracle (modelled)
+        assert metrics["modelled_speedup"] <= oracle["modelled_speedup"] + 1e-9
+    assert sum(report["strategies"]["blockpilot"]["chosen"].values()) == len(PROMPTS)
+    assert 0 < report["policy_overhead_s"] < 0.01
+    assert "BlockPilot chose" in result.stdout.decode()
+
+
+def test_auto_picks_a_candidate_and_stays_lossless(trained, target_dir, drafter_dir):
+    from trtspec.api import Pipeline
+
+    work, _, _ = trained
+    pipeline = Pipeline(target_dir, drafter_dir, policy=work / "policy")
+    assert pipeline.default_block_size == AUTO
+    baseline = pipeline.autoregressive()
+    for prompt in PROMPTS:
+        auto = pipeline.generate(prompt, GenerationConfig(block_size=AUTO, max_new_tokens=20))
+        assert auto.generation.stats.auto and auto.generation.stats.block_size in (4, 8)
+        assert auto.tokens == baseline.generate(prompt, GenerationConfig(block_size=1, max_new_tokens=20)).tokens
+
+
+def test_engine_ships_the_policy_and_refuses_one_it_cannot_serve(trained, target_dir, drafter_dir, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
+    work, prompts, _ = trained
+    assert_one_line_error(trtspec("build", "--target", target_dir, "--drafter", drafter_dir, "--block-sizes", "4,12",
+                                  "--policy", work / "policy", "-o", tmp_path / "bad"),
+                          "8 is not in the engine")
+    assert not (tmp_path / "bad").exists()
+    engine = tmp_path / "engine"
+    result = trtspec("--threads", 1, "build", "--target", target_dir, "--drafter", drafter_dir,
+                     "--block-sizes", "4,8", "--policy", work / "policy", "-o", engine)
+    assert result.returncode == 0 and "BlockPilot policy over B=4,8" in result.stdout.decode()
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPTS[0])
+    run = trtspec("run", prompt, "--engine", engine, "--max-new-tokens", 12, "--json")  # auto by default
+    stats = json.loads(run.stdout)["stats"]
+    assert stats["block_size_auto"] and stats["block_size"] in (4, 8)
+    bench = trtspec("bench", "--engine", engine, "--prompts", prompts, "--block-sizes", "4,auto", "--repeats", 1,
+                    "--max-new-tokens", 12, "--json", tmp_path / "bench.json")
+    assert bench.returncode == 0, bench.stderr.decode()
+    runs = json.loads((tmp_path / "bench.json").read_text())["runs"]
+    assert [r["block_size"] for r in runs] == [1, 4, "auto"]
+    assert sum(runs[2]["chosen_block_sizes"].values()) == len(PROMPTS)
+    assert any(line.startswith("auto ") for line in bench.stdout.decode().splitlines())

@@ -1,0 +1,147 @@
+"""BlockPilot commands: `label-blocks`, `train-policy`, `eval-policy`."""
+
+from __future__ import annotations
+
+import click
+
+from trtspec.commands.options import load_pipeline, model_options, sampling_config, sampling_options
+from trtspec.errors import TrtspecError
+
+FEATURE_SETS = ("last", "mean", "length", "last,mean", "last,mean,length")
+
+
+def _feature_kinds(text: str) -> tuple[str, ...]:
+    from trtspec.policy import FEATURE_KINDS
+
+    kinds = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [k for k in kinds if k not in FEATURE_KINDS]
+    if not kinds or unknown:
+        raise TrtspecError(f"--features must be a comma-separated subset of {', '.join(FEATURE_KINDS)}; got {text!r}")
+    return kinds
+
+
+@click.command("label-blocks", epilog="""\b
+Example:
+  trtspec label-blocks --engine build/engine --prompts policy-prompts.jsonl -o build/labels-train.jsonl
+""")
+@model_options
+@click.option("--prompts", "prompts_spec", required=True, metavar="humaneval|FILE",
+              help='"humaneval" or a JSONL file of {"prompt": ...} lines.')
+@click.option("--block-sizes", default="12,16,20,24", show_default=True, metavar="B,B,...")
+@sampling_options
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--limit", type=int, metavar="N", help="Use only the first N prompts.")
+@click.option("-o", "--output", required=True, metavar="OUT.jsonl",
+              help="Labels (JSONL) to write; prefill summaries go to OUT.features.safetensors.")
+def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_sizes, temperature, top_k, top_p, seed,
+                 max_new_tokens, limit, output) -> None:
+    """Run every prompt at every candidate block size and label it with the fastest one.
+
+    The label is the block size with the highest modelled decode speed, tau over the backend's
+    measured cost of one cycle at that block size (stored in the header); raw times are kept.
+    """
+    from trtspec.bench import load_prompts, parse_block_sizes
+    from trtspec.labels import LabelConfig, label_blocks as run_labels
+
+    config = LabelConfig(block_sizes=parse_block_sizes(block_sizes), max_new_tokens=max_new_tokens,
+                         sampling=sampling_config(temperature, top_k, top_p, seed if seed is not None else 0))
+    name, prompts = load_prompts(prompts_spec, limit)
+    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine)
+    labels = run_labels(pipeline, prompts, config, prompts_name=name)
+    path = labels.write(output)
+    counts = {b: labels.labels().count(b) for b in labels.block_sizes}
+    costs = ", ".join(f"B={b} {labels.cycle_cost(b) * 1e3:.2f} ms" for b in labels.block_sizes)
+    click.echo(f"wrote {path}: {len(labels.records)} prompts; labels {counts}; cycle cost {costs}; "
+               f"AR {labels.header['ar_token_s'] * 1e3:.2f} ms/token")
+
+
+@click.command("train-policy", epilog="""\b
+Examples:
+  trtspec train-policy build/labels-train.jsonl -o build/policy
+  trtspec train-policy build/labels-train.jsonl -o build/policy --ablation   # compare feature sets first
+""")
+@click.argument("labels_path", metavar="LABELS.jsonl")
+@click.option("-o", "--output", required=True, metavar="DIR", help="Policy directory to write.")
+@click.option("--features", default="last,mean,length", show_default=True,
+              help="Prefill summaries to use: last (last position's features), mean (over the prompt), length.")
+@click.option("--hidden", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=600, show_default=True)
+@click.option("--ablation", is_flag=True,
+              help="Before training, compare feature sets by 5-fold cross-validation on these labels "
+                   "and train on the best one.")
+def train_policy(labels_path, output, features, hidden, steps, ablation) -> None:
+    """Train a BlockPilot policy (a small MLP, expected-regret loss) on label-blocks output."""
+    from trtspec.labels import best_fixed_block_size, read_labels
+    from trtspec.policy import train_policy as fit
+
+    labels = read_labels(labels_path)
+    kinds = _feature_kinds(features)
+    info = {}
+    if ablation:
+        table = feature_ablation(labels, hidden, steps)
+        for name, row in table.items():
+            click.echo(f"features {name:>16}: cross-validated mean regret {row['mean_regret']:.2%}, "
+                       f"modelled speed-up {row['modelled_speedup']:.3f}x", err=True)
+        kinds = _feature_kinds(min(table, key=lambda name: table[name]["mean_regret"]))
+        info["ablation"] = table
+    policy = fit(labels.inputs(kinds), labels.speeds(), labels.block_sizes, kinds, hidden=hidden, steps=steps)
+    policy.info.update(info, best_fixed_block_size=best_fixed_block_size(labels),
+                       labels=labels.header["prompts"], backend=labels.header["backend"])
+    policy.save(output)
+    click.echo(f"wrote {output}: BlockPilot over B={','.join(map(str, labels.block_sizes))}, features "
+               f"{','.join(kinds)}, trained on {len(labels.records)} prompts (best fixed B there: "
+               f"{policy.info['best_fixed_block_size']})")
+
+
+def feature_ablation(labels, hidden: int, steps: int, folds: int = 5) -> dict[str, dict]:
+    """Cross-validated regret and modelled speed-up of a policy per feature set."""
+    import torch
+
+    from trtspec.labels import strategy_metrics
+    from trtspec.policy import train_policy as fit
+
+    n = len(labels.records)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    table = {}
+    for name in FEATURE_SETS:
+        kinds = _feature_kinds(name)
+        choices = [0] * n
+        for fold in range(folds):
+            held = set(order[fold::folds])
+            train = [i for i in range(n) if i not in held]
+            policy = fit(labels.inputs(kinds)[train], labels.speeds()[train], labels.block_sizes, kinds,
+                         hidden=hidden, steps=steps)
+            with torch.inference_mode():
+                picks = policy.net(labels.inputs(kinds)[sorted(held)]).argmax(dim=1).tolist()
+            for i, pick in zip(sorted(held), picks):
+                choices[i] = labels.block_sizes[pick]
+        metrics = strategy_metrics(labels, choices)
+        table[name] = {"mean_regret": metrics["mean_regret"], "modelled_speedup": metrics["modelled_speedup"]}
+    return table
+
+
+@click.command("eval-policy", epilog="""\b
+Example:
+  trtspec eval-policy --policy build/policy --labels build/labels-humaneval.jsonl --json eval.json
+""")
+@click.option("--policy", "policy_dir", required=True, metavar="DIR")
+@click.option("--labels", "labels_path", required=True, metavar="LABELS.jsonl",
+              help="Held-out labels (label-blocks on prompts the policy was not trained on).")
+@click.option("--fixed-block-size", type=int, metavar="B",
+              help="The fixed block size to beat. [default: the best one on the policy's training labels]")
+@click.option("--json", "json_path", metavar="OUT", help="Also write the report as JSON.")
+def eval_policy(policy_dir, labels_path, fixed_block_size, json_path) -> None:
+    """Compare every fixed block size, BlockPilot and the per-prompt oracle on held-out labels."""
+    from trtspec.bench import write_json
+    from trtspec.labels import evaluate_policy, format_evaluation, read_labels
+    from trtspec.policy import load_policy
+
+    labels = read_labels(labels_path)
+    policy = load_policy(policy_dir, labels.block_sizes)
+    fixed = fixed_block_size or policy.info.get("best_fixed_block_size")
+    if fixed not in labels.block_sizes:
+        raise TrtspecError(f"--fixed-block-size must be one of {', '.join(map(str, labels.block_sizes))}")
+    report = evaluate_policy(policy, labels, fixed)
+    click.echo(format_evaluation(report))
+    if json_path:
+        click.echo(f"wrote {write_json(report, json_path)}", err=True)

@@ -1,0 +1,147 @@
+"""BlockPilot: choose a request's block size once, right after prefill, from what prefill computed.
+
+The prefill already produced the target's tapped-layer features of every prompt position (the
+drafter's context); BlockPilot reads a summary of them (the last position's features, their mean
+over the prompt, the prompt length), and a small MLP scores each candidate block size. It runs
+once per request, in the runtime, on tensors that are already there.
+
+Labels come from running every prompt at every candidate block size (`trtspec label-blocks`): a
+request's speed at B is modelled as tau_B / cycle_cost_B, with the per-cycle cost of each block
+size measured on the backend (wall times of single requests are too noisy to label with). The
+policy is trained to minimise expected regret against the best block size of each prompt, so
+a choice that is nearly as fast costs nearly nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from trtspec.errors import TrtspecError
+from trtspec.fileio import staged_directory
+
+AUTO = 0  # block_size value meaning "let BlockPilot choose"
+FEATURE_KINDS = ("last", "mean", "length")
+POLICY_CONFIG, POLICY_WEIGHTS = "policy.json", "policy.safetensors"
+
+
+def summarize_prefill(features: torch.Tensor, kinds: tuple[str, ...] = FEATURE_KINDS) -> torch.Tensor:
+    """The policy's input from prefill's features [P, F]: the chosen summaries, concatenated (float32)."""
+    features = features.float()
+    parts = []
+    for kind in kinds:
+        if kind == "last":
+            parts.append(features[-1])
+        elif kind == "mean":
+            parts.append(features.mean(dim=0))
+        elif kind == "length":
+            parts.append(torch.tensor([math.log(features.shape[0])], device=features.device))
+        else:
+            raise TrtspecError(f"unknown BlockPilot feature {kind!r} (known: {', '.join(FEATURE_KINDS)})")
+    return torch.cat(parts)
+
+
+class PolicyNet(nn.Module):
+    """Standardised input -> one hidden layer -> a score per candidate block size."""
+
+    def __init__(self, inputs: int, hidden: int, choices: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(inputs))
+        self.register_buffer("std", torch.ones(inputs))
+        self.layers = nn.Sequential(nn.Linear(inputs, hidden), nn.GELU(), nn.Linear(hidden, choices))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers((x - self.mean) / self.std)
+
+
+@dataclass
+class BlockPilot:
+    block_sizes: tuple[int, ...]
+    kinds: tuple[str, ...]
+    net: PolicyNet
+    info: dict
+
+    def choose(self, features: torch.Tensor) -> int:
+        """The block size for a request whose prefill produced `features` [P, F]."""
+        x = summarize_prefill(features, self.kinds).to(self.net.mean.device)
+        with torch.inference_mode():
+            return self.block_sizes[int(self.net(x).argmax())]
+
+    def to(self, device: torch.device) -> "BlockPilot":
+        self.net.to(device)
+        return self
+
+    def save(self, directory: str | Path) -> Path:
+        config = {"kind": "blockpilot", "block_sizes": list(self.block_sizes), "features": list(self.kinds),
+                  "inputs": self.net.mean.numel(), "hidden": self.net.layers[0].out_features, **self.info}
+        with staged_directory(directory) as staging:
+            (staging / POLICY_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+            save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, str(staging / POLICY_WEIGHTS))
+        return Path(directory)
+
+
+def load_policy(directory: str | Path, available_block_sizes: tuple[int, ...] | None = None) -> BlockPilot:
+    """Load a policy directory; refuse one that may choose a block size the engine lacks."""
+    directory = Path(directory)
+    config_path, weights_path = directory / POLICY_CONFIG, directory / POLICY_WEIGHTS
+    if not config_path.is_file() or not weights_path.is_file():
+        raise TrtspecError(f"{directory} is not a BlockPilot policy (needs {POLICY_CONFIG} and {POLICY_WEIGHTS}; "
+                           "make one with `trtspec train-policy`)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        block_sizes, kinds = tuple(config["block_sizes"]), tuple(config["features"])
+        net = PolicyNet(config["inputs"], config["hidden"], len(block_sizes))
+        net.load_state_dict(load_file(str(weights_path)))
+    except (KeyError, ValueError, RuntimeError, OSError) as exc:
+        raise TrtspecError(f"cannot load the BlockPilot policy in {directory} ({exc})") from None
+    if available_block_sizes is not None:
+        missing = sorted(set(block_sizes) - set(available_block_sizes))
+        if missing:
+            raise TrtspecError(f"the policy in {directory} chooses among block sizes "
+                               f"{', '.join(map(str, block_sizes))}, but {', '.join(map(str, missing))} "
+                               f"{'is' if len(missing) == 1 else 'are'} not in the engine "
+                               f"(built for {', '.join(map(str, available_block_sizes))})")
+    info = {k: v for k, v in config.items() if k not in ("block_sizes", "features", "inputs", "hidden")}
+    return BlockPilot(block_sizes, kinds, net.eval(), info)
+
+
+def expected_regret(scores: torch.Tensor, speeds: torch.Tensor) -> torch.Tensor:
+    """Mean over prompts of sum_B softmax(scores)_B * (1 - speed_B / best speed): cost-sensitive."""
+    regret = 1.0 - speeds / speeds.max(dim=1, keepdim=True).values
+    return (scores.softmax(dim=1) * regret).sum(dim=1).mean()
+
+
+def train_policy(inputs: torch.Tensor, speeds: torch.Tensor, block_sizes: tuple[int, ...],
+                 kinds: tuple[str, ...], *, hidden: int = 64, steps: int = 600, lr: float = 3e-3,
+                 weight_decay: float = 1e-2, seed: int = 0) -> BlockPilot:
+    """Fit the MLP on `inputs` [N, D] (summaries) against modelled `speeds` [N, len(block_sizes)]."""
+    torch.manual_seed(seed)
+    net = PolicyNet(inputs.shape[1], hidden, len(block_sizes))
+    net.mean.copy_(inputs.mean(dim=0))
+    net.std.copy_(inputs.std(dim=0).clamp_min(1e-6))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = expected_regret(net(inputs), speeds)
+        loss.backward()
+        optimizer.step()
+    return BlockPilot(tuple(block_sizes), tuple(kinds), net.eval(), {"train_prompts": inputs.shape[0],
+                                                                     "train_regret": float(loss.detach())})
+
+
+def time_choice(policy: BlockPilot, features: torch.Tensor, repeats: int = 200) -> float:
+    """Median seconds for one `choose` call (the policy's whole per-request cost)."""
+    policy.choose(features)
+    samples = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        policy.choose(features)
+        samples.append(time.perf_counter() - began)
+    return sorted(samples)[len(samples) // 2]
