@@ -16,7 +16,7 @@ from trtspec.engines.eager import EagerEngine
 from trtspec.errors import TrtspecError
 from trtspec.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
-from trtspec.policy import AUTO, load_policy
+from trtspec.policy import AUTO, drafter_policy, load_policy
 from trtspec.runtime.decode import Generation, GenerationConfig, generate
 from trtspec.runtime.graphs import open_engine
 from trtspec.tokenizer import TextCodec
@@ -56,7 +56,8 @@ class TextResult:
 class Pipeline:
     """A loaded model pair: from checkpoint directories (eager PyTorch) or from a built engine
     directory (`engine=`; then `target`/`drafter`, when given, must be what it was built from).
-    With a BlockPilot policy (`policy=`, or the engine's own) the default block size is AUTO."""
+    With a BlockPilot policy (`policy=`, the engine's own, or the drafter directory's `blockpilot/`) the
+    default block size is AUTO."""
 
     def __init__(self, target: str | Path | None = None, drafter: str | Path | None = None, *,
                  engine: str | Path | None = None, policy: str | Path | None = None, dtype: str = "auto",
@@ -82,6 +83,8 @@ class Pipeline:
             self.default_block_size = self.drafter.config.block_size if self.drafter is not None else 1
         if policy is None and engine is not None and self.engine.manifest.policy:
             policy = Path(engine) / self.engine.manifest.policy["dir"]
+        elif policy is None and engine is None:
+            policy = drafter_policy(drafter)
         self.policy, self.policy_dir = None, policy
         if policy is not None:
             if not self.has_drafter:

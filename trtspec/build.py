@@ -26,7 +26,7 @@ from trtspec.export.graphs import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_p
 from trtspec.fileio import staged_directory
 from trtspec.manifest import TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
 from trtspec.models import load_drafter, load_target
-from trtspec.policy import load_policy
+from trtspec.policy import drafter_policy, load_policy
 
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 POLICY_DIR = "policy"
@@ -81,7 +81,12 @@ def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
 def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: BuildConfig,
                  progress: bool = True) -> Manifest:
     backend, device, dtype = _resolve(config)
-    policy = load_policy(config.policy, tuple(config.block_sizes)) if config.policy is not None else None
+    policy = None
+    if config.policy is not None:
+        policy = load_policy(config.policy, tuple(config.block_sizes))
+    elif drafter_policy(drafter_dir) is not None:  # the drafter's own policy, when the engine can serve it
+        shipped = load_policy(drafter_policy(drafter_dir))
+        policy = shipped if set(shipped.block_sizes) <= set(config.block_sizes) else None
     # Export on the CPU in float32 unless the engine's dtype needs otherwise; TensorRT/ORT move it.
     export_device = device if backend == "torch" else torch.device("cpu")
     target = load_target(target_dir, TORCH_DTYPES[dtype], export_device)

@@ -30,6 +30,15 @@ from trtspec.fileio import staged_directory
 AUTO = 0  # block_size value meaning "let BlockPilot choose"
 FEATURE_KINDS = ("last", "mean", "length")
 POLICY_CONFIG, POLICY_WEIGHTS = "policy.json", "policy.safetensors"
+DRAFTER_POLICY_DIR = "blockpilot"  # a drafter directory may ship its policy here
+
+
+def drafter_policy(drafter_dir: str | Path | None) -> Path | None:
+    """The policy shipped inside a drafter directory, if there is one."""
+    if drafter_dir is None:
+        return None
+    path = Path(drafter_dir) / DRAFTER_POLICY_DIR
+    return path if (path / POLICY_CONFIG).is_file() else None
 
 
 def summarize_prefill(features: torch.Tensor, kinds: tuple[str, ...] = FEATURE_KINDS) -> torch.Tensor:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# BlockPilot for the demo pair, end to end: prompts -> engine -> labels -> policy -> evaluation.
+# Run from the repository root after `pip install -e ".[onnx]"`. Training prompts are documented
+# standard-library functions the target never saw (scripts/demo/policy_prompts.py, checked
+# disjoint from HumanEval); HumanEval is only ever used for evaluation.
+set -euo pipefail
+WORK=${WORK:-build/blockpilot}
+ENGINE=${ENGINE:-build/engine-ort}
+THREADS=${THREADS:-1}
+TRAIN_PROMPTS=${TRAIN_PROMPTS:-240}
+SIZES=12,16,20,24
+mkdir -p "$WORK"
+
+# 1. Training prompts (a fixed choice, ordered by content hash).
+python scripts/demo/policy_prompts.py -o "$WORK/policy-prompts.jsonl"
+
+# 2. The compiled engine the labels are measured on (per-cycle costs are backend-specific).
+[ -f "$ENGINE/manifest.json" ] || trtspec --threads "$THREADS" build --block-sizes "$SIZES" -o "$ENGINE"
+
+for T in 0 1; do
+  # 3. Labels: every prompt at AR and every block size, fixed seeds; then held-out HumanEval labels.
+  trtspec --threads "$THREADS" label-blocks --engine "$ENGINE" --prompts "$WORK/policy-prompts.jsonl" \
+      --limit "$TRAIN_PROMPTS" --block-sizes "$SIZES" --temperature "$T" --seed 0 -o "$WORK/labels-train-t$T.jsonl"
+  trtspec --threads "$THREADS" label-blocks --engine "$ENGINE" --prompts humaneval \
+      --block-sizes "$SIZES" --temperature "$T" --seed 0 -o "$WORK/labels-humaneval-t$T.jsonl"
+  # 4. The policy (feature sets compared by cross-validation on the training labels only).
+  trtspec train-policy "$WORK/labels-train-t$T.jsonl" --ablation -o "$WORK/policy-t$T"
+  # 5. Held-out evaluation: each fixed B, BlockPilot, the per-prompt oracle (modelled and measured).
+  trtspec eval-policy --policy "$WORK/policy-t$T" --labels "$WORK/labels-humaneval-t$T.jsonl" \
+      --json "$WORK/eval-t$T.json"
+done
