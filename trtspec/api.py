@@ -69,9 +69,8 @@ class Pipeline:
             check_sources(self.engine.manifest, target, drafter)
             self.codec = TextCodec(Path(engine) / TOKENIZER_DIR)
             self.backend, self.dtype = self.engine.manifest.backend, self.engine.dtype
-            self.default_block_size = self.engine.manifest.drafter.block_size
-            if self.default_block_size not in self.engine.block_sizes:
-                self.default_block_size = min(self.engine.block_sizes, key=lambda b: abs(b - self.default_block_size))
+            trained = self.engine.manifest.drafter.block_size  # or the built size nearest to it
+            self.drafter_block_size = min(self.engine.block_sizes, key=lambda b: abs(b - trained))
         else:
             if target is None:
                 raise TrtspecError("give a target checkpoint directory or an engine directory")
@@ -80,11 +79,12 @@ class Pipeline:
             self.drafter = load_drafter(drafter, self.target) if drafter is not None else None
             self.engine = EagerEngine(self.target, self.drafter)
             self.backend, self.dtype = "torch-eager", self.target.dtype
-            self.default_block_size = self.drafter.config.block_size if self.drafter is not None else 1
+            self.drafter_block_size = self.drafter.config.block_size if self.drafter is not None else 1
         if policy is None and engine is not None and self.engine.manifest.policy:
             policy = Path(engine) / self.engine.manifest.policy["dir"]
         elif policy is None and engine is None:
             policy = drafter_policy(drafter)
+        self.default_block_size = self.drafter_block_size
         self.policy, self.policy_dir = None, policy
         if policy is not None:
             if not self.has_drafter:

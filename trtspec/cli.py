@@ -14,6 +14,7 @@ import click
 from trtspec import __version__
 from trtspec.commands.bench import bench
 from trtspec.commands.build import build
+from trtspec.commands.dbloom import expand_block, preflight
 from trtspec.commands.policy import eval_policy, label_blocks, train_policy
 from trtspec.commands.run import run
 from trtspec.commands.train import generate_data, train_drafter
@@ -44,7 +45,8 @@ def cli(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-for command in (run, build, bench, generate_data, train_drafter, label_blocks, train_policy, eval_policy):
+for command in (run, build, bench, generate_data, train_drafter, label_blocks, train_policy, eval_policy,
+                preflight, expand_block):
     cli.add_command(command)
 
 

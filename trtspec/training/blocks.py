@@ -16,10 +16,17 @@ import torch
 IGNORE = -100
 
 
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """Loss weight of block position k: exp(-(k-1)/gamma) for k >= 1, 0 for the anchor itself."""
+def position_weights(block_size: int, gamma: float, emphasis_from: int = 0) -> torch.Tensor:
+    """Loss weight of block position k: exp(-(k-1)/gamma) for k >= 1, 0 for the anchor itself.
+
+    With `emphasis_from` = B0 > 0 (expand-block), positions k >= B0 restart the decay at full
+    weight, exp(-(k-B0)/gamma), so a drafter trained at B0 learns its new positions.
+    """
     k = torch.arange(block_size, dtype=torch.float32)
     weights = torch.exp(-(k - 1) / gamma)
+    if emphasis_from > 0:
+        new = k >= emphasis_from
+        weights[new] = torch.exp(-(k[new] - emphasis_from) / gamma)
     weights[0] = 0.0
     return weights
 
@@ -54,7 +61,8 @@ class PackedBatch:
 
 
 def pack(sequences: list[tuple[list[int], int]], block_size: int, anchors_per_sequence: int,
-         mask_token_id: int, gamma: float, generator: torch.Generator, pad_id: int = 0) -> PackedBatch:
+         mask_token_id: int, gamma: float, generator: torch.Generator, pad_id: int = 0,
+         emphasis_from: int = 0) -> PackedBatch:
     """Build one training batch from (token ids, prompt length) pairs, sampling fresh anchors."""
     anchor_sets = [sample_anchors(prompt_len, len(ids), anchors_per_sequence, generator)
                    for ids, prompt_len in sequences]
@@ -69,7 +77,7 @@ def pack(sequences: list[tuple[list[int], int]], block_size: int, anchors_per_se
     weights = torch.zeros((b, n))
     mask = torch.zeros((b, n, length + n), dtype=torch.bool)
     offsets = torch.arange(block_size)
-    per_position = position_weights(block_size, gamma)
+    per_position = position_weights(block_size, gamma, emphasis_from)
     for row, ((ids, _), anchors) in enumerate(zip(sequences, anchor_sets)):
         seq = torch.tensor(ids, dtype=torch.long)
         tokens[row, :len(ids)] = seq

@@ -165,7 +165,8 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
             order += torch.randperm(len(my_sequences), generator=generator).tolist()
         chosen, order = order[:config.batch_size], order[config.batch_size:]
         batch = pack([my_sequences[i] for i in chosen], config.block_size, config.anchors_per_sequence,
-                     drafter.config.mask_token_id, config.decay, generator)
+                     drafter.config.mask_token_id, config.decay, generator,
+                     emphasis_from=config.position_weight_shift)
         batch = PackedBatch(*(t.to(target.device) for t in vars(batch).values()))
         with torch.no_grad():
             _, features = target(batch.tokens, 0, None, layer_ids)

@@ -1,0 +1,82 @@
+"""DBloom: the acceptance-histogram preflight and expand-block post-training, on the tiny pair."""
+
+import json
+
+import pytest
+import torch
+from helpers import assert_one_line_error, trtspec
+
+from trtspec.preflight import Preflight, per_position_acceptance
+from trtspec.training.blocks import position_weights
+from trtspec.training.expand import ExpandConfig, stage_plan
+
+
+def test_per_position_acceptance_and_the_stranded_estimate():
+    # 100 cycles at B=4: 10 accept 0 drafts, 20 accept 1, 30 accept 2, 40 accept all 3
+    histogram = [10, 20, 30, 40]
+    assert per_position_acceptance(histogram) == pytest.approx([90 / 100, 70 / 90, 40 / 70])
+    assert per_position_acceptance([5, 0, 0, 0]) == [0.0, None, None]
+    report = Preflight(4, histogram, tau=3.0)
+    assert report.ceiling_fraction == 0.4
+    r = report.tail_rate
+    assert r == pytest.approx((0.9 + 70 / 90 + 40 / 70) / 3)
+    assert report.stranded_tau_estimate == pytest.approx(3.0 + 0.4 * r / (1 - r))
+    advice = report.recommendation()
+    assert advice["expand"] and advice["to"] % 4 == 0 and advice["to"] > 4
+    low = Preflight(16, [50] + [10] * 14 + [2], tau=2.0).recommendation()
+    assert not low["expand"] and low["to"] is None
+
+
+def test_expand_block_weights_and_plan():
+    plain, shifted = position_weights(24, 10.0), position_weights(24, 10.0, emphasis_from=16)
+    assert plain[0] == shifted[0] == 0 and torch.equal(plain[:16], shifted[:16])
+    assert shifted[16] == pytest.approx(1.0) and shifted[16] > 4 * plain[16]  # new positions restart the decay
+    assert stage_plan(16, ExpandConfig(to_block_size=24, steps=301, stages=2, continue_steps=50)) == [
+        (16, 50, 0), (20, 151, 16), (24, 150, 16)]
+    with pytest.raises(Exception, match="larger than"):
+        stage_plan(16, ExpandConfig(to_block_size=16))
+
+
+def test_preflight_command_writes_the_documented_json_and_plot(target_dir, drafter_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):\n", "import os\n"]))
+    out, png = tmp_path / "pre.json", tmp_path / "pre.png"
+    result = trtspec("preflight", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts,
+                     "--block-size", 8, "--max-new-tokens", 24, "--json", out, "--plot", png)
+    assert result.returncode == 0, result.stderr.decode()
+    data = json.loads(out.read_text())
+    assert set(data) == {"block_size", "histogram", "ceiling_fraction", "per_position_acceptance", "tau",
+                         "stranded_tau_estimate", "recommendation"}
+    assert data["block_size"] == 8 and len(data["histogram"]) == 8 and len(data["per_position_acceptance"]) == 7
+    assert data["stranded_tau_estimate"] >= data["tau"] >= 1.0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "P(accept k | k-1)" in result.stdout.decode()
+
+
+def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, drafter_dir, tmp_path):
+    from trtspec.api import Pipeline
+    from trtspec.runtime.decode import GenerationConfig
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": "    return x + 1\n" * 4}) + "\n"
+                            for i in range(6)))
+    output = tmp_path / "b20"
+    args = ("expand-block", "--target", target_dir, "--drafter", drafter_dir, "--to", 20, "--data", data,
+            "-o", output, "--steps", 4, "--stages", 2, "--continue-steps", 2, "--batch-size", 2, "--anchors", 2)
+    result = trtspec("--threads", 1, *args)
+    assert result.returncode == 0, result.stderr.decode()
+    config = json.loads((output / "config.json").read_text())
+    assert config["block_size"] == 20
+    assert config["trtspec_lineage"]["source_block_size"] == 16
+    assert config["trtspec_lineage"]["stages"] == [[16, 2, 0], [18, 2, 16], [20, 2, 16]]
+    stage = output.parent / "b20.work" / "stage1-b18" / "config.json"
+    before = stage.stat().st_mtime_ns
+    assert trtspec("--threads", 1, *args).returncode == 0  # finished stages are reused, not retrained
+    assert stage.stat().st_mtime_ns == before
+    pipeline = Pipeline(target_dir, output)
+    assert pipeline.drafter_block_size == 20
+    for prompt in ("def add(a, b):\n", "class Point:\n"):
+        spec = pipeline.generate(prompt, GenerationConfig(block_size=20, max_new_tokens=24)).tokens
+        ar = pipeline.autoregressive().generate(prompt, GenerationConfig(block_size=1, max_new_tokens=24)).tokens
+        assert spec == ar
+    assert_one_line_error(trtspec(*args[:5], "--to", 8, *args[7:]), "larger than the drafter's block size 16")

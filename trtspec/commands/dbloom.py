@@ -1,0 +1,86 @@
+"""DBloom commands: `preflight` (is the block horizon capping tau?) and `expand-block`."""
+
+from __future__ import annotations
+
+import click
+
+from trtspec.commands.options import load_pipeline, model_options, sampling_config, sampling_options
+from trtspec.errors import TrtspecError
+
+
+@click.command(epilog="""\b
+Examples:
+  trtspec preflight                                   # demo pair on HumanEval at its block size
+  trtspec preflight --engine build/engine --block-size 24 --json pre.json --plot pre.png
+""")
+@model_options
+@click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE")
+@click.option("--block-size", type=int, help="Block size to inspect. [default: the drafter's]")
+@sampling_options
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--limit", type=int, metavar="N", help="Use only the first N prompts.")
+@click.option("--json", "json_path", metavar="OUT", help="Also write the report as JSON.")
+@click.option("--plot", "plot_path", metavar="OUT.png", help="Also draw the histogram and per-position acceptance.")
+def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, temperature, top_k, top_p, seed,
+              max_new_tokens, limit, json_path, plot_path) -> None:
+    """Acceptance histogram, per-position acceptance and stranded speed-up, with a recommendation."""
+    from trtspec.bench import load_prompts, write_json
+    from trtspec.preflight import plot, run_preflight
+
+    name, prompts = load_prompts(prompts_spec, limit)
+    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine)
+    if not pipeline.has_drafter:
+        raise TrtspecError("preflight inspects a drafter's acceptance; give --drafter DIR")
+    block_size = block_size or pipeline.drafter_block_size
+    if not 2 <= block_size <= 64:
+        raise TrtspecError(f"--block-size must be in [2, 64], got {block_size}")
+    report = run_preflight(pipeline, prompts, block_size, max_new_tokens,
+                           sampling_config(temperature, top_k, top_p, seed))
+    click.echo(f"{name}: {len(prompts)} prompts, T={temperature:g}")
+    click.echo(report.format())
+    if json_path:
+        click.echo(f"wrote {write_json(report.to_dict(), json_path)}", err=True)
+    if plot_path:
+        plot(report, plot_path)
+        click.echo(f"wrote {plot_path}", err=True)
+
+
+@click.command("expand-block", epilog="""\b
+Example:
+  trtspec expand-block --drafter demo-b16 --to 24 --data build/demo/drafter-data.jsonl -o build/demo-b24
+""")
+@model_options
+@click.option("--to", "to_block_size", type=int, required=True, metavar="B1", help="The longer block size.")
+@click.option("--data", "data_file", required=True, metavar="FILE", help='JSONL of {"prompt", "response"}.')
+@click.option("-o", "--output", required=True, metavar="DIR", help="Drafter directory to write (z-lab layout).")
+@click.option("--steps", type=int, default=300, show_default=True, help="Steps of the growth curriculum.")
+@click.option("--stages", type=int, default=2, show_default=True, help="Block grown from B0 to B1 in this many stages.")
+@click.option("--continue-steps", type=int, default=0, show_default=True,
+              help="Continuation fine-tuning at the original block size first.")
+@click.option("--lr", type=float, default=3e-4, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--anchors", type=int, default=16, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--work", "work_dir", metavar="DIR", help="Stage checkpoints. [default: OUTPUT.work]")
+def expand_block(target, drafter, engine, dtype, device, to_block_size, data_file, output, steps, stages,
+                 continue_steps, lr, batch_size, anchors, seed, work_dir) -> None:
+    """Post-train a drafter on a longer block with a curriculum that stresses the new positions.
+
+    The result is an ordinary drafter directory; its config records the lineage (source block
+    size, stages, steps) under trtspec_lineage.
+    """
+    from trtspec.training.data import read_training_data
+    from trtspec.training.expand import ExpandConfig, expand_block as expand
+
+    if engine is not None:
+        raise TrtspecError("expand-block trains checkpoints; give --target/--drafter, not --engine")
+    if steps < 1 or stages < 1 or continue_steps < 0:
+        raise TrtspecError("--steps and --stages must be >= 1 and --continue-steps >= 0")
+    pipeline = load_pipeline(target, drafter, "float32" if dtype == "auto" else dtype, device)
+    if not pipeline.has_drafter:
+        raise TrtspecError("give --drafter DIR: the drafter to expand")
+    config = ExpandConfig(to_block_size=to_block_size, steps=steps, stages=stages, continue_steps=continue_steps,
+                          lr=lr, batch_size=batch_size, anchors_per_sequence=anchors, seed=seed)
+    sequences = read_training_data(data_file, pipeline.codec)
+    path = expand(pipeline.target, pipeline.drafter, sequences, config, output, work_dir)
+    click.echo(f"wrote drafter to {path} (block size {to_block_size}, from {pipeline.drafter_block_size})", err=True)

@@ -1,0 +1,69 @@
+"""DBloom's expand-block: post-train a drafter made for block B0 on a longer block B1.
+
+Widening the block only at inference does not work: attention is bidirectional, so even early
+positions see a different block than in training. A short curriculum does: optionally first
+continue training at B0, then grow the block in stages up to B1 (e.g. 16 -> 20 -> 24), with the
+loss weights of the newly exposed positions (>= B0) restarted at full weight so they are
+learned rather than drowned by the decay that favours early positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from trtspec.errors import TrtspecError
+from trtspec.models import DFlashDrafter, Qwen3Target, load_drafter, save_drafter
+from trtspec.training.trainer import TrainConfig, train_drafter
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    to_block_size: int = 24
+    steps: int = 300                 # spread over the growth stages
+    stages: int = 2                  # B0 -> ... -> B1 in this many equal steps
+    continue_steps: int = 0          # continuation fine-tuning at B0 first
+    lr: float = 3e-4
+    batch_size: int = 8
+    anchors_per_sequence: int = 16
+    seed: int = 0
+    checkpoint_every: int = 50
+
+
+def stage_plan(from_block: int, config: ExpandConfig) -> list[tuple[int, int, int]]:
+    """(block size, steps, emphasised-from position) per stage."""
+    if config.to_block_size <= from_block:
+        raise TrtspecError(f"--to must be larger than the drafter's block size {from_block}, got {config.to_block_size}")
+    if config.to_block_size > 64:
+        raise TrtspecError(f"--to must be <= 64, got {config.to_block_size}")
+    stages = max(1, min(config.stages, config.to_block_size - from_block))
+    sizes = [from_block + (config.to_block_size - from_block) * (i + 1) // stages for i in range(stages)]
+    per_stage = [config.steps // stages + (1 if i < config.steps % stages else 0) for i in range(stages)]
+    plan = [(from_block, config.continue_steps, 0)] if config.continue_steps else []
+    return plan + [(size, steps, from_block) for size, steps in zip(sizes, per_stage) if steps > 0]
+
+
+def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tuple[list[int], int]],
+                 config: ExpandConfig, output: str | Path, work_dir: str | Path | None = None,
+                 progress: bool = True) -> Path:
+    """Run the curriculum; each finished stage is kept in WORK so a restart resumes after it."""
+    source = drafter.config
+    work = Path(work_dir) if work_dir else Path(str(output).rstrip("/") + ".work")
+    plan = stage_plan(source.block_size, config)
+    for number, (block_size, steps, emphasis) in enumerate(plan):
+        stage_dir = work / f"stage{number}-b{block_size}"
+        lineage = {"source_block_size": source.block_size, "block_size": config.to_block_size,
+                   "steps": config.steps, "continue_steps": config.continue_steps,
+                   "stages": [list(stage) for stage in plan], "source_lineage": dict(source.lineage)}
+        if not (stage_dir / "config.json").is_file():
+            drafter.config = replace(drafter.config, block_size=block_size, lineage=lineage)
+            train_config = TrainConfig(block_size=block_size, steps=steps, batch_size=config.batch_size,
+                                       anchors_per_sequence=config.anchors_per_sequence, lr=config.lr,
+                                       seed=config.seed + number, checkpoint_every=config.checkpoint_every,
+                                       position_weight_shift=emphasis, lineage=lineage,
+                                       mask_token_id=source.mask_token_id)
+            train_drafter(target, sequences, train_config, stage_dir, work / f"stage{number}.work", drafter=drafter,
+                          progress=progress)
+        drafter = load_drafter(stage_dir, target)
+    drafter.config = replace(drafter.config, block_size=config.to_block_size)
+    return save_drafter(drafter, output)
