@@ -21,3 +21,15 @@ def target_dir(tmp_path_factory) -> Path:
 def drafter_dir(target_dir, tmp_path_factory) -> Path:
     from trtspec.models import load_target
     return save_random_drafter(tmp_path_factory.mktemp("ckpt") / "drafter", load_target(target_dir))
+
+
+@pytest.fixture(scope="session")
+def ort_engine_dir(target_dir, drafter_dir, tmp_path_factory) -> Path:
+    """The tiny pair built into an ONNX Runtime engine at block sizes 4 and 8."""
+    pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
+    from trtspec.build import BuildConfig, build_engine
+
+    output = tmp_path_factory.mktemp("engines") / "ort"
+    build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4, 8), backend="onnxruntime"),
+                 progress=False)
+    return output

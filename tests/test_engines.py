@@ -33,12 +33,8 @@ def pair(target_dir, drafter_dir):
 
 
 @pytest.fixture(scope="module")
-def ort_engine(target_dir, drafter_dir, tmp_path_factory):
-    pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
-    output = tmp_path_factory.mktemp("engines") / "ort"
-    build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=BLOCK_SIZES, backend="onnxruntime"),
-                 progress=False)
-    return output
+def ort_engine(ort_engine_dir):
+    return ort_engine_dir  # built once per session in conftest, at BLOCK_SIZES
 
 
 def _position_major(cache, layer_count_end):

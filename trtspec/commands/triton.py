@@ -1,0 +1,48 @@
+"""`trtspec triton-repo` and `trtspec triton-serve`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("triton-repo", epilog="""\b
+Example:
+  trtspec build -o build/engine && trtspec triton-repo --engine build/engine -o build/triton-repo
+  trtspec triton-serve build/triton-repo
+""")
+@click.option("--engine", "engine", required=True, metavar="DIR", help="Engine directory (trtspec build).")
+@click.option("-o", "--output", required=True, metavar="REPO", help="Model repository to write (replaced).")
+@click.option("--name", default="trtspec", show_default=True, help="Model name (NAME and NAME_stream).")
+@click.option("--instances", type=int, default=1, show_default=True, help="Model instances (each loads the engine).")
+@click.option("--threads", type=int, default=0, show_default=True, help="CPU threads per instance (0 = torch's choice).")
+def triton_repo(engine, output, name, instances, threads) -> None:
+    """Generate a Triton model repository serving ENGINE (python backend, plain and streaming)."""
+    from trtspec.serving.triton import write_repository
+
+    models = write_repository(Path(engine), Path(output), name, instances, threads)
+    click.echo(f"wrote {output}: models {', '.join(models)} over {engine}")
+
+
+@click.command("triton-serve", epilog="""\b
+Example:
+  trtspec triton-serve build/triton-repo --http-port 8000 --grpc-port 8001
+""")
+@click.argument("repository", metavar="REPO")
+@click.option("--http-port", type=int, default=8000, show_default=True)
+@click.option("--grpc-port", type=int, default=8001, show_default=True)
+@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--address", default="127.0.0.1", show_default=True, help="Listen address (loopback by default).")
+def triton_serve(repository, http_port, grpc_port, metrics_port, address) -> None:
+    """Run tritonserver over REPO until Ctrl-C, then stop it cleanly."""
+    from trtspec.serving.triton import start_server, stop_server
+
+    process, scratch = start_server(Path(repository), http_port, grpc_port, metrics_port, address)
+    try:
+        code = process.wait()
+    except KeyboardInterrupt:
+        code = stop_server(process, scratch)
+    finally:
+        stop_server(process, scratch)
+    raise SystemExit(code)

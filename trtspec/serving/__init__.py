@@ -1,0 +1,1 @@
+"""Serving: trtspec inside Triton Inference Server (python backend)."""

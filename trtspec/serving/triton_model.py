@@ -1,0 +1,115 @@
+"""The Triton python-backend model: one engine per model instance, one request at a time.
+
+Triton imports this through the generated `model.py` of a repository made by
+`trtspec triton-repo`. Requests carry `text_input` and optional `max_tokens`, `temperature`,
+`seed`, `block_size` (0 = auto) and `stream`; responses carry `text_output` and `stats` (JSON).
+In the decoupled (streaming) model each cycle's committed text is sent as it is produced,
+followed by a final empty response with the statistics. A bad request gets its own error
+response; the instance keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+try:  # only importable inside Triton's python backend stub
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover - imported for documentation or tests outside Triton
+    pb_utils = None
+
+from trtspec.errors import TrtspecError
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def _scalar(request, name: str, default):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    value = tensor.as_numpy().reshape(-1)
+    if value.size != 1:
+        raise TrtspecError(f"{name} must hold exactly one value, got {value.size}")
+    return value[0].item() if hasattr(value[0], "item") else value[0]
+
+
+def _text(request) -> str:
+    raw = _scalar(request, "text_input", None)
+    if raw is None:
+        raise TrtspecError("text_input is required")
+    try:
+        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError:
+        raise TrtspecError("text_input is not valid UTF-8") from None
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        import torch
+
+        from trtspec.api import Pipeline
+        from trtspec.runtime.sampling import SamplingConfig
+
+        config = json.loads(args["model_config"])
+        parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        threads = int(parameters.get("threads", "0"))
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.pipeline = Pipeline(engine=parameters["engine_dir"], device=parameters.get("device", "auto"))
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self._sampling = SamplingConfig
+
+    def _config(self, request):
+        from trtspec.runtime.decode import GenerationConfig
+
+        temperature = float(_scalar(request, "temperature", 0.0))
+        seed = _scalar(request, "seed", None)
+        block_size = int(_scalar(request, "block_size", self.pipeline.default_block_size))
+        max_tokens = int(_scalar(request, "max_tokens", DEFAULT_MAX_TOKENS))
+        sampling = self._sampling(temperature=temperature, seed=None if seed is None else int(seed))
+        return GenerationConfig(block_size=block_size, max_new_tokens=max_tokens, sampling=sampling)
+
+    @staticmethod
+    def _error(exc: Exception):
+        """A per-request error; INVALID_ARG (HTTP 400) where the backend supports error codes."""
+        code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+        error = pb_utils.TritonError(str(exc), code) if code is not None else pb_utils.TritonError(str(exc))
+        return pb_utils.InferenceResponse(error=error)
+
+    @staticmethod
+    def _response(text: str, stats: dict | None):
+        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        tensors.append(pb_utils.Tensor("stats", np.array([json.dumps(stats or {}).encode()], dtype=np.object_)))
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def _generate(self, request, on_text=None) -> tuple[str, dict]:
+        result = self.pipeline.generate(_text(request), self._config(request), on_text=on_text)
+        stats = result.generation.stats.to_dict()
+        return result.text, stats
+
+    def execute(self, requests):
+        if self.decoupled:
+            for request in requests:
+                self._stream(request)
+            return None
+        responses = []
+        for request in requests:
+            try:
+                responses.append(self._response(*self._generate(request)))
+            except TrtspecError as exc:
+                responses.append(self._error(exc))
+        return responses
+
+    def _stream(self, request) -> None:
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            stream = bool(_scalar(request, "stream", True))
+            if stream:
+                text, stats = self._generate(request, on_text=lambda piece: sender.send(self._response(piece, None)))
+                sender.send(self._response("", stats), flags=final)
+            else:
+                sender.send(self._response(*self._generate(request)), flags=final)
+        except TrtspecError as exc:
+            sender.send(self._error(exc), flags=final)
