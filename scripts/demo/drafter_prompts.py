@@ -23,6 +23,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from trtspec.bench import load_prompts
+from trtspec.fileio import atomic_write_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import corpus_files, read_text, stdlib_root  # noqa: E402
@@ -87,11 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = make_prompts(Tokenizer.from_file(args.tokenizer), args.count)
     counts = check_disjoint(prompts)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in prompts), encoding="utf-8")
-    tmp.replace(out)
+    out = atomic_write_text(args.output, "".join(json.dumps(r) + "\n" for r in prompts))
     print(json.dumps({**counts, "output": str(out)}))
 
 

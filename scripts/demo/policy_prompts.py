@@ -20,6 +20,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from trtspec.fileio import atomic_write_text
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import read_text, stdlib_root  # noqa: E402
 from drafter_prompts import check_disjoint, source_files  # noqa: E402
@@ -62,11 +64,7 @@ def main() -> None:
     ranked = sorted(candidates.values(), key=lambda r: hashlib.sha256(r["prompt"].encode()).hexdigest())
     prompts = ranked[:args.count]
     counts = check_disjoint(prompts)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in prompts), encoding="utf-8")
-    tmp.replace(out)
+    out = atomic_write_text(args.output, "".join(json.dumps(r) + "\n" for r in prompts))
     print(json.dumps({**counts, "candidates": len(candidates), "output": str(out)}))
 
 
