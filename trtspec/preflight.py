@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trtspec.bench import block_size_name
 from trtspec.export.bindings import MAX_BLOCK_SIZE
@@ -34,6 +34,7 @@ class Preflight:
     block_size: int
     histogram: list[int]
     tau: float  # committed tokens per cycle (mean of per-request means)
+    requests: list[dict] = field(default_factory=list)  # per request: tau, cycles, ceiling fraction
 
     @property
     def ceiling_fraction(self) -> float:
@@ -77,7 +78,8 @@ class Preflight:
         return {"block_size": self.block_size, "histogram": self.histogram,
                 "ceiling_fraction": self.ceiling_fraction,
                 "per_position_acceptance": self.per_position_acceptance, "tau": self.tau,
-                "stranded_tau_estimate": self.stranded_tau_estimate, "recommendation": self.recommendation()}
+                "stranded_tau_estimate": self.stranded_tau_estimate, "recommendation": self.recommendation(),
+                "requests": self.requests}
 
     def format(self) -> str:
         lines = [f"acceptance at B={block_size_name(self.block_size)}: tau {self.tau:.2f}, "
@@ -141,4 +143,6 @@ def run_preflight(pipeline, prompts: list[str], block_size: int, max_new_tokens:
         stats.append(pipeline.generate(prompt, config).generation.stats)
     measured = [s for s in stats if s.cycles]
     histogram = [sum(s.histogram[a] for s in measured) for a in range(block_size)]
-    return Preflight(block_size, histogram, statistics.fmean(s.tau for s in measured) if measured else 0.0)
+    requests = [{"tau": s.tau, "cycles": s.cycles, "ceiling_fraction": s.ceiling_fraction,
+                 "new_tokens": s.new_tokens} for s in stats]
+    return Preflight(block_size, histogram, statistics.fmean(s.tau for s in measured) if measured else 0.0, requests)

@@ -1,0 +1,51 @@
+"""Compare three preflight reports per prompt: b16 at B=16, b16 naively at B=24, expanded at B=24.
+
+    python scripts/demo/compare_dbloom.py build/dbloom/pre-b16-16.json build/dbloom/pre-b16-24.json \
+        build/dbloom/pre-b24-24.json [--ceiling 0.25]
+
+Over the prompts whose b16 ceiling fraction (at B=16) is at least --ceiling, and over all
+prompts: the median and quartiles of committed tokens per cycle (tau) for each, the median
+per-prompt gain of the expanded drafter over the other two, and whether its acceptance at
+block positions 1..15 stays at or above b16's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("b16_16")
+    parser.add_argument("b16_24")
+    parser.add_argument("b24_24")
+    parser.add_argument("--ceiling", type=float, default=0.25)
+    args = parser.parse_args()
+    reports = {name: json.load(open(path)) for name, path in
+               (("b16@16", args.b16_16), ("b16@24", args.b16_24), ("b24@24", args.b24_24))}
+    per_prompt = {name: [r["tau"] for r in report["requests"]] for name, report in reports.items()}
+    ceilings = [r["ceiling_fraction"] for r in reports["b16@16"]["requests"]]
+    result = {}
+    for subset, keep in (("high_ceiling", [c >= args.ceiling for c in ceilings]), ("all", [True] * len(ceilings))):
+        chosen = [i for i, k in enumerate(keep) if k]
+        rows = {name: quartiles([taus[i] for i in chosen]) for name, taus in per_prompt.items()}
+        gains = {other: quartiles([per_prompt["b24@24"][i] - per_prompt[other][i] for i in chosen])
+                 for other in ("b16@16", "b16@24")}
+        result[subset] = {"prompts": len(chosen), "tau_quartiles": rows, "gain_quartiles": gains}
+    early = zip(reports["b24@24"]["per_position_acceptance"][:15], reports["b16@16"]["per_position_acceptance"][:15])
+    drops = [b16 - b24 for b24, b16 in early if b24 is not None and b16 is not None]
+    result["positions_1_15_max_drop"] = max(drops)
+    result["pooled_tau"] = {name: report["tau"] for name, report in reports.items()}
+    result["ceiling_fraction"] = {name: report["ceiling_fraction"] for name, report in reports.items()}
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
