@@ -69,3 +69,15 @@ def test_demo_engine_built_with_defaults_reproduces_eager(demo, tmp_path):
         for block_size in (12, 24):
             config = GenerationConfig(block_size=block_size, max_new_tokens=48)
             assert engine.generate(prompt, config).tokens == demo.generate(prompt, config).tokens
+
+
+def test_expanded_demo_drafter_ships_with_its_lineage(demo):
+    """demo-b24: demo-b16 post-trained to B=24 by `trtspec expand-block` (scripts/demo/README.md)."""
+    expanded = Pipeline(resolve_target(None), resolve_drafter("demo-b24", None))
+    lineage = expanded.drafter.config.lineage
+    assert expanded.drafter.config.block_size == 24 and lineage["source_block_size"] == 16
+    _, prompts = load_prompts("humaneval", limit=2)
+    for prompt in prompts:
+        config = GenerationConfig(block_size=24, max_new_tokens=48)
+        assert expanded.generate(prompt, config).tokens == demo.autoregressive().generate(
+            prompt, GenerationConfig(block_size=1, max_new_tokens=48)).tokens
