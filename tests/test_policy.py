@@ -60,7 +60,7 @@ def trained(target_dir, drafter_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("blockpilot")
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    labels = work / "labels.jsonl"
+    labels = work / "not-yet" / "labels.jsonl"  # the output's directory is created
     result = trtspec("--threads", 1, "label-blocks", "--target", target_dir, "--drafter", drafter_dir,
                      "--prompts", prompts, "--block-sizes", "4,8", "--max-new-tokens", 16, "-o", labels)
     assert result.returncode == 0, result.stderr.decode()

@@ -72,6 +72,7 @@ class LabelSet:
         if path.suffix != ".jsonl":
             raise TrtspecError(f"labels are written as JSONL; name the output *.jsonl, not {path.name}")
         lines = [json.dumps(self.header)] + [json.dumps(r) for r in self.records]
+        path.parent.mkdir(parents=True, exist_ok=True)
         temporary = features_path(path).with_name("." + features_path(path).name + ".tmp")
         save_file({k: v.contiguous() for k, v in self.features.items()}, str(temporary))
         temporary.replace(features_path(path))

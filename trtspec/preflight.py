@@ -117,6 +117,8 @@ def plot(preflight: Preflight, path: str) -> None:
     right.set(xlabel="block position k", ylabel="P(accept k | accepted k-1)", ylim=(0, 1.02),
               title=f"tau {preflight.tau:.2f} -> stranded estimate {preflight.stranded_tau_estimate:.2f}")
     figure.tight_layout()
+    from pathlib import Path
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     temporary = f"{path}.tmp.png"
     figure.savefig(temporary, dpi=120)
     plt.close(figure)
