@@ -10,11 +10,18 @@ cycles would have reached had the block continued ("stranded" speed-up).
 from __future__ import annotations
 
 import math
+import os
 import statistics
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tqdm import tqdm
 
 from trtspec.bench import block_size_name
+from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BLOCK_SIZE
+from trtspec.runtime.decode import GenerationConfig
 
 CEILING_THRESHOLD = 0.10   # a ceiling bin above this is worth a look
 MIN_STRANDED_GAIN = 0.25   # tokens per cycle an expansion must promise to be recommended
@@ -102,7 +109,6 @@ def plot(preflight: Preflight, path: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        from trtspec.errors import TrtspecError
         raise TrtspecError("--plot needs matplotlib: pip install 'trtspec[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -117,25 +123,16 @@ def plot(preflight: Preflight, path: str) -> None:
     right.set(xlabel="block position k", ylabel="P(accept k | accepted k-1)", ylim=(0, 1.02),
               title=f"tau {preflight.tau:.2f} -> stranded estimate {preflight.stranded_tau_estimate:.2f}")
     figure.tight_layout()
-    from pathlib import Path
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     temporary = f"{path}.tmp.png"
     figure.savefig(temporary, dpi=120)
     plt.close(figure)
-    import os
     os.replace(temporary, path)
 
 
 def run_preflight(pipeline, prompts: list[str], block_size: int, max_new_tokens: int, sampling,
                   progress: bool = True) -> Preflight:
     """Decode every prompt at `block_size` and pool the acceptance histograms."""
-    import sys
-    from dataclasses import replace
-
-    from tqdm import tqdm
-
-    from trtspec.runtime.decode import GenerationConfig
-
     seed = sampling.seed if sampling.seed is not None else 0
     stats = []
     for index, prompt in enumerate(tqdm(prompts, desc="preflight", unit="req", file=sys.stderr,
