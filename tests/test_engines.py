@@ -81,6 +81,7 @@ def test_build_writes_a_manifest_with_one_profile_per_block_size(ort_engine, pai
     assert {"target.onnx", "draft.onnx", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= set(
         manifest.artifacts)
     assert manifest.check["max_abs_logit_diff"] < 1e-4
+    assert [p["key"] for p in manifest.tensorrt_profiles[TARGET]] == ["prefill", 1, 4, 8]  # recorded on CPU too
     for graph, spec in graph_specs(*(m.config for m in pair)).items():
         model = onnx.load(str(ort_engine / f"{graph}.onnx"), load_external_data=False)
         assert [i.name for i in model.graph.input] == [t.name for t in spec.inputs]

@@ -52,7 +52,7 @@ class Manifest:
     sources: dict[str, str]            # "target"/"drafter" -> checkpoint_sha256
     artifacts: dict[str, dict]         # relative path -> {"bytes", "sha256"}
     graphs: dict[str, dict] = field(default_factory=dict)  # graph -> {"file", "inputs", "outputs"}
-    tensorrt_profiles: dict | None = None
+    tensorrt_profiles: dict | None = None  # the TensorRT optimization profiles of these graphs
     check: dict | None = None          # build-time comparison with eager torch
     policy: dict | None = None
     trtspec_version: str = ""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trtspec.errors import TrtspecError
 from trtspec.models import DFlashDrafter, Qwen3Target, load_drafter, save_drafter
+from trtspec.training.blocks import default_gamma
 from trtspec.training.trainer import TrainConfig, train_drafter
 
 
@@ -57,7 +58,9 @@ def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tu
                    "stages": [list(stage) for stage in plan], "source_lineage": dict(source.lineage)}
         if not (stage_dir / "config.json").is_file():
             drafter.config = replace(drafter.config, block_size=block_size, lineage=lineage)
+            # Positions below B0 keep the decay the drafter was trained with; new ones restart it.
             train_config = TrainConfig(block_size=block_size, steps=steps, batch_size=config.batch_size,
+                                       gamma=default_gamma(source.block_size),
                                        anchors_per_sequence=config.anchors_per_sequence, lr=config.lr,
                                        seed=config.seed + number, checkpoint_every=config.checkpoint_every,
                                        position_weight_shift=emphasis, lineage=lineage,
