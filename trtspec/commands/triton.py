@@ -40,9 +40,9 @@ def triton_serve(repository, http_port, grpc_port, metrics_port, address) -> Non
 
     process, scratch = start_server(Path(repository), http_port, grpc_port, metrics_port, address)
     try:
-        code = process.wait()
+        process.wait()
     except KeyboardInterrupt:
-        code = stop_server(process, scratch)
+        pass  # Ctrl-C: stop the server below
     finally:
-        stop_server(process, scratch)
+        code = stop_server(process, scratch)  # also removes the server's scratch directory
     raise SystemExit(code)
