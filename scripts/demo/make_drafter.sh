@@ -21,3 +21,9 @@ trtspec --threads "$THREADS" generate-data --prompts "$WORK/drafter-prompts.json
 trtspec --threads "$THREADS" train-drafter --data "$WORK/drafter-data.jsonl" --block-size 16 \
     --layers 1 --target-layer-ids 1,3,5 --steps "$STEPS" --batch-size 8 --anchors 16 --lr 1.5e-3 \
     --seed 0 --checkpoint-every 100 --work "$WORK/drafter-work" -o trtspec/assets/demo-b16
+
+# 4. DBloom: post-train demo-b16 to B=24 (continuation at 16, then 16 -> 20 -> 24 with the new
+#    positions emphasised), then ship it in bfloat16 as demo-b24.
+trtspec --threads "$THREADS" expand-block --drafter demo-b16 --to 24 --data "$WORK/drafter-data.jsonl" \
+    --steps 300 --continue-steps 100 --stages 2 --lr 1e-4 --batch-size 8 --anchors 16 -o "$WORK/demo-b24"
+python scripts/demo/ship_drafter.py "$WORK/demo-b24" trtspec/assets/demo-b24
