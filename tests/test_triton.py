@@ -2,6 +2,7 @@
 over HTTP and gRPC with tritonclient, started and stopped through `trtspec triton-serve`."""
 
 import json
+import os
 import queue
 import signal
 import socket
@@ -23,6 +24,19 @@ PROMPT = "def add(a, b):\n"
 MAX_TOKENS = 24
 
 
+def _alive(group: int, grace: float = 20.0) -> bool:
+    """Whether any process of the group `group` (triton-serve, tritonserver, its python stubs) is
+    still alive after `grace` seconds (the stubs exit shortly after their server)."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def _free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     for s in sockets:
@@ -42,7 +56,7 @@ def server(ort_engine_dir, tmp_path_factory):
     log = open(repo.parent / "server.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "trtspec", "triton-serve", repo, "--http-port", str(http_port),
                                 "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
-                               stdout=log, stderr=subprocess.STDOUT)
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     client = http.InferenceServerClient(f"127.0.0.1:{http_port}", concurrency=8)
     try:
         deadline = time.monotonic() + 180
@@ -61,12 +75,13 @@ def server(ort_engine_dir, tmp_path_factory):
     finally:
         process.send_signal(signal.SIGINT)  # as Ctrl-C: triton-serve stops its server cleanly
         try:
-            process.wait(60)
+            process.wait(90)
         except subprocess.TimeoutExpired:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)  # never leave a server behind, even on failure
             raise
         finally:
             log.close()
+        assert not _alive(process.pid), "triton-serve left processes behind"
 
 
 def _inputs(module, prompt, **scalars):

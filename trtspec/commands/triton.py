@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import click
@@ -35,9 +36,13 @@ Example:
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
 @click.option("--address", default="127.0.0.1", show_default=True, help="Listen address (loopback by default).")
 def triton_serve(repository, http_port, grpc_port, metrics_port, address) -> None:
-    """Run tritonserver over REPO until Ctrl-C, then stop it cleanly."""
+    """Run tritonserver over REPO until Ctrl-C (or SIGTERM), then stop it cleanly."""
     from trtspec.serving.triton import start_server, stop_server
 
+    # Ctrl-C and `docker stop`/`kill` (SIGTERM) both stop the server cleanly, even when this process
+    # was started with SIGINT ignored (as background jobs of a non-interactive shell are).
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.default_int_handler)
     process, scratch = start_server(Path(repository), http_port, grpc_port, metrics_port, address)
     try:
         process.wait()

@@ -147,9 +147,9 @@ def start_server(repository: Path, http_port: int = 8000, grpc_port: int = 8001,
 
 
 def stop_server(process: subprocess.Popen, scratch: Path, timeout: float = 30.0) -> int:
-    """Ask the server to shut down (SIGINT, as Ctrl-C would), kill it if it does not, clean up."""
+    """Ask the server to shut down (SIGTERM: Triton's graceful stop), kill it if it does not, clean up."""
     if process.poll() is None:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
