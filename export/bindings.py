@@ -45,10 +45,8 @@ class GraphSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
 
-    @property
-    def dynamic_dims(self) -> tuple[str, ...]:
-        names = [d for t in self.inputs for d in t.dims if isinstance(d, str)]
-        return tuple(dict.fromkeys(names))
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
 
     def to_dict(self) -> dict:
         def tensors(specs):

@@ -28,7 +28,7 @@ class GraphEngine:
         self.mask_token_id: int | None = manifest.drafter.mask_token_id
         self.specs: dict[str, GraphSpec] = manifest.specs()
         capacity = manifest.max_context + MAX_BLOCK_SIZE
-        self._caches = {graph: [torch.zeros((capacity, *spec.inputs[-1].dims[1:]), dtype=self.dtype,
+        self._caches = {graph: [torch.zeros((capacity, *spec.input("past_k").dims[1:]), dtype=self.dtype,
                                             device=self.device) for _ in range(2)]
                         for graph, spec in self.specs.items()}
         self._length = {TARGET: 0, DRAFT: 0}

@@ -84,8 +84,8 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     policy = None
     if config.policy is not None:
         policy = load_policy(config.policy, tuple(config.block_sizes))
-    elif drafter_policy(drafter_dir) is not None:  # the drafter's own policy, when the engine can serve it
-        shipped = load_policy(drafter_policy(drafter_dir))
+    elif (shipped_dir := drafter_policy(drafter_dir)) is not None:  # the drafter's own, if the engine can serve it
+        shipped = load_policy(shipped_dir)
         policy = shipped if set(shipped.block_sizes) <= set(config.block_sizes) else None
     # Export on the CPU in float32 unless the engine's dtype needs otherwise; TensorRT/ORT move it.
     export_device = device if backend == "torch" else torch.device("cpu")
