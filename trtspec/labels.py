@@ -150,8 +150,8 @@ def strategy_metrics(labels: LabelSet, choices: list[int]) -> dict:
     """Modelled and measured figures when prompt i runs at block size choices[i]."""
     records = labels.records
     runs = [r["runs"][str(b)] for r, b in zip(records, choices)]
-    oracle = labels.speeds().max(dim=1).values
     speeds = labels.speeds()
+    oracle = speeds.max(dim=1).values
     chosen = torch.tensor([speeds[i, labels.block_sizes.index(b)] for i, b in enumerate(choices)])
     modelled_tokens = sum(run["tau"] * run["cycles"] for run in runs)
     modelled_s = sum(run["cycles"] * labels.cycle_cost(b) for run, b in zip(runs, choices))
