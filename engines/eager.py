@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from trtspec.export.bindings import MAX_BLOCK_SIZE
+from trtspec.export.bindings import MAX_BLOCK_SIZE, PREFILL_LOGITS
 from trtspec.models import DFlashDrafter, KVCache, Qwen3Target
 
 
@@ -40,9 +40,10 @@ class EagerEngine:
         return torch.tensor([tokens], dtype=torch.long, device=self.device)
 
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Last-position logits [1, V] and the drafter features of every prompt position [P, F]."""
+        """Logits of the last PREFILL_LOGITS prompt positions [<=PREFILL_LOGITS, V] and the drafter
+        features of every prompt position [P, F]."""
         logits, features = self.target(self._tensor(prompt), 0, self._target_cache,
-                                       self.feature_layers, last_logits_only=True)
+                                       self.feature_layers, last_logits=PREFILL_LOGITS)
         return logits[0], (features[0] if features is not None else None)
 
     def verify(self, block: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:

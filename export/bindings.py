@@ -27,6 +27,7 @@ from trtspec.models.config import DFlashConfig, Qwen3Config
 
 Dim = int | str
 MAX_BLOCK_SIZE = 64  # the largest block any engine or decode call accepts
+PREFILL_LOGITS = 64  # prefill returns the logits of the prompt's last this-many positions (BlockPilot reads them)
 
 
 @dataclass(frozen=True)

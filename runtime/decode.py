@@ -79,7 +79,7 @@ class DecodeEngine(Protocol):
     block_sizes: tuple[int, ...] | None  # None: any block size
 
     def reset(self, positions: int) -> None: ...
-    def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # tail logits, features
     def verify(self, block: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
     def draft(self, context_features: torch.Tensor, block: list[int], start: int) -> torch.Tensor: ...
     def rollback(self, length: int) -> None: ...
@@ -107,8 +107,8 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
 
     with torch.inference_mode():
         began = time.perf_counter()
-        logits, context = engine.prefill(prompt)
-        bonus = int(sampler.sample(logits)[0])
+        prompt_logits, context = engine.prefill(prompt)
+        bonus = int(sampler.sample(prompt_logits[-1:])[0])
         prefill_s = time.perf_counter() - began
         out.commit([bonus])
         start = len(prompt)  # position of the bonus token
@@ -116,7 +116,7 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
         began = time.perf_counter()  # the policy's choice counts as decode time
         chosen = block_size == AUTO
         if chosen:
-            block_size = policy.choose(context)
+            block_size = policy.choose(context, prompt_logits)
             _check_block_size(engine, block_size)
         stats = DecodeStats(block_size=block_size, prompt_tokens=len(prompt), prefill_s=prefill_s,
                             auto=chosen, policy_s=time.perf_counter() - began if chosen else 0.0)

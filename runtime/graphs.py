@@ -14,7 +14,7 @@ import torch
 
 from trtspec.engines.executor import PREFILL, TORCH_DTYPES, Executor, ProfileKey
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec
+from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, PREFILL_LOGITS, TARGET, GraphSpec
 from trtspec.manifest import Manifest, read_manifest
 
 
@@ -74,9 +74,10 @@ class GraphEngine:
         return torch.tensor(tokens, dtype=torch.long, device=self.device)
 
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Last-position logits [1, V] and the drafter features of every prompt position [P, F]."""
+        """Logits of the last PREFILL_LOGITS prompt positions [<=PREFILL_LOGITS, V] and the drafter
+        features of every prompt position [P, F]."""
         out = self._run(TARGET, PREFILL, 0, len(prompt), {"tokens": len(prompt)}, {"tokens": self._tokens(prompt)})
-        return out["logits"][-1:], out["features"]
+        return out["logits"][-PREFILL_LOGITS:], out["features"]
 
     def verify(self, block: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and drafter features [B, F] of `block` placed at start..start+B-1."""

@@ -16,12 +16,17 @@ PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n", "impor
 
 def test_prefill_summary():
     features = torch.arange(12.0).reshape(4, 3)
-    assert summarize_prefill(features, ("last",)).tolist() == [9, 10, 11]
-    assert summarize_prefill(features, ("mean",)).tolist() == [4.5, 5.5, 6.5]
-    assert summarize_prefill(features, ("length",)).item() == pytest.approx(torch.log(torch.tensor(4.0)).item())
-    assert summarize_prefill(features).shape == (7,)
+    # tail logits: one certain position (entropy 0, top-1 1) and one uniform over 4 tokens
+    logits = torch.tensor([[0.0, -1e4, -1e4, -1e4], [0.0, 0.0, 0.0, 0.0]])
+    assert summarize_prefill(features, logits, ("last",)).tolist() == [9, 10, 11]
+    assert summarize_prefill(features, logits, ("mean",)).tolist() == [4.5, 5.5, 6.5]
+    length = summarize_prefill(features, logits, ("length",)).item()
+    assert length == pytest.approx(torch.log(torch.tensor(4.0)).item())
+    entropy, top1 = summarize_prefill(features, logits, ("confidence",)).tolist()
+    assert entropy == pytest.approx(torch.log(torch.tensor(4.0)).item() / 2) and top1 == pytest.approx(0.625)
+    assert summarize_prefill(features, logits).shape == (9,)
     with pytest.raises(TrtspecError, match="unknown BlockPilot feature"):
-        summarize_prefill(features, ("median",))
+        summarize_prefill(features, logits, ("median",))
 
 
 def test_policy_learns_a_feature_dependent_choice_and_round_trips(tmp_path):
@@ -83,6 +88,7 @@ def test_label_blocks_records_every_block_size_and_the_cost_table(trained):
         assert label == max(speeds, key=speeds.get)
         assert record["runs"]["1"]["tau"] == 1.0 and 1.0 <= record["runs"]["8"]["tau"] <= 8.0
     assert labels.features["last"].shape[0] == len(PROMPTS) and labels.features["length"].shape[1] == 1
+    assert labels.features["confidence"].shape == (len(PROMPTS), 2) and labels.header["vocab_size"] > 0
 
 
 def test_eval_policy_reports_fixed_blockpilot_and_oracle(trained):

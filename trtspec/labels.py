@@ -23,13 +23,14 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from trtspec.errors import TrtspecError
+from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.fileio import atomic_write_text
 from trtspec.policy import FEATURE_KINDS, BlockPilot, summarize_prefill, time_choice
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.training.data import read_jsonl
 
-LABELS_VERSION = 1
+LABELS_VERSION = 2  # 2: confidence features, vocab_size
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,10 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
             ids = pipeline.codec.encode(prompt)
             pipeline.engine.reset(len(ids))
             with torch.inference_mode():
-                _, prefill_features = pipeline.engine.prefill(ids)
+                prompt_logits, prefill_features = pipeline.engine.prefill(ids)
+            vocabulary = prompt_logits.shape[-1]
             for kind in FEATURE_KINDS:
-                summaries[kind].append(summarize_prefill(prefill_features, (kind,)).cpu())
+                summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
             runs = {}
             for block_size in sizes:
                 generation_config = GenerationConfig(block_size=block_size, max_new_tokens=config.max_new_tokens,
@@ -130,7 +132,8 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
     header = {"labels_version": LABELS_VERSION, "prompts": prompts_name, "n_prompts": len(prompts),
               "block_sizes": list(config.block_sizes), "max_new_tokens": config.max_new_tokens,
               "temperature": config.sampling.temperature, "seed": seed, "backend": pipeline.backend,
-              "cycle_cost_s": costs, "ar_token_s": costs["1"]}
+              "cycle_cost_s": costs, "ar_token_s": costs["1"],
+              "vocab_size": vocabulary}
     label_set = LabelSet(header, records, {k: torch.stack(v) for k, v in summaries.items()})
     for record, label in zip(records, label_set.labels()):
         record["label"] = label
@@ -185,11 +188,12 @@ def evaluate_policy(policy: BlockPilot, labels: LabelSet, fixed_block_size: int)
     fixed, best, oracle = (strategies[f"B={fixed_block_size}"]["modelled_speedup"],
                            strategies["blockpilot"]["modelled_speedup"], strategies["oracle"]["modelled_speedup"])
     decode_s = statistics.fmean(r["runs"][str(b)]["decode_s"] for r, b in zip(labels.records, pilot))
-    # The policy's cost per request: summarising prefill features plus the MLP, timed on a
-    # realistic prompt-sized feature matrix.
-    width = labels.features["last"].shape[1]
+    # The policy's cost per request: summarising prefill's outputs plus the MLP, timed on
+    # realistic prompt-sized features and tail logits.
+    width, vocabulary = labels.features["last"].shape[1], labels.header["vocab_size"]
     prompt_tokens = int(statistics.median(r["prompt_tokens"] for r in labels.records))
-    overhead_s = time_choice(policy, torch.randn(prompt_tokens, width))
+    overhead_s = time_choice(policy, torch.randn(prompt_tokens, width),
+                             torch.randn(min(prompt_tokens, PREFILL_LOGITS), vocabulary))
     return {
         "prompts": labels.header["prompts"], "n_prompts": len(labels.records), "backend": labels.header["backend"],
         "temperature": labels.header["temperature"], "fixed_block_size": fixed_block_size,

@@ -1,9 +1,11 @@
 """BlockPilot: choose a request's block size once, right after prefill, from what prefill computed.
 
 The prefill already produced the target's tapped-layer features of every prompt position (the
-drafter's context); BlockPilot reads a summary of them (the last position's features, their mean
-over the prompt, the prompt length), and a small MLP scores each candidate block size. It runs
-once per request, in the runtime, on tensors that are already there.
+drafter's context) and its next-token logits over the prompt's last positions; BlockPilot reads a
+summary of them (the last position's features, their mean over the prompt, the prompt length, and
+the target's confidence over the prompt's tail: how predictable the text is to the target, which
+is what acceptance measures), and a small MLP scores each candidate block size. It runs once per
+request, in the runtime, on tensors that are already there.
 
 Labels come from running every prompt at every candidate block size (`trtspec label-blocks`): a
 request's speed at B is modelled as tau_B / cycle_cost_B, with the per-cycle cost of each block
@@ -28,7 +30,7 @@ from trtspec.errors import TrtspecError
 from trtspec.fileio import staged_directory
 
 AUTO = 0  # block_size value meaning "let BlockPilot choose"
-FEATURE_KINDS = ("last", "mean", "length")
+FEATURE_KINDS = ("last", "mean", "length", "confidence")
 POLICY_CONFIG, POLICY_WEIGHTS = "policy.json", "policy.safetensors"
 DRAFTER_POLICY_DIR = "blockpilot"  # a drafter directory may ship its policy here
 
@@ -41,8 +43,10 @@ def drafter_policy(drafter_dir: str | Path | None) -> Path | None:
     return path if (path / POLICY_CONFIG).is_file() else None
 
 
-def summarize_prefill(features: torch.Tensor, kinds: tuple[str, ...] = FEATURE_KINDS) -> torch.Tensor:
-    """The policy's input from prefill's features [P, F]: the chosen summaries, concatenated (float32)."""
+def summarize_prefill(features: torch.Tensor, logits: torch.Tensor,
+                      kinds: tuple[str, ...] = FEATURE_KINDS) -> torch.Tensor:
+    """The policy's input from prefill's features [P, F] and tail logits [T, V]: the chosen
+    summaries, concatenated (float32)."""
     features = features.float()
     parts = []
     for kind in kinds:
@@ -52,9 +56,19 @@ def summarize_prefill(features: torch.Tensor, kinds: tuple[str, ...] = FEATURE_K
             parts.append(features.mean(dim=0))
         elif kind == "length":
             parts.append(torch.tensor([math.log(features.shape[0])], device=features.device))
+        elif kind == "confidence":
+            parts.append(prompt_confidence(logits).to(features.device))
         else:
             raise TrtspecError(f"unknown BlockPilot feature {kind!r} (known: {', '.join(FEATURE_KINDS)})")
     return torch.cat(parts)
+
+
+def prompt_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The target's mean next-token entropy and mean top-1 probability over the prompt's tail [2]."""
+    log_probs = logits.float().log_softmax(dim=-1)
+    probs = log_probs.exp()
+    entropy = -(probs * log_probs).sum(dim=-1)
+    return torch.stack([entropy.mean(), probs.max(dim=-1).values.mean()])
 
 
 class PolicyNet(nn.Module):
@@ -77,9 +91,9 @@ class BlockPilot:
     net: PolicyNet
     info: dict
 
-    def choose(self, features: torch.Tensor) -> int:
-        """The block size for a request whose prefill produced `features` [P, F]."""
-        x = summarize_prefill(features, self.kinds).to(self.net.mean.device)
+    def choose(self, features: torch.Tensor, logits: torch.Tensor) -> int:
+        """The block size for a request whose prefill produced `features` [P, F] and tail `logits` [T, V]."""
+        x = summarize_prefill(features, logits, self.kinds).to(self.net.mean.device)
         with torch.inference_mode():
             return self.block_sizes[int(self.net(x).argmax())]
 
@@ -145,12 +159,12 @@ def train_policy(inputs: torch.Tensor, speeds: torch.Tensor, block_sizes: tuple[
                                                                      "train_regret": float(loss.detach())})
 
 
-def time_choice(policy: BlockPilot, features: torch.Tensor, repeats: int = 200) -> float:
+def time_choice(policy: BlockPilot, features: torch.Tensor, logits: torch.Tensor, repeats: int = 200) -> float:
     """Median seconds for one `choose` call (the policy's whole per-request cost)."""
-    policy.choose(features)
+    policy.choose(features, logits)
     samples = []
     for _ in range(repeats):
         began = time.perf_counter()
-        policy.choose(features)
+        policy.choose(features, logits)
         samples.append(time.perf_counter() - began)
     return sorted(samples)[len(samples) // 2]

@@ -153,7 +153,7 @@ def greedy_sample(model: Qwen3Target, tokenizer, prompt: str, new_tokens: int = 
     model.eval()
     ids = tokenizer.encode(prompt).ids
     cache = model.new_cache(1, len(ids) + new_tokens)
-    logits, _ = model(torch.tensor([ids]), 0, cache, last_logits_only=True)
+    logits, _ = model(torch.tensor([ids]), 0, cache, last_logits=1)
     out = []
     for _ in range(new_tokens):
         token = int(logits[0, -1].argmax())

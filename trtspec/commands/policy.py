@@ -7,7 +7,8 @@ import click
 from trtspec.commands.options import load_pipeline, model_options, sampling_config, sampling_options
 from trtspec.errors import TrtspecError
 
-FEATURE_SETS = ("last", "mean", "length", "last,mean", "last,mean,length")
+FEATURE_SETS = ("last", "mean", "length", "confidence", "confidence,length", "mean,confidence",
+                "last,mean,length", "last,mean,length,confidence")
 
 
 def _feature_kinds(text: str) -> tuple[str, ...]:
@@ -63,7 +64,8 @@ Examples:
 @click.argument("labels_path", metavar="LABELS.jsonl")
 @click.option("-o", "--output", required=True, metavar="DIR", help="Policy directory to write.")
 @click.option("--features", default="last,mean,length", show_default=True,
-              help="Prefill summaries to use: last (last position's features), mean (over the prompt), length.")
+              help="Prefill summaries to use: last (last position's features), mean (over the prompt), length, "
+                   "confidence (the target's entropy and top-1 probability over the prompt's tail).")
 @click.option("--hidden", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=600, show_default=True)
 @click.option("--ablation", is_flag=True,

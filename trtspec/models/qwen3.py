@@ -56,12 +56,12 @@ class Qwen3Target(nn.Module):
                        self.dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache | None,
-                feature_layers: tuple[int, ...] = (), last_logits_only: bool = False,
+                feature_layers: tuple[int, ...] = (), last_logits: int | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run `tokens` [b, T] at positions start..start+T-1, causally over the cache.
 
-        Returns logits [b, T, V] (or [b, 1, V]) and the requested layers' outputs concatenated
-        on the feature axis, [b, T, len(feature_layers) * hidden] (None when none requested).
+        Returns logits [b, T, V] (or only the last `last_logits` positions') and the requested
+        layers' outputs concatenated on the feature axis, [b, T, len(feature_layers) * hidden] (None when none requested).
         Afterwards the cache holds start+T valid positions. Without a cache (training) the
         tokens attend causally among themselves and start must be 0.
         """
@@ -85,8 +85,8 @@ class Qwen3Target(nn.Module):
         h, features = self.decode(tokens, positions, cached, causal, feature_layers)
         if cache is not None:
             cache.length = end
-        if last_logits_only:
-            h = h[:, -1:]
+        if last_logits is not None:
+            h = h[:, -last_logits:]
         return self.logits(h), features
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attend_kv: KVHook, mask: torch.Tensor | None,

@@ -69,7 +69,7 @@ def continue_prompts(target, prompts: list[list[int]], config: GenerationConfig,
                 raise TrtspecError(f"a prompt of {length} tokens leaves no room in the target's context")
             tokens = torch.tensor([prompts[i] for i in chunk], device=target.device)
             cache = target.new_cache(len(chunk), length + budget)
-            logits, _ = target(tokens, 0, cache, last_logits_only=True)
+            logits, _ = target(tokens, 0, cache, last_logits=1)
             generated, finished = [], torch.zeros(len(chunk), dtype=torch.bool, device=target.device)
             for step in range(budget):
                 token = sampler.sample(logits[:, -1])
