@@ -70,6 +70,7 @@ def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, dr
     assert config["block_size"] == 20
     assert config["trtspec_lineage"]["source_block_size"] == 16
     assert config["trtspec_lineage"]["stages"] == [[16, 2, 0], [18, 2, 16], [20, 2, 16]]
+    assert config["trtspec_lineage"]["distill_weight"] == 1.0  # early positions kept close to the source
     stage = output.parent / "b20.work" / "stage1-b18" / "config.json"
     before = stage.stat().st_mtime_ns
     assert trtspec("--threads", 1, *args).returncode == 0  # finished stages are reused, not retrained

@@ -60,6 +60,28 @@ def test_packed_training_forward_equals_inference_forward(target_dir):
             assert (packed[:, slot * 6 + 1:(slot + 1) * 6] - alone).abs().max() < 1e-4
 
 
+def test_distillation_pulls_only_the_early_positions_toward_the_teacher(target_dir):
+    from trtspec.training.expand import frozen_copy
+    from trtspec.training.trainer import DrafterLoss
+
+    target = load_target(target_dir)
+    drafter = random_drafter(target, layers=1, layer_ids=(0, 2), mask_token_id=1)
+    ids = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = pack([(ids, 12)], block_size=8, anchors_per_sequence=4, mask_token_id=1, gamma=7.0,
+                 generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, features = target(batch.tokens, 0, None, (0, 2))
+        plain = DrafterLoss(drafter)(features, batch, 8)
+        # the teacher is the drafter itself: the KL term is zero
+        assert DrafterLoss(drafter, frozen_copy(drafter, target), 4)(features, batch, 8) == pytest.approx(plain)
+        other = random_drafter(target, layers=1, layer_ids=(0, 2), mask_token_id=1, seed=7)
+        assert DrafterLoss(drafter, other, 4)(features, batch, 8) > plain + 1e-3
+        # positions >= distill_below carry no KL: with every label there ignored but the late ones, no change
+        late = torch.arange(batch.labels.shape[1]) % 8 >= 4
+        batch.labels[:, ~late] = IGNORE
+        assert DrafterLoss(drafter, other, 4)(features, batch, 8) == pytest.approx(DrafterLoss(drafter)(features, batch, 8))
+
+
 @pytest.fixture(scope="module")
 def tiny_data(target_dir, tmp_path_factory):
     """The tiny target's own greedy continuations of random code-like prompts."""

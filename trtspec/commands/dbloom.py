@@ -58,12 +58,15 @@ Example:
 @click.option("--continue-steps", type=int, default=0, show_default=True,
               help="Continuation fine-tuning at the original block size first.")
 @click.option("--lr", type=float, default=3e-4, show_default=True)
+@click.option("--distill", "distill_weight", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="While the block grows, keep positions below B0 close to the original drafter "
+                   "(weight of that KL term; 0 turns it off).")
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--anchors", type=int, default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--work", "work_dir", metavar="DIR", help="Stage checkpoints. [default: OUTPUT.work]")
 def expand_block(target, drafter, engine, dtype, device, to_block_size, data_file, output, steps, stages,
-                 continue_steps, lr, batch_size, anchors, seed, work_dir) -> None:
+                 continue_steps, lr, distill_weight, batch_size, anchors, seed, work_dir) -> None:
     """Post-train a drafter on a longer block with a curriculum that stresses the new positions.
 
     The result is an ordinary drafter directory; its config records the lineage (source block
@@ -80,7 +83,8 @@ def expand_block(target, drafter, engine, dtype, device, to_block_size, data_fil
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: the drafter to expand")
     config = ExpandConfig(to_block_size=to_block_size, steps=steps, stages=stages, continue_steps=continue_steps,
-                          lr=lr, batch_size=batch_size, anchors_per_sequence=anchors, seed=seed)
+                          lr=lr, batch_size=batch_size, anchors_per_sequence=anchors, seed=seed,
+                          distill_weight=distill_weight)
     sequences = read_training_data(data_file, pipeline.codec)
     path = expand(pipeline.target, pipeline.drafter, sequences, config, output, work_dir)
     click.echo(f"wrote drafter to {path} (block size {to_block_size}, from {pipeline.drafter_block_size})", err=True)

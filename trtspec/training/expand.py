@@ -4,7 +4,10 @@ Widening the block only at inference does not work: attention is bidirectional, 
 positions see a different block than in training. A short curriculum does: optionally first
 continue training at B0, then grow the block in stages up to B1 (e.g. 16 -> 20 -> 24), with the
 loss weights of the newly exposed positions (>= B0) restarted at full weight so they are
-learned rather than drowned by the decay that favours early positions.
+learned rather than drowned by the decay that favours early positions. While the block grows,
+positions below B0 are also kept close to the drafter we started from (a KL term against a
+frozen copy, seeing the same longer blocks): the new positions must not cost the early ones,
+which carry most of the acceptance.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class ExpandConfig:
     anchors_per_sequence: int = 16
     seed: int = 0
     checkpoint_every: int = 50
+    distill_weight: float = 1.0      # KL to the source drafter at positions < B0 while growing; 0 = off
 
 
 def stage_plan(from_block: int, config: ExpandConfig) -> list[tuple[int, int, int]]:
@@ -44,6 +48,15 @@ def stage_plan(from_block: int, config: ExpandConfig) -> list[tuple[int, int, in
     return plan + [(size, steps, from_block) for size, steps in zip(sizes, per_stage) if steps > 0]
 
 
+def frozen_copy(drafter: DFlashDrafter, target: Qwen3Target) -> DFlashDrafter:
+    """An independent, gradient-free copy of `drafter` sharing the target's embedding and head."""
+    copy = DFlashDrafter(drafter.config).to(device=target.device, dtype=target.dtype)
+    copy.load_state_dict(drafter.state_dict())
+    for param in copy.parameters():
+        param.requires_grad_(False)
+    return copy.eval().bind(target)
+
+
 def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tuple[list[int], int]],
                  config: ExpandConfig, output: str | Path, work_dir: str | Path | None = None,
                  progress: bool = True) -> Path:
@@ -51,10 +64,12 @@ def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tu
     source = drafter.config
     work = Path(work_dir) if work_dir else Path(str(output).rstrip("/") + ".work")
     plan = stage_plan(source.block_size, config)
+    teacher = frozen_copy(drafter, target) if config.distill_weight > 0 else None
     for number, (block_size, steps, emphasis) in enumerate(plan):
         stage_dir = work / f"stage{number}-b{block_size}"
         lineage = {"source_block_size": source.block_size, "block_size": config.to_block_size,
                    "steps": config.steps, "continue_steps": config.continue_steps,
+                   "distill_weight": config.distill_weight,
                    "stages": [list(stage) for stage in plan], "source_lineage": dict(source.lineage)}
         if not (stage_dir / "config.json").is_file():
             drafter.config = replace(drafter.config, block_size=block_size, lineage=lineage)
@@ -64,9 +79,11 @@ def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tu
                                        anchors_per_sequence=config.anchors_per_sequence, lr=config.lr,
                                        seed=config.seed + number, checkpoint_every=config.checkpoint_every,
                                        position_weight_shift=emphasis, lineage=lineage,
-                                       mask_token_id=source.mask_token_id)
+                                       mask_token_id=source.mask_token_id,
+                                       distill_below=emphasis if teacher is not None else 0,
+                                       distill_weight=config.distill_weight)
             train_drafter(target, sequences, train_config, stage_dir, work / f"stage{number}.work", drafter=drafter,
-                          progress=progress)
+                          teacher=teacher, progress=progress)
         drafter = load_drafter(stage_dir, target)
     drafter.config = replace(drafter.config, block_size=config.to_block_size)
     return save_drafter(drafter, output)

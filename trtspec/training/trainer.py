@@ -42,6 +42,8 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 100
     position_weight_shift: int = 0              # >0 moves loss weight toward positions >= shift (expand-block)
+    distill_below: int = 0                      # >0: positions < this also match a frozen teacher (expand-block)
+    distill_weight: float = 1.0                 # weight of that KL term against the cross-entropy
     lineage: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,17 +63,33 @@ class TrainConfig:
 
 
 class DrafterLoss(nn.Module):
-    """The weighted block cross-entropy, as a module so DDP can wrap it (the target stays outside)."""
+    """The weighted block cross-entropy, as a module so DDP can wrap it (the target stays outside).
 
-    def __init__(self, drafter: DFlashDrafter):
+    With a `teacher` (expand-block), block positions below `distill_below` also pay the KL
+    divergence from the teacher's predictions on the same blocks: the drafter learns its new,
+    later positions without giving up the early ones it was already good at.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, teacher: DFlashDrafter | None = None, distill_below: int = 0,
+                 distill_weight: float = 1.0):
         super().__init__()
-        self.drafter = drafter
+        self.drafter, self.distill_below, self.distill_weight = drafter, distill_below, distill_weight
+        self.teacher = [teacher]  # in a list: frozen, not a submodule (no gradients, not in DDP's buckets)
 
-    def forward(self, features: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, batch: PackedBatch, block_size: int) -> torch.Tensor:
         hidden = self.drafter.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
         chosen = batch.labels != IGNORE
-        logits = self.drafter.lm_head(hidden[chosen])
-        losses = F.cross_entropy(logits.float(), batch.labels[chosen], reduction="none")
+        logits = self.drafter.lm_head(hidden[chosen]).float()
+        losses = F.cross_entropy(logits, batch.labels[chosen], reduction="none")
+        teacher = self.teacher[0]
+        if teacher is not None and self.distill_below > 0:
+            offsets = torch.arange(batch.labels.shape[1], device=logits.device) % block_size
+            early = (offsets < self.distill_below).expand_as(chosen)[chosen]
+            with torch.no_grad():
+                taught = teacher.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
+                reference = teacher.lm_head(taught[chosen]).float().log_softmax(dim=-1)
+            divergence = F.kl_div(logits.log_softmax(dim=-1), reference, log_target=True, reduction="none").sum(-1)
+            losses = losses + self.distill_weight * divergence * early
         weights = batch.weights[chosen]
         return (losses * weights).sum() / weights.sum().clamp_min(1e-6)
 
@@ -113,10 +131,12 @@ def _atomic_save(state: dict, path: Path) -> None:
 
 def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], config: TrainConfig,
                   output: str | Path, work_dir: str | Path | None = None,
-                  drafter: DFlashDrafter | None = None, progress: bool = True) -> Path:
+                  drafter: DFlashDrafter | None = None, teacher: DFlashDrafter | None = None,
+                  progress: bool = True) -> Path:
     """Train (or continue training `drafter`) and write it in the z-lab layout to `output`.
 
     `sequences` are (token ids, prompt length) pairs; anchors are drawn among response tokens.
+    `teacher` (frozen) is what positions below `config.distill_below` are kept close to.
     """
     if config.mask_token_id < 0 and drafter is None:
         raise TrtspecError("no mask token id: the tokenizer has no <|mask|> token; pass --mask-token-id")
@@ -131,7 +151,9 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     if drafter is None:
         drafter = new_drafter(target, config)
     drafter.train()
-    loss_module: nn.Module = DrafterLoss(drafter)
+    if config.distill_below and teacher is None:
+        raise TrtspecError("distilling early positions needs a teacher drafter")
+    loss_module: nn.Module = DrafterLoss(drafter, teacher, config.distill_below, config.distill_weight)
     if world > 1:
         loss_module = nn.parallel.DistributedDataParallel(loss_module)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95),
@@ -170,7 +192,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
         batch = PackedBatch(*(t.to(target.device) for t in vars(batch).values()))
         with torch.no_grad():
             _, features = target(batch.tokens, 0, None, layer_ids)
-        loss = loss_module(features, batch)
+        loss = loss_module(features, batch, config.block_size)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.clip_norm)
