@@ -36,8 +36,9 @@ class EagerEngine:
         if self._drafter_cache is not None:
             self._drafter_cache.length = 0
 
-    def _tensor(self, tokens: list[int]) -> torch.Tensor:
-        return torch.tensor([tokens], dtype=torch.long, device=self.device)
+    def _tensor(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """[1, T] token ids on the model's device (a tensor on it is used in place)."""
+        return torch.as_tensor(tokens, dtype=torch.long, device=self.device)[None]
 
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the last PREFILL_LOGITS prompt positions [<=PREFILL_LOGITS, V] and the drafter
@@ -46,15 +47,17 @@ class EagerEngine:
                                        self.feature_layers, last_logits=PREFILL_LOGITS)
         return logits[0], (features[0] if features is not None else None)
 
-    def verify(self, block: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def verify(self, block: list[int] | torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B, V] and drafter features [B, F] of `block` placed at start..start+B-1."""
         logits, features = self.target(self._tensor(block), start, self._target_cache, self.feature_layers)
         return logits[0], (features[0] if features is not None else None)
 
-    def draft(self, context_features: torch.Tensor, block: list[int], start: int) -> torch.Tensor:
-        """Greedy proposals [B-1] for block positions 1..B-1."""
+    def draft(self, context_features: torch.Tensor, block: list[int] | torch.Tensor, start: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy proposals [B-1] for block positions 1..B-1 (copied into `out` when given)."""
         logits = self.drafter(context_features[None], self._tensor(block), start, self._drafter_cache)
-        return logits[0].argmax(dim=-1)
+        drafts = logits[0].argmax(dim=-1)
+        return out.copy_(drafts) if out is not None else drafts
 
     def rollback(self, length: int) -> None:
         """Forget target cache entries at positions >= length (rejected drafts)."""

@@ -15,7 +15,8 @@ import torch
 from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.policy import AUTO, BlockPilot
 from trtspec.errors import TrtspecError
-from trtspec.runtime.sampling import Sampler, SamplingConfig, accepted_length
+from trtspec.runtime.controller import Controller, Stepper, native_controller
+from trtspec.runtime.sampling import Sampler, SamplingConfig
 from trtspec.runtime.stats import DecodeStats
 
 
@@ -41,33 +42,14 @@ class GenerationConfig:
         return replace(self, stop_ids=tuple(dict.fromkeys(self.stop_ids + tuple(extra))))
 
 
+Block = list[int] | torch.Tensor
+ControllerFactory = Callable[[list[int], list[int], list[tuple[int, ...]], int], Controller]
+
+
 @dataclass
 class Generation:
     tokens: list[int]
     stats: DecodeStats
-
-
-class _Output:
-    """Committed tokens with the stop rules applied: truncate after the first stop id or at the limit."""
-
-    def __init__(self, limit: int, stop_ids: tuple[int, ...], on_commit: Callable[[list[int]], None] | None):
-        self.tokens: list[int] = []
-        self.limit, self.stop_ids, self.on_commit = limit, set(stop_ids), on_commit
-        self.finish_reason = ""
-
-    def commit(self, tokens: list[int]) -> None:
-        kept = []
-        for token in tokens:
-            kept.append(token)
-            if token in self.stop_ids:
-                self.finish_reason = "stop"
-                break
-            if len(self.tokens) + len(kept) == self.limit:
-                self.finish_reason = "length"
-                break
-        self.tokens.extend(kept)
-        if self.on_commit is not None:
-            self.on_commit(kept)
 
 
 class DecodeEngine(Protocol):
@@ -80,15 +62,19 @@ class DecodeEngine(Protocol):
 
     def reset(self, positions: int) -> None: ...
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # tail logits, features
-    def verify(self, block: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-    def draft(self, context_features: torch.Tensor, block: list[int], start: int) -> torch.Tensor: ...
+    # A block is a list or an int64 tensor (the controller's buffers, read in place).
+    def verify(self, block: Block, start: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def draft(self, context_features: torch.Tensor, block: Block, start: int,
+              out: torch.Tensor | None = None) -> torch.Tensor: ...  # proposals, written into `out` if given
     def rollback(self, length: int) -> None: ...
 
 
 def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
-             on_commit: Callable[[list[int]], None] | None = None, policy: BlockPilot | None = None) -> Generation:
+             on_commit: Callable[[list[int]], None] | None = None, policy: BlockPilot | None = None,
+             controller: ControllerFactory = native_controller) -> Generation:
     """Decode one request. `on_commit` receives each batch of newly committed tokens (streaming);
-    `policy` chooses the block size after prefill when the config asks for AUTO."""
+    `policy` chooses the block size after prefill when the config asks for AUTO; `controller`
+    makes the per-cycle core (the native one; the tests pass their Python oracle)."""
     block_size = config.block_size
     if not prompt:
         raise TrtspecError("the prompt is empty")
@@ -102,7 +88,6 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
     _check_block_size(engine, block_size)
     limit = min(config.max_new_tokens, engine.max_context - len(prompt))
     sampler = Sampler(config.sampling, engine.device)
-    out = _Output(limit, config.stop_ids, on_commit)
     engine.reset(len(prompt) + limit)
 
     with torch.inference_mode():
@@ -110,8 +95,6 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
         prompt_logits, context = engine.prefill(prompt)
         bonus = int(sampler.sample(prompt_logits[-1:])[0])
         prefill_s = time.perf_counter() - began
-        out.commit([bonus])
-        start = len(prompt)  # position of the bonus token
 
         began = time.perf_counter()  # the policy's choice counts as decode time
         chosen = block_size == AUTO
@@ -120,26 +103,44 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
             _check_block_size(engine, block_size)
         stats = DecodeStats(block_size=block_size, prompt_tokens=len(prompt), prefill_s=prefill_s,
                             auto=chosen, policy_s=time.perf_counter() - began if chosen else 0.0)
-        masks = [engine.mask_token_id] * (block_size - 1) if block_size > 1 else []
-        while not out.finish_reason:
-            block = [bonus]
-            if masks:
-                drafts = engine.draft(context, block + masks, start)
-                block += drafts.tolist()
-            logits, features = engine.verify(block, start)
-            posterior = sampler.sample(logits)
-            accepted = int(accepted_length(drafts, posterior)) if masks else 0
-            bonus = int(posterior[accepted])
-            stats.record_cycle(accepted)
-            out.commit(block[1:accepted + 1] + [bonus])
-            start += accepted + 1
-            engine.rollback(start)
-            context = features[:accepted + 1] if features is not None else None
+        core = controller([block_size], [limit], [config.stop_ids], engine.mask_token_id or 0)
+        core.begin(0, bonus, len(prompt))  # the bonus token sits at the first position after the prompt
+        _cycles(engine, core, context, None if config.sampling.greedy else sampler.sample, on_commit)
         stats.decode_s = time.perf_counter() - began
 
-    stats.new_tokens = len(out.tokens)
-    stats.finish_reason = out.finish_reason
-    return Generation(out.tokens, stats)
+    count = core.count(0)
+    stats.histogram = core.histograms[0, :block_size].tolist()
+    stats.new_tokens = count
+    stats.finish_reason = core.finish_reason(0)
+    return Generation(core.tokens[0, :count].tolist(), stats)
+
+
+def _cycles(engine: DecodeEngine, core: Controller, context: torch.Tensor | None,
+            posterior_of: Callable[[torch.Tensor], torch.Tensor] | None,
+            on_commit: Callable[[list[int]], None] | None) -> None:
+    """Cycles of draft(B) -> verify(B) -> one controller step until the request finishes.
+
+    The blocks are the controller's own buffers: it writes each cycle's bonus into them and the
+    drafter writes its proposals behind it, so verify reads [bonus, drafts] in place.
+    """
+    block, draft_block = torch.from_numpy(core.verify_blocks[0]), torch.from_numpy(core.draft_blocks[0])
+    proposals, drafting, step = block[1:], len(block) > 1, Stepper(core, posterior_of)
+    _emit(core, on_commit)
+    while core.running:
+        start = core.start(0)
+        if drafting:
+            engine.draft(context, draft_block, start, out=proposals)
+        logits, features = engine.verify(block, start)
+        step(logits)
+        _emit(core, on_commit)
+        engine.rollback(core.start(0))
+        context = features[:core.accepted(0) + 1] if features is not None else None
+
+
+def _emit(core: Controller, on_commit: Callable[[list[int]], None] | None) -> None:
+    if on_commit is not None:
+        count = core.count(0)
+        on_commit(core.tokens[0, count - core.committed(0):count].tolist())
 
 
 def _check_block_size(engine: DecodeEngine, block_size: int) -> None:

@@ -33,6 +33,9 @@ class GraphEngine:
                         for graph, spec in self.specs.items()}
         self._length = {TARGET: 0, DRAFT: 0}
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)
+        # On the CPU the start position is written through a numpy view: a torch call per graph run
+        # costs more than the rest of the cycle's bookkeeping.
+        self._start_host = self._start.numpy() if self.device.type == "cpu" else None
         self._outputs: dict[tuple[str, ProfileKey], dict[str, torch.Tensor]] = {}
 
     def without_drafter(self) -> "GraphEngine":
@@ -49,12 +52,16 @@ class GraphEngine:
         self._length = {TARGET: 0, DRAFT: 0}
 
     def _run(self, graph: str, profile: ProfileKey, start: int, count: int, sizes: dict[str, int],
-             inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run `graph` for `count` new cache positions written at `start` (static output buffers per shape)."""
+             inputs: dict[str, torch.Tensor], into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Run `graph` for `count` new cache positions written at `start` (static output buffers per
+        shape, or the caller's tensors named in `into`)."""
         spec = self.specs[graph]
         cache_k, cache_v = self._caches[graph]
         cached = self._length[graph]
-        self._start.fill_(start)
+        if self._start_host is not None:
+            self._start_host[0] = start
+        else:
+            self._start.fill_(start)
         inputs = {**inputs, "start": self._start, "past_k": cache_k[:cached], "past_v": cache_v[:cached]}
         # Output shapes are fixed per profile (B tokens, B-1 proposals), so each profile keeps one
         # set of buffers; a prompt's length varies, so prefill outputs are allocated per request.
@@ -65,13 +72,17 @@ class GraphEngine:
                        for t in spec.outputs if not t.name.startswith("new_")}
             if profile != PREFILL:
                 self._outputs[(graph, profile)] = outputs
-        outputs = {**outputs, "new_k": cache_k[cached:cached + count], "new_v": cache_v[cached:cached + count]}
+        outputs = {**outputs, **(into or {}), "new_k": cache_k[cached:cached + count],
+                   "new_v": cache_v[cached:cached + count]}
         self.executor.run(graph, profile, inputs, outputs)
         self._length[graph] = cached + count
         return outputs
 
-    def _tokens(self, tokens: list[int]) -> torch.Tensor:
-        return torch.tensor(tokens, dtype=torch.long, device=self.device)
+    def _tokens(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """Token ids on the engine's device; a tensor already there is used in place (no copy)."""
+        if isinstance(tokens, torch.Tensor) and tokens.device == self.device:
+            return tokens
+        return torch.as_tensor(tokens, dtype=torch.long, device=self.device)
 
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of the last PREFILL_LOGITS prompt positions [<=PREFILL_LOGITS, V] and the drafter
@@ -79,22 +90,27 @@ class GraphEngine:
         out = self._run(TARGET, PREFILL, 0, len(prompt), {"tokens": len(prompt)}, {"tokens": self._tokens(prompt)})
         return out["logits"][-PREFILL_LOGITS:], out["features"]
 
-    def verify(self, block: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, block: list[int] | torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and drafter features [B, F] of `block` placed at start..start+B-1."""
         if start != self._length[TARGET]:
             raise ValueError(f"verify at {start} but the target cache holds {self._length[TARGET]} positions")
-        out = self._run(TARGET, len(block), start, len(block), {"tokens": len(block)}, {"tokens": self._tokens(block)})
+        size = len(block)
+        out = self._run(TARGET, size, start, size, {"tokens": size}, {"tokens": self._tokens(block)})
         return out["logits"], out["features"]
 
-    def draft(self, context_features: torch.Tensor, block: list[int], start: int) -> torch.Tensor:
-        """Greedy proposals [B-1] for block positions 1..B-1."""
+    def draft(self, context_features: torch.Tensor, block: list[int] | torch.Tensor, start: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy proposals [B-1] for block positions 1..B-1, written into `out` when given (the graph
+        writes them there directly when `out` is a contiguous tensor on the engine's device)."""
         count = context_features.shape[0]
         if start - count != self._length[DRAFT]:
             raise ValueError(f"context starts at {start - count} but the drafter cache holds {self._length[DRAFT]}")
-        sizes = {"context": count, "proposals": len(block) - 1}
-        out = self._run(DRAFT, len(block), start, count, sizes,
-                        {"context": context_features, "block": self._tokens(block)})
-        return out["drafts"]
+        size = len(block)
+        direct = out is not None and out.device == self.device and out.is_contiguous()
+        sizes, inputs = {"context": count, "proposals": size - 1}, {"context": context_features,
+                                                                    "block": self._tokens(block)}
+        drafts = self._run(DRAFT, size, start, count, sizes, inputs, {"drafts": out} if direct else None)["drafts"]
+        return out.copy_(drafts) if out is not None and not direct else drafts
 
     def rollback(self, length: int) -> None:
         """Forget target cache entries at positions >= length (rejected drafts)."""

@@ -1,4 +1,5 @@
-"""Turning logits into tokens, and the acceptance rule that keeps speculation lossless."""
+"""Turning logits into tokens (the acceptance rule that keeps speculation lossless is applied by
+the decode controller, `trtspec.runtime.controller`)."""
 
 from __future__ import annotations
 
@@ -62,14 +63,3 @@ class Sampler:
             return logits.argmax(dim=-1)
         return torch.multinomial(self.probabilities(logits), 1, generator=self.generator)[:, 0]
 
-
-def accepted_length(drafts: torch.Tensor, posterior: torch.Tensor) -> torch.Tensor:
-    """How many leading drafts the target agrees with, per row.
-
-    drafts [..., B-1] are the proposals for block positions 1..B-1; posterior [..., B] are the
-    target's tokens after block positions 0..B-1. Draft k is accepted while it equals the target's
-    token for its position, posterior[k-1]. With greedy (one-hot) proposals this is exactly
-    speculative sampling, so the output is distributed as the target's at any temperature.
-    """
-    matches = (drafts == posterior[..., :-1]).long()
-    return matches.cumprod(dim=-1).sum(dim=-1)

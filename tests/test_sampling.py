@@ -5,7 +5,9 @@ seeds; the first tokens it produces are compared with the exact distribution com
 target's logits (chi-square, plus a Bonferroni-corrected binomial test per cell, which is what
 catches a shift concentrated on one token). The same test run with a subtly broken acceptance
 rule, moving 1% of probability mass onto the drafter's proposal, must fail: that shows it has the
-power to catch a shift of that size.
+power to catch a shift of that size (broken in the Python oracle of the controller, which the
+same loop runs in place of the native core; the native core agrees with that oracle cycle by
+cycle, test_controller.py).
 """
 
 import numpy as np
@@ -13,11 +15,12 @@ import pytest
 import torch
 from scipy.stats import binomtest, chisquare
 
-import trtspec.runtime.decode as decode
+import oracle
 from helpers import predictable_pair
 from trtspec.engines.eager import EagerEngine
 from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.sampling import Sampler, SamplingConfig, accepted_length
+from oracle import PythonController, accepted_length
+from trtspec.runtime.sampling import Sampler, SamplingConfig
 
 VOCAB, PROMPT, SAMPLES, ALPHA = 8, [2, 3, 4, 5], 30_000, 1e-3
 
@@ -40,12 +43,14 @@ def exact_three_token_distribution(target) -> np.ndarray:
     return (p1[:, None, None] * p2[:, :, None] * p3).numpy()
 
 
-def sample_three_tokens(engine, count: int, block_size: int = 4) -> np.ndarray:
+def sample_three_tokens(engine, count: int, block_size: int = 4, controller=None) -> np.ndarray:
+    """First three tokens of `count` seeded requests, through the native core or `controller`."""
     rows = []
+    options = {"controller": controller} if controller is not None else {}
     for seed in range(count):
         config = GenerationConfig(block_size=block_size, max_new_tokens=3,
                                   sampling=SamplingConfig(temperature=1.0, seed=seed))
-        rows.append(generate(engine, PROMPT, config).tokens)
+        rows.append(generate(engine, PROMPT, config, **options).tokens)
     return np.array(rows)
 
 
@@ -98,16 +103,16 @@ def test_a_one_percent_break_of_the_acceptance_rule_is_detected(engine, monkeypa
             return accepted + 1
         return accepted
 
-    monkeypatch.setattr(decode, "accepted_length", sloppy_accepted_length)
-    results = pvalues(sample_three_tokens(engine, SAMPLES), joint)
+    monkeypatch.setattr(oracle, "accepted_length", sloppy_accepted_length)
+    results = pvalues(sample_three_tokens(engine, SAMPLES, controller=PythonController), joint)
     assert min(results.values()) < ALPHA, results
 
 
 def test_an_off_by_one_acceptance_rule_is_detected(engine, monkeypatch):
-    monkeypatch.setattr(decode, "accepted_length",
+    monkeypatch.setattr(oracle, "accepted_length",
                         lambda drafts, posterior: (drafts == posterior[1:]).long().cumprod(-1).sum(-1))
     joint = exact_three_token_distribution(engine.target)
-    results = pvalues(sample_three_tokens(engine, 3_000), joint)
+    results = pvalues(sample_three_tokens(engine, 3_000, controller=PythonController), joint)
     assert min(results.values()) < ALPHA, results
 
 

@@ -1,0 +1,142 @@
+"""The decode controller in plain Python: the specification the native core is tested against.
+
+This is the per-cycle logic exactly as the decode loop ran it before it moved to C++ (the
+acceptance rule on torch tensors, an output that applies stop ids and the token limit, the
+histogram of DecodeStats), wrapped in the controller interface of `trtspec.runtime.controller`
+so the same loop can run either. `trtspec bench --profile-host` loads this file to time the
+pure-Python loop beside the native one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from trtspec.runtime.stats import DecodeStats
+
+
+def accepted_length(drafts: torch.Tensor, posterior: torch.Tensor) -> torch.Tensor:
+    """How many leading drafts the target agrees with, per row.
+
+    drafts [..., B-1] are the proposals for block positions 1..B-1; posterior [..., B] are the
+    target's tokens after block positions 0..B-1. Draft k is accepted while it equals the target's
+    token for its position, posterior[k-1]. With greedy (one-hot) proposals this is exactly
+    speculative sampling, so the output is distributed as the target's at any temperature.
+    """
+    matches = (drafts == posterior[..., :-1]).long()
+    return matches.cumprod(dim=-1).sum(dim=-1)
+
+
+class Output:
+    """Committed tokens with the stop rules applied: truncate after the first stop id or at the limit."""
+
+    def __init__(self, limit: int, stop_ids: tuple[int, ...]):
+        self.tokens: list[int] = []
+        self.limit, self.stop_ids = limit, set(stop_ids)
+        self.finish_reason = ""
+
+    def commit(self, tokens: list[int]) -> list[int]:
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.tokens) + len(kept) == self.limit:
+                self.finish_reason = "length"
+                break
+        self.tokens.extend(kept)
+        return kept
+
+
+class PythonController:
+    """The controller interface (see trtspec.runtime.controller.Controller) over per-request
+    Outputs and DecodeStats; blocks are numpy buffers like the native core's."""
+
+    def __init__(self, block_sizes, limits, stop_ids, mask_token_id: int):
+        self.block_sizes, self.limits = list(block_sizes), list(limits)
+        width, requests = max(self.block_sizes), len(self.block_sizes)
+        self.verify_blocks = np.zeros((requests, width), dtype=np.int64)
+        self.draft_blocks = np.full((requests, width), mask_token_id, dtype=np.int64)
+        self.outputs = [Output(limit, tuple(ids)) for limit, ids in zip(self.limits, stop_ids, strict=True)]
+        self.stats = [DecodeStats(block_size=b) for b in self.block_sizes]
+        self.starts = [0] * requests
+        self.accepted_lengths = [0] * requests
+        self.kept: list[list[int]] = [[] for _ in range(requests)]
+        self.begun = [False] * requests
+
+    def begin(self, request: int, token: int, start: int) -> None:
+        self.outputs[request] = Output(self.limits[request], tuple(self.outputs[request].stop_ids))
+        self.stats[request] = DecodeStats(block_size=self.block_sizes[request])
+        self.kept[request] = self.outputs[request].commit([token])
+        self.starts[request], self.accepted_lengths[request] = start, 0
+        self.verify_blocks[request, 0] = self.draft_blocks[request, 0] = token
+        self.begun[request] = True
+
+    def _running(self, request: int) -> bool:
+        return self.begun[request] and not self.outputs[request].finish_reason
+
+    @property
+    def running(self) -> int:
+        return sum(self._running(r) for r in range(len(self.outputs)))
+
+    def step(self, posterior) -> int:
+        posterior = torch.as_tensor(posterior)
+        posterior = posterior[None] if posterior.dim() == 1 else posterior
+        for r, b in enumerate(self.block_sizes):
+            if not self._running(r):
+                continue
+            row = posterior[r, :b]
+            drafts = torch.from_numpy(self.verify_blocks[r, 1:b])
+            accepted = int(accepted_length(drafts, row)) if b > 1 else 0
+            bonus = int(row[accepted])
+            self.stats[r].record_cycle(accepted)
+            self.kept[r] = self.outputs[r].commit(drafts[:accepted].tolist() + [bonus])
+            self.starts[r] += accepted + 1
+            self.accepted_lengths[r] = accepted
+            self.verify_blocks[r, 0] = self.draft_blocks[r, 0] = bonus
+        return self.running
+
+    def step_greedy(self, logits) -> int:
+        return self.step(torch.as_tensor(logits).argmax(dim=-1))
+
+    @property
+    def tokens(self) -> np.ndarray:
+        out = np.zeros((len(self.outputs), max(self.limits)), dtype=np.int64)
+        for r, output in enumerate(self.outputs):
+            out[r, :len(output.tokens)] = output.tokens
+        return out
+
+    @property
+    def histograms(self) -> np.ndarray:
+        out = np.zeros(self.verify_blocks.shape, dtype=np.int64)
+        for r, stats in enumerate(self.stats):
+            out[r, :len(stats.histogram)] = stats.histogram
+        return out
+
+    def count(self, request: int) -> int:
+        return len(self.outputs[request].tokens)
+
+    def start(self, request: int) -> int:
+        return self.starts[request]
+
+    def accepted(self, request: int) -> int:
+        return self.accepted_lengths[request]
+
+    def committed(self, request: int) -> int:
+        return len(self.kept[request])
+
+    def finish_reason(self, request: int) -> str:
+        return self.outputs[request].finish_reason
+
+    def cycles(self, request: int) -> int:
+        return self.stats[request].cycles
+
+    def tau(self, request: int) -> float:
+        return self.stats[request].tau
+
+    def ceiling_fraction(self, request: int) -> float:
+        return self.stats[request].ceiling_fraction
+
+    def block_size(self, request: int) -> int:
+        return self.block_sizes[request]
