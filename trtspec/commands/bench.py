@@ -18,6 +18,7 @@ Examples:
   trtspec bench --prompts prompts.jsonl --block-sizes 8,16 --temperature 1 --repeats 5
   trtspec bench --engine build/engine --block-sizes 12,16,20,24 --against-eager
   trtspec bench --engine build/engine --block-sizes 12,16,20,24,auto   # BlockPilot beside the fixed sizes
+  trtspec --threads 1 bench --engine build/engine --block-sizes 12,16 --profile-host   # model vs host time per cycle
 """)
 @model_options
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE",
@@ -33,9 +34,13 @@ Examples:
 @click.option("--against-eager", is_flag=True,
               help="With --engine: also run the source checkpoints in eager PyTorch, interleaved, and report "
                    "identical outputs and time per token relative to eager.")
+@click.option("--profile-host", is_flag=True,
+              help="With --engine: instead, time each decode cycle's model execution (draft + verify graph runs) "
+                   "and host work, through the native controller and the Python oracle (tests/oracle.py, so a "
+                   "source checkout), per block size.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
 def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, policy, temperature, top_k, top_p, seed,
-          max_new_tokens, limit, repeats, against_eager, json_path) -> None:
+          max_new_tokens, limit, repeats, against_eager, profile_host, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
     Every repeat runs AR and then each block size over all prompts (same backend and loop;
@@ -45,11 +50,21 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
     config = BenchConfig(block_sizes=parse_block_sizes(block_sizes, allow_auto=True), max_new_tokens=max_new_tokens,
                          repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
     name, prompts = load_prompts(prompts_spec, limit)
+    if profile_host and (engine is None or against_eager):
+        raise TrtspecError("--profile-host times a built engine's graph runs; give --engine DIR (without --against-eager)")
     if against_eager and engine is None:
         raise TrtspecError("--against-eager compares a built engine with eager PyTorch; give --engine DIR")
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy)
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
+    if profile_host:
+        from trtspec.host_profile import run_host_profile
+
+        report = run_host_profile(pipeline, prompts, config, prompts_name=name)
+        click.echo(report.format_table())
+        if json_path:
+            click.echo(f"wrote {write_json(report.to_dict(), json_path)}", err=True)
+        return
     reference = None
     if against_eager:  # the engine's own sources, in its dtype: the bundled demo pair unless named
         from trtspec.assets import resolve_drafter, resolve_target

@@ -1,0 +1,27 @@
+"""`trtspec bench --profile-host`: model vs host time per cycle, native core vs the Python oracle."""
+
+import json
+
+from helpers import trtspec
+
+
+def test_profile_host_end_to_end(ort_engine_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):\n", "class Point:\n"]))
+    out = tmp_path / "profile.json"
+    result = trtspec("--threads", 1, "bench", "--engine", ort_engine_dir, "--prompts", prompts, "--block-sizes", "4,8",
+                     "--max-new-tokens", 12, "--repeats", 1, "--profile-host", "--json", out)
+    assert result.returncode == 0, result.stderr.decode()
+    rows = json.loads(out.read_text())["host_profile"]
+    assert [(r["block_size"], r["controller"]) for r in rows] == [
+        (b, c) for b in (1, 4, 8) for c in ("python", "native")]
+    for row in rows:
+        assert row["identical_outputs"] == row["requests"] == 2  # both controllers decode the same tokens
+        assert 0 < row["model_ms"] < row["cycle_ms"] and row["host_us"] > 0 and 0 < row["host_fraction"] < 1
+    assert "native host time is" in result.stdout.decode()
+
+
+def test_profile_host_needs_a_built_engine(target_dir, drafter_dir):
+    result = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--profile-host")
+    stderr = result.stderr.decode()
+    assert result.returncode == 1 and "Traceback" not in stderr and "--engine DIR" in stderr, stderr

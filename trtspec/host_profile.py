@@ -1,0 +1,207 @@
+"""`trtspec bench --profile-host`: where a decode cycle's time goes, model or host, per block size.
+
+Model time is the time inside the executor's draft and verify runs; host time is everything else
+in the decode phase (the controller's accept / commit / stop / statistics work, the engine's
+bookkeeping, moving tokens). Both controllers run the same loop over the same engine, interleaved
+per repeat: the native core that the product uses, and the pure-Python oracle the tests check it
+against. The oracle is not part of the installed package (one controller in the product), so it
+is loaded from the source checkout's tests/oracle.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from tqdm import tqdm
+
+import trtspec
+from trtspec.bench import BenchConfig, block_size_name, machine_info, speedups
+from trtspec.engines.executor import PREFILL
+from trtspec.errors import TrtspecError
+from trtspec.runtime.controller import native_controller
+from trtspec.runtime.decode import GenerationConfig, generate
+
+ORACLE = Path(trtspec.__file__).resolve().parents[1] / "tests" / "oracle.py"
+CONTROLLERS = ("python", "native")
+
+
+def load_oracle(path: Path = ORACLE) -> ModuleType:
+    """The tests' Python controller, from a source checkout (an editable install has one)."""
+    if not path.is_file():
+        raise TrtspecError(f"--profile-host times the Python oracle in tests/oracle.py, which only a source "
+                           f"checkout has (not found: {path}); use pip install -e . in a clone")
+    spec = importlib.util.spec_from_file_location("trtspec_oracle", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class ExecutorClock:
+    """Seconds spent inside the executor's decode-cycle runs (prefill excluded) while active."""
+
+    def __init__(self, executor):
+        self.executor, self.seconds = executor, 0.0
+        self._cuda = executor.device.type == "cuda"
+
+    def __enter__(self) -> "ExecutorClock":
+        run = self.executor.run
+
+        def timed(graph, profile, inputs, outputs) -> None:
+            began = time.perf_counter()
+            run(graph, profile, inputs, outputs)
+            if self._cuda:  # launches are asynchronous: wait, so the model's time is counted as model
+                torch.cuda.synchronize(self.executor.device)
+            if profile != PREFILL:
+                self.seconds += time.perf_counter() - began
+
+        self.executor.run = timed  # an instance attribute shadows the method while profiling
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.executor.run
+
+
+@dataclass
+class HostRun:
+    """One (block size, controller) over every prompt of every repeat: sums per repeat."""
+
+    block_size: int
+    controller: str
+    cycles: list[int] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    model_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    outputs: list[list[list[int]]] = field(default_factory=list)  # [repeat][prompt] tokens
+
+    @property
+    def cycle_ms(self) -> float:
+        return statistics.median([d / c * 1e3 for d, c in zip(self.decode_s, self.cycles)])
+
+    @property
+    def model_ms(self) -> float:
+        return statistics.median([m / c * 1e3 for m, c in zip(self.model_s, self.cycles)])
+
+    @property
+    def host_us(self) -> float:
+        return statistics.median([(d - m) / c * 1e6 for d, m, c in zip(self.decode_s, self.model_s, self.cycles)])
+
+    @property
+    def host_fraction(self) -> float:
+        return statistics.median([(d - m) / d for d, m in zip(self.decode_s, self.model_s)])
+
+    @property
+    def tokens_per_s_repeats(self) -> list[float]:
+        return [t / d for t, d in zip(self.tokens, self.decode_s)]
+
+
+@dataclass
+class HostProfile:
+    prompts: str
+    n_prompts: int
+    config: BenchConfig
+    runs: dict[tuple[int, str], HostRun]
+    machine: dict
+
+    def speedup(self, run: HostRun) -> float:
+        """Decode speed-up vs AR through the same controller, median over repeats."""
+        ar = self.runs[(1, run.controller)]
+        return statistics.median(speedups(run.tokens_per_s_repeats, ar.tokens_per_s_repeats))
+
+    def identical(self, block_size: int) -> tuple[int, int]:
+        """Requests whose tokens are the same through both controllers, and all requests."""
+        python, native = (self.runs[(block_size, c)].outputs for c in CONTROLLERS)
+        pairs = [(a, b) for ra, rb in zip(python, native) for a, b in zip(ra, rb)]
+        return sum(a == b for a, b in pairs), len(pairs)
+
+    def rows(self) -> list[dict]:
+        rows = []
+        for (block_size, controller), run in self.runs.items():
+            same, total = self.identical(block_size)
+            rows.append({"block_size": block_size, "controller": controller, "cycle_ms": run.cycle_ms,
+                         "model_ms": run.model_ms, "host_us": run.host_us, "host_fraction": run.host_fraction,
+                         "cycles": sum(run.cycles), "decode_tokens_per_s": statistics.median(run.tokens_per_s_repeats),
+                         "speedup_vs_ar": self.speedup(run), "identical_outputs": same, "requests": total,
+                         "host_us_repeats": [(d - m) / c * 1e6 for d, m, c in zip(run.decode_s, run.model_s, run.cycles)]})
+        return rows
+
+    def to_dict(self) -> dict:
+        return {"host_profile": self.rows(), "machine": self.machine, "prompts": self.prompts,
+                "n_prompts": self.n_prompts, "repeats": self.config.repeats,
+                "max_new_tokens": self.config.max_new_tokens, "temperature": self.config.sampling.temperature}
+
+    def format_table(self) -> str:
+        m, c = self.machine, self.config
+        lines = [f"{self.prompts}: {self.n_prompts} prompts x {c.repeats} repeats, T={c.sampling.temperature:g}, "
+                 f"max {c.max_new_tokens} new tokens | {m['backend']} on {m['device']}, torch threads "
+                 f"{m['torch_threads']}",
+                 "time per decode cycle: model = the executor's draft + verify runs, host = everything else",
+                 f"{'B':>4}  {'controller':>10}  {'cycle ms':>8}  {'model ms':>8}  {'host us':>8}  {'host':>6}  "
+                 f"{'tok/s':>7}  {'speed-up':>8}  {'identical':>9}"]
+        for row in self.rows():
+            lines.append(f"{block_size_name(row['block_size']):>4}  {row['controller']:>10}  {row['cycle_ms']:>8.2f}  "
+                         f"{row['model_ms']:>8.2f}  {row['host_us']:>8.1f}  {row['host_fraction']:>6.1%}  "
+                         f"{row['decode_tokens_per_s']:>7.1f}  {row['speedup_vs_ar']:>7.2f}x  "
+                         f"{row['identical_outputs']:>4}/{row['requests']}")
+        for block_size in (1, *c.block_sizes):
+            python, native = (self.runs[(block_size, name)] for name in CONTROLLERS)
+            lines.append(f"B={block_size_name(block_size)}: native host time is {native.host_us / python.host_us:.2f}x "
+                         f"the Python loop's; speed-up {self.speedup(python):.2f}x -> {self.speedup(native):.2f}x")
+        return "\n".join(lines)
+
+
+def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, prompts_name: str = "prompts",
+                     progress: bool = True) -> HostProfile:
+    """AR and every block size through both controllers, interleaved per repeat (compiled engines only)."""
+    executor = getattr(pipeline.engine, "executor", None)
+    if executor is None:
+        raise TrtspecError("--profile-host times the executor's graph runs; give a built engine (--engine DIR)")
+    if 0 in config.block_sizes:
+        raise TrtspecError("--profile-host measures fixed block sizes; leave auto out of --block-sizes")
+    controllers = {"python": load_oracle().PythonController, "native": native_controller}
+    baseline = pipeline.autoregressive()
+    encoded = [pipeline.codec.encode(p) for p in prompts]
+    sizes = (1, *config.block_sizes)
+    runs = {(b, c): HostRun(b, c) for b in sizes for c in CONTROLLERS}
+
+    def request(block_size: int, ids: list[int], controller: str, max_new_tokens: int, seed: int):
+        source = baseline if block_size == 1 else pipeline
+        generation_config = GenerationConfig(block_size=block_size, max_new_tokens=max_new_tokens,
+                                             sampling=replace(config.sampling, seed=seed))
+        generation_config = generation_config.with_stop_ids(pipeline.codec.stop_ids)
+        return generate(source.engine, ids, generation_config, controller=controllers[controller])
+
+    for block_size in sizes:  # warm-up
+        for controller in CONTROLLERS:
+            request(block_size, encoded[0], controller, 8, config.request_seed(0, 0, len(prompts)))
+    total = config.repeats * len(runs) * len(prompts)
+    with tqdm(total=total, desc="profile-host", unit="req", file=sys.stderr, disable=not progress,
+              dynamic_ncols=True) as bar:
+        for repeat in range(config.repeats):
+            for block_size in sizes:
+                for controller in CONTROLLERS:
+                    run, outputs, cycles, decode_s, tokens = runs[(block_size, controller)], [], 0, 0.0, 0
+                    with ExecutorClock(executor) as clock:
+                        for index, ids in enumerate(encoded):
+                            seed = config.request_seed(repeat, index, len(prompts))
+                            generation = request(block_size, ids, controller, config.max_new_tokens, seed)
+                            stats = generation.stats
+                            outputs.append(generation.tokens)
+                            cycles, decode_s = cycles + stats.cycles, decode_s + stats.decode_s
+                            tokens += max(stats.new_tokens - 1, 0)
+                            bar.update()
+                    if not cycles:
+                        raise TrtspecError("no decode cycles ran (every prompt stopped at its first token)")
+                    run.cycles.append(cycles)
+                    run.decode_s.append(decode_s)
+                    run.model_s.append(clock.seconds)
+                    run.tokens.append(tokens)
+                    run.outputs.append(outputs)
+    return HostProfile(prompts=prompts_name, n_prompts=len(prompts), config=config, runs=runs,
+                       machine=machine_info(pipeline))
