@@ -3,7 +3,8 @@
 IOBinding points ONNX Runtime at the caller's tensors (CPU or CUDA memory alike), so KV-cache
 keys/values are written straight into the runtime's cache buffers and nothing is copied or
 allocated per call. The CPU execution provider is the default; with onnxruntime-gpu and a CUDA
-device the CUDA execution provider is used.
+device the CUDA execution provider is used, and with `cuda_graphs` it captures each decode-cycle
+binding as a CUDA graph (one `gpu_graph_id` each) and replays it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from trtspec.engines.executor import ProfileKey
+from trtspec.engines.cuda_graphs import BindingKey, binding_key
+from trtspec.engines.executor import PREFILL, ProfileKey
 from trtspec.errors import TrtspecError
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
@@ -40,7 +42,8 @@ def available() -> bool:
 class OnnxRuntimeExecutor:
     backend = "onnxruntime"
 
-    def __init__(self, graphs: Mapping[str, Path], device: torch.device, threads: int | None = None):
+    def __init__(self, graphs: Mapping[str, Path], device: torch.device, threads: int | None = None,
+                 cuda_graphs: bool = False):
         ort = _import_onnxruntime()
         self.device = device
         options = ort.SessionOptions()
@@ -50,17 +53,46 @@ class OnnxRuntimeExecutor:
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise TrtspecError("CUDA device requested but this onnxruntime has no CUDA execution provider "
                                    "(install onnxruntime-gpu: pip install 'trtspec[gpu]')")
-            providers = [("CUDAExecutionProvider", {"device_id": device.index or 0})]
+            cuda_options = {"device_id": device.index or 0}
+            if cuda_graphs:
+                cuda_options["enable_cuda_graph"] = "1"
+            providers = [("CUDAExecutionProvider", cuda_options)]
         else:
             providers = ["CPUExecutionProvider"]
-        self.sessions = {name: ort.InferenceSession(str(path), options, providers=providers)
-                         for name, path in graphs.items()}
+        try:
+            self.sessions = {name: ort.InferenceSession(str(path), options, providers=providers)
+                             for name, path in graphs.items()}
+        except Exception as error:  # e.g. a graph with nodes ONNX Runtime keeps on the CPU cannot be captured
+            raise TrtspecError(f"ONNX Runtime cannot open the engine's graphs: {error}") from None
+        # CUDA graphs: one gpu_graph_id per distinct decode-cycle binding (block size, context count),
+        # each with its IOBinding kept, since a captured graph replays on the addresses it was bound to;
+        # prefill runs uncaptured (id -1).
+        self._graph_ids: dict[BindingKey, tuple] | None = None
+        self._uncaptured = None
+        if cuda_graphs and device.type == "cuda":
+            self._graph_ids = {}
+            self._uncaptured = ort.RunOptions()
+            self._uncaptured.add_run_config_entry("gpu_graph_id", "-1")
+        self._ort = ort
         self._device_type = "cuda" if device.type == "cuda" else "cpu"
         self._device_id = device.index or 0
 
     def run(self, graph: str, profile: ProfileKey, inputs: Mapping[str, torch.Tensor],
             outputs: Mapping[str, torch.Tensor]) -> None:
         session = self.sessions[graph]
+        if self._graph_ids is not None and profile != PREFILL:
+            key = binding_key(graph, profile, inputs, outputs)
+            if key not in self._graph_ids:
+                options = self._ort.RunOptions()
+                options.add_run_config_entry("gpu_graph_id", str(len(self._graph_ids) + 1))
+                self._graph_ids[key] = (self._bind(session, inputs, outputs), options)
+            binding, options = self._graph_ids[key]
+            session.run_with_iobinding(binding, options)
+            return
+        session.run_with_iobinding(self._bind(session, inputs, outputs), self._uncaptured)
+
+    def _bind(self, session, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]):
+        """An IOBinding that points ONNX Runtime at the caller's tensors."""
         binding = session.io_binding()
         for name, tensor in inputs.items():
             binding.bind_input(name, self._device_type, self._device_id, NUMPY_DTYPES[tensor.dtype],
@@ -68,7 +100,7 @@ class OnnxRuntimeExecutor:
         for name, tensor in outputs.items():
             binding.bind_output(name, self._device_type, self._device_id, NUMPY_DTYPES[tensor.dtype],
                                 tuple(tensor.shape), _address(tensor))
-        session.run_with_iobinding(binding)
+        return binding
 
 
 def _address(tensor: torch.Tensor) -> int:

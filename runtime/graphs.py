@@ -19,8 +19,14 @@ from trtspec.manifest import Manifest, read_manifest
 
 
 class GraphEngine:
-    def __init__(self, executor: Executor, manifest: Manifest):
+    def __init__(self, executor: Executor, manifest: Manifest, static: bool = False):
         self.executor, self.manifest = executor, manifest
+        # Static mode, for CUDA-graph replay: every decode-cycle binding keeps one address. `past` is
+        # the whole fixed-size cache (stale slots are masked), inputs are copied into buffers kept per
+        # (graph, block size, context count), and new keys/values are staged, then copied into place.
+        self.static = static
+        self._bound: dict[tuple, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+        self._buffers: dict[int, tuple[torch.Tensor, int]] = {}  # block buffers seen: (tensor, length)
         self.device = executor.device
         self.dtype = TORCH_DTYPES[manifest.dtype]
         self.max_context = manifest.max_context
@@ -55,6 +61,8 @@ class GraphEngine:
              inputs: dict[str, torch.Tensor], into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Run `graph` for `count` new cache positions written at `start` (static output buffers per
         shape, or the caller's tensors named in `into`)."""
+        if self.static and profile != PREFILL:
+            return self._run_static(graph, profile, start, count, sizes, inputs)
         spec = self.specs[graph]
         cache_k, cache_v = self._caches[graph]
         cached = self._length[graph]
@@ -78,24 +86,57 @@ class GraphEngine:
         self._length[graph] = cached + count
         return outputs
 
-    def _tokens(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
-        """Token ids on the engine's device; a tensor already there is used in place (no copy)."""
-        if isinstance(tokens, torch.Tensor) and tokens.device == self.device:
-            return tokens
-        return torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+    def _run_static(self, graph: str, profile: ProfileKey, start: int, count: int, sizes: dict[str, int],
+                    inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`_run` over fixed addresses: what the executor's CUDA graphs capture once and replay."""
+        cache_k, cache_v = self._caches[graph]
+        key = (graph, profile, count)
+        if key not in self._bound:
+            static_inputs = {name: torch.empty_like(tensor) for name, tensor in inputs.items()}
+            static_inputs.update(start=self._start, past_k=cache_k, past_v=cache_v)
+            outputs = {t.name: torch.empty(t.shape(sizes), dtype=TORCH_DTYPES.get(t.dtype, self.dtype),
+                                           device=self.device) for t in self.specs[graph].outputs}
+            self._bound[key] = static_inputs, outputs
+        static_inputs, outputs = self._bound[key]
+        for name, tensor in inputs.items():
+            static_inputs[name].copy_(tensor, non_blocking=True)
+        self._start.fill_(start)
+        self.executor.run(graph, profile, static_inputs, outputs)
+        first = self._length[graph]
+        cache_k[first:first + count].copy_(outputs["new_k"])
+        cache_v[first:first + count].copy_(outputs["new_v"])
+        self._length[graph] = first + count
+        return outputs
+
+    def _tokens(self, tokens: list[int] | torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Token ids on the engine's device (a tensor already there is used in place) and their count.
+
+        The decode loop passes the same block buffers every cycle, so a buffer's check is kept: on
+        a CPU cycle, each torch call costs about as much as the controller's whole step.
+        """
+        known = self._buffers.get(id(tokens))
+        if known is not None and known[0] is tokens:
+            return tokens, known[1]
+        on_device = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        if on_device is tokens:
+            if len(self._buffers) >= 8:
+                self._buffers.clear()
+            self._buffers[id(tokens)] = (tokens, len(tokens))
+        return on_device, len(on_device)
 
     def prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of the last PREFILL_LOGITS prompt positions [<=PREFILL_LOGITS, V] and the drafter
         features of every prompt position [P, F]."""
-        out = self._run(TARGET, PREFILL, 0, len(prompt), {"tokens": len(prompt)}, {"tokens": self._tokens(prompt)})
+        tokens, size = self._tokens(prompt)
+        out = self._run(TARGET, PREFILL, 0, size, {"tokens": size}, {"tokens": tokens})
         return out["logits"][-PREFILL_LOGITS:], out["features"]
 
     def verify(self, block: list[int] | torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and drafter features [B, F] of `block` placed at start..start+B-1."""
         if start != self._length[TARGET]:
             raise ValueError(f"verify at {start} but the target cache holds {self._length[TARGET]} positions")
-        size = len(block)
-        out = self._run(TARGET, size, start, size, {"tokens": size}, {"tokens": self._tokens(block)})
+        tokens, size = self._tokens(block)
+        out = self._run(TARGET, size, start, size, {"tokens": size}, {"tokens": tokens})
         return out["logits"], out["features"]
 
     def draft(self, context_features: torch.Tensor, block: list[int] | torch.Tensor, start: int,
@@ -105,10 +146,9 @@ class GraphEngine:
         count = context_features.shape[0]
         if start - count != self._length[DRAFT]:
             raise ValueError(f"context starts at {start - count} but the drafter cache holds {self._length[DRAFT]}")
-        size = len(block)
-        direct = out is not None and out.device == self.device and out.is_contiguous()
-        sizes, inputs = {"context": count, "proposals": size - 1}, {"context": context_features,
-                                                                    "block": self._tokens(block)}
+        tokens, size = self._tokens(block)
+        direct = out is not None and not self.static and self._tokens(out)[0] is out and out.is_contiguous()
+        sizes, inputs = {"context": count, "proposals": size - 1}, {"context": context_features, "block": tokens}
         drafts = self._run(DRAFT, size, start, count, sizes, inputs, {"drafts": out} if direct else None)["drafts"]
         return out.copy_(drafts) if out is not None and not direct else drafts
 
@@ -119,20 +159,23 @@ class GraphEngine:
         self._length[TARGET] = length
 
 
-def open_engine(directory: str | Path, device: torch.device, threads: int | None = None) -> GraphEngine:
-    """Load a built engine directory (manifest verified) onto `device` with its backend's executor."""
+def open_engine(directory: str | Path, device: torch.device, threads: int | None = None,
+                cuda_graphs: bool = False) -> GraphEngine:
+    """Load a built engine directory (manifest verified) onto `device` with its backend's executor;
+    with `cuda_graphs` on a CUDA device, decode cycles replay captured CUDA graphs."""
+    cuda_graphs = cuda_graphs and device.type == "cuda"
     directory = Path(directory)
     manifest = read_manifest(directory)
     graphs = {graph: directory / info["file"] for graph, info in manifest.graphs.items()}
     if manifest.backend == "onnxruntime":
         from trtspec.engines.onnxruntime import OnnxRuntimeExecutor
-        executor = OnnxRuntimeExecutor(graphs, device, threads)
+        executor = OnnxRuntimeExecutor(graphs, device, threads, cuda_graphs=cuda_graphs)
     elif manifest.backend == "tensorrt":
         from trtspec.engines.tensorrt import TensorRTExecutor
-        executor = TensorRTExecutor(graphs, device, manifest.profiles)
+        executor = TensorRTExecutor(graphs, device, manifest.profiles, cuda_graphs=cuda_graphs)
     elif manifest.backend == "torch":
         from trtspec.engines.torch_graphs import TorchExecutor
-        executor = TorchExecutor(graphs, device, manifest.specs())
+        executor = TorchExecutor(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs)
     else:
         raise TrtspecError(f"engine {directory}: unknown backend {manifest.backend!r}")
-    return GraphEngine(executor, manifest)
+    return GraphEngine(executor, manifest, static=cuda_graphs)

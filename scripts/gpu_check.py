@@ -5,7 +5,8 @@
 1. builds engines of the demo pair for every backend this machine has (torch always; ONNX Runtime
    when onnxruntime-gpu's CUDA provider is present; TensorRT when it is installed),
 2. checks each against eager PyTorch on the GPU: greedy outputs on HumanEval prompts must be
-   identical at every block size (float32),
+   identical at every block size (float32), run by run and replayed from captured CUDA graphs
+   (`Pipeline(..., cuda_graphs=True)`),
 3. times one speculative cycle (draft(B) + verify(B)) per block size: eager step modules, the same
    modules replayed as CUDA graphs over static buffers, and each built engine,
 and writes everything to OUT/gpu-check.json. Exit status 1 if any check fails.
@@ -102,6 +103,7 @@ def main() -> int:
     from trtspec.build import BuildConfig, build_engine
     from trtspec.engines import onnxruntime as ort_engine
     from trtspec.engines import tensorrt as trt_engine
+    from trtspec.errors import TrtspecError
     from trtspec.runtime.decode import GenerationConfig
 
     block_sizes = parse_block_sizes(args.block_sizes)
@@ -127,21 +129,28 @@ def main() -> int:
         build_engine(target_dir, drafter_dir, out / backend,
                      BuildConfig(block_sizes=block_sizes, backend=backend, dtype="float32", device="cuda"))
         built_s = time.perf_counter() - began
-        engine = Pipeline(engine=out / backend, device="cuda")
-        rows = []
-        for block_size in block_sizes:
-            config = GenerationConfig(block_size=block_size, max_new_tokens=args.max_new_tokens)
-            same, seconds, tokens = 0, 0.0, 0
-            for prompt in prompts:
-                a, b = engine.generate(prompt, config), eager.generate(prompt, config)
-                same += a.tokens == b.tokens
-                seconds += a.generation.stats.decode_s
-                tokens += a.generation.stats.new_tokens - 1
-            rows.append({"block_size": block_size, "identical": same, "requests": len(prompts),
-                         "decode_tokens_per_s": tokens / seconds if seconds else 0.0})
-            failed |= same != len(prompts)
-            print(f"{backend} B={block_size}: identical {same}/{len(prompts)}", flush=True)
-        report["engines"][backend] = {"build_s": built_s, "checks": rows}
+        for cuda_graphs in (False, True):  # launched run by run, then replayed from captured CUDA graphs
+            name = backend + ("+cuda-graphs" if cuda_graphs else "")
+            try:
+                engine = Pipeline(engine=out / backend, device="cuda", cuda_graphs=cuda_graphs)
+            except TrtspecError as error:  # e.g. ONNX Runtime refusing to capture a graph with CPU nodes
+                report["engines"][name], failed = {"error": str(error)}, True
+                print(f"{name}: {error}", flush=True)
+                continue
+            rows = []
+            for block_size in block_sizes:
+                config = GenerationConfig(block_size=block_size, max_new_tokens=args.max_new_tokens)
+                same, seconds, tokens = 0, 0.0, 0
+                for prompt in prompts:
+                    a, b = engine.generate(prompt, config), eager.generate(prompt, config)
+                    same += a.tokens == b.tokens
+                    seconds += a.generation.stats.decode_s
+                    tokens += a.generation.stats.new_tokens - 1
+                rows.append({"block_size": block_size, "identical": same, "requests": len(prompts),
+                             "decode_tokens_per_s": tokens / seconds if seconds else 0.0})
+                failed |= same != len(prompts)
+                print(f"{name} B={block_size}: identical {same}/{len(prompts)}", flush=True)
+            report["engines"][name] = {"build_s": built_s, "checks": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -61,11 +61,11 @@ class Pipeline:
 
     def __init__(self, target: str | Path | None = None, drafter: str | Path | None = None, *,
                  engine: str | Path | None = None, policy: str | Path | None = None, dtype: str = "auto",
-                 device: str = "auto", max_context: int | None = None):
+                 device: str = "auto", max_context: int | None = None, cuda_graphs: bool = False):
         torch_device = resolve_device(device)
         self.target = self.drafter = None
-        if engine is not None:
-            self.engine = open_engine(engine, torch_device)
+        if engine is not None:  # cuda_graphs: replay each block size's captured draft/verify (CUDA devices)
+            self.engine = open_engine(engine, torch_device, cuda_graphs=cuda_graphs)
             check_sources(self.engine.manifest, target, drafter)
             self.codec = TextCodec(Path(engine) / TOKENIZER_DIR)
             self.backend, self.dtype = self.engine.manifest.backend, self.engine.dtype
