@@ -80,6 +80,19 @@ class HostRun:
     tokens: list[int] = field(default_factory=list)
     outputs: list[list[list[int]]] = field(default_factory=list)  # [repeat][prompt] tokens
 
+    def start_repeat(self) -> None:
+        for series in (self.cycles, self.decode_s, self.model_s, self.tokens, self.outputs):
+            series.append([] if series is self.outputs else 0)
+
+    def add(self, generation, model_s: float) -> None:
+        """Count one request of the current repeat, `model_s` of it inside the executor."""
+        stats = generation.stats
+        self.cycles[-1] += stats.cycles
+        self.decode_s[-1] += stats.decode_s
+        self.model_s[-1] += model_s
+        self.tokens[-1] += max(stats.new_tokens - 1, 0)
+        self.outputs[-1].append(generation.tokens)
+
     @property
     def cycle_ms(self) -> float:
         return statistics.median([d / c * 1e3 for d, c in zip(self.decode_s, self.cycles)])
@@ -89,8 +102,12 @@ class HostRun:
         return statistics.median([m / c * 1e3 for m, c in zip(self.model_s, self.cycles)])
 
     @property
+    def host_us_repeats(self) -> list[float]:
+        return [(d - m) / c * 1e6 for d, m, c in zip(self.decode_s, self.model_s, self.cycles)]
+
+    @property
     def host_us(self) -> float:
-        return statistics.median([(d - m) / c * 1e6 for d, m, c in zip(self.decode_s, self.model_s, self.cycles)])
+        return statistics.median(self.host_us_repeats)
 
     @property
     def host_fraction(self) -> float:
@@ -128,7 +145,7 @@ class HostProfile:
                          "model_ms": run.model_ms, "host_us": run.host_us, "host_fraction": run.host_fraction,
                          "cycles": sum(run.cycles), "decode_tokens_per_s": statistics.median(run.tokens_per_s_repeats),
                          "speedup_vs_ar": self.speedup(run), "identical_outputs": same, "requests": total,
-                         "host_us_repeats": [(d - m) / c * 1e6 for d, m, c in zip(run.decode_s, run.model_s, run.cycles)]})
+                         "host_us_repeats": run.host_us_repeats})
         return rows
 
     def to_dict(self) -> dict:
@@ -158,7 +175,7 @@ class HostProfile:
 
 def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, prompts_name: str = "prompts",
                      progress: bool = True) -> HostProfile:
-    """AR and every block size through both controllers, interleaved per repeat (compiled engines only)."""
+    """AR and every block size through both controllers, taking turns per prompt (compiled engines only)."""
     executor = getattr(pipeline.engine, "executor", None)
     if executor is None:
         raise TrtspecError("--profile-host times the executor's graph runs; give a built engine (--engine DIR)")
@@ -182,26 +199,20 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
             request(block_size, encoded[0], controller, 8, config.request_seed(0, 0, len(prompts)))
     total = config.repeats * len(runs) * len(prompts)
     with tqdm(total=total, desc="profile-host", unit="req", file=sys.stderr, disable=not progress,
-              dynamic_ncols=True) as bar:
+              dynamic_ncols=True) as bar, ExecutorClock(executor) as clock:
         for repeat in range(config.repeats):
             for block_size in sizes:
-                for controller in CONTROLLERS:
-                    run, outputs, cycles, decode_s, tokens = runs[(block_size, controller)], [], 0, 0.0, 0
-                    with ExecutorClock(executor) as clock:
-                        for index, ids in enumerate(encoded):
-                            seed = config.request_seed(repeat, index, len(prompts))
-                            generation = request(block_size, ids, controller, config.max_new_tokens, seed)
-                            stats = generation.stats
-                            outputs.append(generation.tokens)
-                            cycles, decode_s = cycles + stats.cycles, decode_s + stats.decode_s
-                            tokens += max(stats.new_tokens - 1, 0)
-                            bar.update()
-                    if not cycles:
-                        raise TrtspecError("no decode cycles ran (every prompt stopped at its first token)")
-                    run.cycles.append(cycles)
-                    run.decode_s.append(decode_s)
-                    run.model_s.append(clock.seconds)
-                    run.tokens.append(tokens)
-                    run.outputs.append(outputs)
+                for run in (runs[(block_size, c)] for c in CONTROLLERS):
+                    run.start_repeat()
+                # the controllers take turns prompt by prompt, so a machine's drift reaches both alike
+                for index, ids in enumerate(encoded):
+                    seed = config.request_seed(repeat, index, len(prompts))
+                    for controller in CONTROLLERS:
+                        before = clock.seconds
+                        generation = request(block_size, ids, controller, config.max_new_tokens, seed)
+                        runs[(block_size, controller)].add(generation, clock.seconds - before)
+                        bar.update()
+                if not runs[(block_size, "native")].cycles[-1]:
+                    raise TrtspecError("no decode cycles ran (every prompt stopped at its first token)")
     return HostProfile(prompts=prompts_name, n_prompts=len(prompts), config=config, runs=runs,
                        machine=machine_info(pipeline))
