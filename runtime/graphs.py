@@ -109,7 +109,7 @@ class GraphEngine:
         return outputs
 
     def _tokens(self, tokens: list[int] | torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Token ids on the engine's device (a tensor already there is used in place) and their count.
+        """Contiguous token ids on the engine's device (such a tensor is used in place) and their count.
 
         The decode loop passes the same block buffers every cycle, so a buffer's check is kept: on
         a CPU cycle, each torch call costs about as much as the controller's whole step.
@@ -117,7 +117,7 @@ class GraphEngine:
         known = self._buffers.get(id(tokens))
         if known is not None and known[0] is tokens:
             return tokens, known[1]
-        on_device = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        on_device = torch.as_tensor(tokens, dtype=torch.long, device=self.device).contiguous()
         if on_device is tokens:
             if len(self._buffers) >= 8:
                 self._buffers.clear()
@@ -147,7 +147,7 @@ class GraphEngine:
         if start - count != self._length[DRAFT]:
             raise ValueError(f"context starts at {start - count} but the drafter cache holds {self._length[DRAFT]}")
         tokens, size = self._tokens(block)
-        direct = out is not None and not self.static and self._tokens(out)[0] is out and out.is_contiguous()
+        direct = out is not None and not self.static and self._tokens(out)[0] is out
         sizes, inputs = {"context": count, "proposals": size - 1}, {"context": context_features, "block": tokens}
         drafts = self._run(DRAFT, size, start, count, sizes, inputs, {"drafts": out} if direct else None)["drafts"]
         return out.copy_(drafts) if out is not None and not direct else drafts
