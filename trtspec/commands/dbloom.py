@@ -58,9 +58,9 @@ Example:
 @click.option("--continue-steps", type=int, default=0, show_default=True,
               help="Continuation fine-tuning at the original block size first.")
 @click.option("--lr", type=float, default=3e-4, show_default=True)
-@click.option("--distill", "distill_weight", type=click.FloatRange(min=0), default=1.0, show_default=True,
+@click.option("--distill", "distill_weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="While the block grows, keep positions below B0 close to the original drafter "
-                   "(weight of that KL term; 0 turns it off).")
+                   "(weight of that KL term against the cross-entropy; 0 = off).")
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--anchors", type=int, default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)

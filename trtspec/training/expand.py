@@ -4,10 +4,10 @@ Widening the block only at inference does not work: attention is bidirectional, 
 positions see a different block than in training. A short curriculum does: optionally first
 continue training at B0, then grow the block in stages up to B1 (e.g. 16 -> 20 -> 24), with the
 loss weights of the newly exposed positions (>= B0) restarted at full weight so they are
-learned rather than drowned by the decay that favours early positions. While the block grows,
-positions below B0 are also kept close to the drafter we started from (a KL term against a
-frozen copy, seeing the same longer blocks): the new positions must not cost the early ones,
-which carry most of the acceptance.
+learned rather than drowned by the decay that favours early positions. Optionally, while the
+block grows, positions below B0 are also kept close to the drafter we started from (a KL term
+against a frozen copy seeing the same longer blocks), so the new positions cost the early ones,
+which carry most of the acceptance, less.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class ExpandConfig:
     anchors_per_sequence: int = 16
     seed: int = 0
     checkpoint_every: int = 50
-    distill_weight: float = 1.0      # KL to the source drafter at positions < B0 while growing; 0 = off
+    distill_weight: float = 0.0      # KL to the source drafter at positions < B0 while growing; 0 = off
 
 
 def stage_plan(from_block: int, config: ExpandConfig) -> list[tuple[int, int, int]]:
