@@ -43,14 +43,20 @@ def test_packing_follows_the_recipe():
     assert torch.allclose(position_weights(4, 7.0), torch.tensor([0.0, 1.0, 0.8669, 0.7515]), atol=1e-4)
 
 
+def _packed_batch(target, block_size: int, anchors: int):
+    """One packed batch over a random 40-token sequence, with the target's features (layers 0, 2)."""
+    ids = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch = pack([(ids, 12)], block_size=block_size, anchors_per_sequence=anchors, mask_token_id=1, gamma=7.0,
+                 generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return batch, target(batch.tokens, 0, None, (0, 2))[1]
+
+
 def test_packed_training_forward_equals_inference_forward(target_dir):
     target = load_target(target_dir)
     drafter = random_drafter(target, layers=2, layer_ids=(0, 2), mask_token_id=1)
-    ids = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    batch = pack([(ids, 12)], block_size=6, anchors_per_sequence=5, mask_token_id=1, gamma=7.0,
-                 generator=torch.Generator().manual_seed(1))
+    batch, features = _packed_batch(target, 6, 5)
     with torch.no_grad():
-        _, features = target(batch.tokens, 0, None, (0, 2))
         packed = drafter.lm_head(drafter.forward_packed(features, batch.block_tokens, batch.block_positions,
                                                          batch.mask))
         for slot in range(5):
@@ -66,11 +72,8 @@ def test_distillation_pulls_only_the_early_positions_toward_the_teacher(target_d
 
     target = load_target(target_dir)
     drafter = random_drafter(target, layers=1, layer_ids=(0, 2), mask_token_id=1)
-    ids = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    batch = pack([(ids, 12)], block_size=8, anchors_per_sequence=4, mask_token_id=1, gamma=7.0,
-                 generator=torch.Generator().manual_seed(1))
+    batch, features = _packed_batch(target, 8, 4)
     with torch.no_grad():
-        _, features = target(batch.tokens, 0, None, (0, 2))
         plain = DrafterLoss(drafter)(features, batch, 8)
         # the teacher is the drafter itself: the KL term is zero
         assert DrafterLoss(drafter, frozen_copy(drafter, target), 4)(features, batch, 8) == pytest.approx(plain)
