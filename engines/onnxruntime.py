@@ -89,21 +89,18 @@ class OnnxRuntimeExecutor:
             if key not in self._graph_ids:
                 options = self._ort.RunOptions()
                 options.add_run_config_entry("gpu_graph_id", str(len(self._graph_ids) + 1))
-                self._graph_ids[key] = (self._bind(session, inputs, outputs), options)
+                self._graph_ids[key] = (self._bind(inputs, outputs, session.io_binding(), {}), options)
             binding, options = self._graph_ids[key]
             session.run_with_iobinding(binding, options)
             return
         if (graph, profile) not in self._bindings:
             self._bindings[graph, profile] = (session.io_binding(), {})
         binding, bound = self._bindings[graph, profile]
-        session.run_with_iobinding(self._bind(session, inputs, outputs, binding, bound), self._uncaptured)
+        session.run_with_iobinding(self._bind(inputs, outputs, binding, bound), self._uncaptured)
 
-    def _bind(self, session, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor],
-              binding=None, bound: dict | None = None):
-        """An IOBinding that points ONNX Runtime at the caller's tensors. Given `binding` and
-        `bound` (what it points at now, by name), only the tensors that moved are rebound."""
-        binding = binding if binding is not None else session.io_binding()
-        bound = bound if bound is not None else {}
+    def _bind(self, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor], binding, bound: dict):
+        """Point `binding` at the caller's tensors; `bound` (what it points at now, by name) lets
+        only the tensors that moved be rebound."""
         for names, bind in ((inputs, binding.bind_input), (outputs, binding.bind_output)):
             for name, tensor in names.items():
                 where = (tensor.dtype, tuple(tensor.shape), _address(tensor))

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from trtspec.export.bindings import MAX_BLOCK_SIZE
@@ -125,22 +126,24 @@ def _cycles(engine: DecodeEngine, core: Controller, context: torch.Tensor | None
     """
     block, draft_block = torch.from_numpy(core.verify_blocks[0]), torch.from_numpy(core.draft_blocks[0])
     proposals, drafting, step = block[1:], len(block) > 1, Stepper(core, posterior_of)
-    _emit(core, on_commit)
+    tokens = core.tokens[0]  # a view of the committed-token buffer, fixed for the request
+    _emit(core, tokens, on_commit)
+    start = core.start(0)
     while core.running:
-        start = core.start(0)
         if drafting:
             engine.draft(context, draft_block, start, out=proposals)
         logits, features = engine.verify(block, start)
         step(logits)
-        _emit(core, on_commit)
-        engine.rollback(core.start(0))
+        _emit(core, tokens, on_commit)
+        start = core.start(0)
+        engine.rollback(start)
         context = features[:core.accepted(0) + 1] if features is not None else None
 
 
-def _emit(core: Controller, on_commit: Callable[[list[int]], None] | None) -> None:
+def _emit(core: Controller, tokens: np.ndarray, on_commit: Callable[[list[int]], None] | None) -> None:
     if on_commit is not None:
         count = core.count(0)
-        on_commit(core.tokens[0, count - core.committed(0):count].tolist())
+        on_commit(tokens[count - core.committed(0):count].tolist())
 
 
 def _check_block_size(engine: DecodeEngine, block_size: int) -> None:

@@ -74,15 +74,15 @@ def test_distillation_pulls_only_the_early_positions_toward_the_teacher(target_d
     drafter = random_drafter(target, layers=1, layer_ids=(0, 2), mask_token_id=1)
     batch, features = _packed_batch(target, 8, 4)
     with torch.no_grad():
-        plain = DrafterLoss(drafter)(features, batch, 8)
+        plain = DrafterLoss(drafter)(features, batch)
         # the teacher is the drafter itself: the KL term is zero
-        assert DrafterLoss(drafter, frozen_copy(drafter, target), 4)(features, batch, 8) == pytest.approx(plain)
+        assert DrafterLoss(drafter, frozen_copy(drafter, target), 4, block_size=8)(features, batch) == pytest.approx(plain)
         other = random_drafter(target, layers=1, layer_ids=(0, 2), mask_token_id=1, seed=7)
-        assert DrafterLoss(drafter, other, 4)(features, batch, 8) > plain + 1e-3
+        assert DrafterLoss(drafter, other, 4, block_size=8)(features, batch) > plain + 1e-3
         # positions >= distill_below carry no KL: with every label there ignored but the late ones, no change
         late = torch.arange(batch.labels.shape[1]) % 8 >= 4
         batch.labels[:, ~late] = IGNORE
-        assert DrafterLoss(drafter, other, 4)(features, batch, 8) == pytest.approx(DrafterLoss(drafter)(features, batch, 8))
+        assert DrafterLoss(drafter, other, 4, block_size=8)(features, batch) == pytest.approx(DrafterLoss(drafter)(features, batch))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 import trtspec
-from trtspec.bench import BenchConfig, block_size_name, machine_info, speedups
+from trtspec.bench import WARMUP_TOKENS, BenchConfig, block_size_name, machine_info, speedups
 from trtspec.engines.executor import PREFILL
 from trtspec.errors import TrtspecError
 from trtspec.runtime.controller import native_controller
@@ -196,7 +196,8 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
 
     for block_size in sizes:  # warm-up
         for controller in CONTROLLERS:
-            request(block_size, encoded[0], controller, 8, config.request_seed(0, 0, len(prompts)))
+            request(block_size, encoded[0], controller, min(WARMUP_TOKENS, config.max_new_tokens),
+                    config.request_seed(0, 0, len(prompts)))
     total = config.repeats * len(runs) * len(prompts)
     with tqdm(total=total, desc="profile-host", unit="req", file=sys.stderr, disable=not progress,
               dynamic_ncols=True) as bar, ExecutorClock(executor) as clock:

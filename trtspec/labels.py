@@ -109,7 +109,6 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
             pipeline.engine.reset(len(ids))
             with torch.inference_mode():
                 prompt_logits, prefill_features = pipeline.engine.prefill(ids)
-            vocabulary = prompt_logits.shape[-1]
             for kind in FEATURE_KINDS:
                 summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
             runs = {}
@@ -133,7 +132,7 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
               "block_sizes": list(config.block_sizes), "max_new_tokens": config.max_new_tokens,
               "temperature": config.sampling.temperature, "seed": seed, "backend": pipeline.backend,
               "cycle_cost_s": costs, "ar_token_s": costs["1"],
-              "vocab_size": vocabulary}
+              "vocab_size": int(prompt_logits.shape[-1])}
     label_set = LabelSet(header, records, {k: torch.stack(v) for k, v in summaries.items()})
     for record, label in zip(records, label_set.labels()):
         record["label"] = label

@@ -6,13 +6,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from trtspec.models.checkpoint import save_checkpoint
+from trtspec.models.checkpoint import load_state_dict, read_json, save_checkpoint
 
 
 def main() -> None:
@@ -21,9 +19,9 @@ def main() -> None:
     parser.add_argument("destination")
     args = parser.parse_args()
     source = Path(args.source)
-    config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    config = read_json(source / "config.json", "drafter")
     config["torch_dtype"] = "bfloat16"
-    tensors = {name: t.to(torch.bfloat16) for name, t in load_file(str(source / "model.safetensors")).items()}
+    tensors = {name: t.to(torch.bfloat16) for name, t in load_state_dict(source, "drafter").items()}
     print(save_checkpoint(args.destination, config, tensors))
 
 

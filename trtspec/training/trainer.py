@@ -71,19 +71,22 @@ class DrafterLoss(nn.Module):
     """
 
     def __init__(self, drafter: DFlashDrafter, teacher: DFlashDrafter | None = None, distill_below: int = 0,
-                 distill_weight: float = 1.0):
+                 distill_weight: float = 1.0, block_size: int = 0):
         super().__init__()
+        if distill_below and teacher is None:
+            raise TrtspecError("distilling early positions needs a teacher drafter")
         self.drafter, self.distill_below, self.distill_weight = drafter, distill_below, distill_weight
+        self.block_size = block_size
         self.teacher = [teacher]  # in a list: frozen, not a submodule (no gradients, not in DDP's buckets)
 
-    def forward(self, features: torch.Tensor, batch: PackedBatch, block_size: int) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         hidden = self.drafter.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
         chosen = batch.labels != IGNORE
         logits = self.drafter.lm_head(hidden[chosen]).float()
         losses = F.cross_entropy(logits, batch.labels[chosen], reduction="none")
-        teacher = self.teacher[0]
-        if teacher is not None and self.distill_below > 0:
-            offsets = torch.arange(batch.labels.shape[1], device=logits.device) % block_size
+        if self.distill_below:
+            teacher = self.teacher[0]
+            offsets = torch.arange(batch.labels.shape[1], device=logits.device) % self.block_size
             early = (offsets < self.distill_below).expand_as(chosen)[chosen]
             with torch.no_grad():
                 taught = teacher.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
@@ -151,9 +154,8 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     if drafter is None:
         drafter = new_drafter(target, config)
     drafter.train()
-    if config.distill_below and teacher is None:
-        raise TrtspecError("distilling early positions needs a teacher drafter")
-    loss_module: nn.Module = DrafterLoss(drafter, teacher, config.distill_below, config.distill_weight)
+    loss_module: nn.Module = DrafterLoss(drafter, teacher, config.distill_below, config.distill_weight,
+                                         config.block_size)
     if world > 1:
         loss_module = nn.parallel.DistributedDataParallel(loss_module)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95),
@@ -192,7 +194,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
         batch = PackedBatch(*(t.to(target.device) for t in vars(batch).values()))
         with torch.no_grad():
             _, features = target(batch.tokens, 0, None, layer_ids)
-        loss = loss_module(features, batch, config.block_size)
+        loss = loss_module(features, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.clip_norm)
