@@ -263,8 +263,10 @@ def machine_info(pipeline) -> dict:
     return info
 
 
-def _check_prompts_fit(pipeline, prompts: list[str]) -> None:
+def check_prompts(pipeline, prompts: list[str]) -> None:
     """Fail before minutes of benchmarking, not at the first prompt that does not fit."""
+    if not prompts:
+        raise TrtspecError("no prompts to benchmark")
     for number, prompt in enumerate(prompts, 1):
         length = len(pipeline.codec.encode(prompt))
         if length >= pipeline.engine.max_context:
@@ -283,9 +285,7 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=No
     for backend in backends:
         if not backend.has_drafter:
             raise TrtspecError("a benchmark needs a drafter (give --drafter DIR)")
-    if not prompts:
-        raise TrtspecError("no prompts to benchmark")
-    _check_prompts_fit(pipeline, prompts)
+    check_prompts(pipeline, prompts)
     sizes = (1, *config.block_sizes)
     runs = [[BenchRun(b) for b in sizes] for _ in backends]  # [backend][configuration]
     baselines = [backend.autoregressive() for backend in backends]

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 import trtspec
-from trtspec.bench import WARMUP_TOKENS, BenchConfig, block_size_name, machine_info, speedups
+from trtspec.bench import WARMUP_TOKENS, BenchConfig, block_size_name, check_prompts, machine_info, speedups
 from trtspec.engines.executor import PREFILL
 from trtspec.errors import TrtspecError
 from trtspec.runtime.controller import native_controller
@@ -183,6 +183,7 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
         raise TrtspecError("--profile-host measures fixed block sizes; leave auto out of --block-sizes")
     controllers = {"python": load_oracle().PythonController, "native": native_controller}
     baseline = pipeline.autoregressive()
+    check_prompts(pipeline, prompts)
     encoded = [pipeline.codec.encode(p) for p in prompts]
     sizes = (1, *config.block_sizes)
     runs = {(b, c): HostRun(b, c) for b in sizes for c in CONTROLLERS}
