@@ -33,6 +33,7 @@ def test_expand_block_weights_and_plan():
     assert shifted[16] == pytest.approx(1.0) and shifted[16] > 4 * plain[16]  # new positions restart the decay
     assert stage_plan(16, ExpandConfig(to_block_size=24, steps=301, stages=2, continue_steps=50)) == [
         (16, 50, 0), (20, 151, 16), (24, 150, 16)]
+    assert stage_plan(16, ExpandConfig(to_block_size=24, steps=300, settle_steps=40))[-1] == (24, 40, 0)  # plain decay
     with pytest.raises(Exception, match="larger than"):
         stage_plan(16, ExpandConfig(to_block_size=16))
 
@@ -83,3 +84,41 @@ def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, dr
         ar = pipeline.autoregressive().generate(prompt, GenerationConfig(block_size=1, max_new_tokens=24)).tokens
         assert spec == ar
     assert_one_line_error(trtspec(*args[:5], "--to", 8, *args[7:]), "larger than the drafter's block size 16")
+
+
+def test_teacher_forced_acceptance_equals_drafting_each_context_through_the_inference_path():
+    """Every anchor of the target's continuation, drafted one at a time with the runtime's cached
+    drafter forward, gives the histogram that the packed teacher-forced pass reports."""
+    from trtspec.api import Pipeline
+    from trtspec.assets import resolve_drafter, resolve_target
+    from trtspec.preflight import run_teacher_forced
+    from trtspec.training.data import continue_prompts
+    from trtspec.runtime.decode import GenerationConfig
+
+    demo = Pipeline(resolve_target(None), resolve_drafter(None, None))  # a trained pair: acceptance varies
+    prompt, block_size, horizon = "class Stack:\n    def __init__(self):\n", 8, 40
+    report = run_teacher_forced(demo, [prompt], block_size, horizon, progress=False)
+
+    target, drafter = demo.target, demo.drafter
+    ids = demo.codec.encode(prompt)
+    config = GenerationConfig(block_size=1, max_new_tokens=horizon + block_size - 1).with_stop_ids(demo.codec.stop_ids)
+    sequence = ids + continue_prompts(target, [ids], config, progress=False)[0]
+    expected = [0] * block_size
+    with torch.inference_mode():
+        _, features = target(torch.tensor([sequence]), 0, None, drafter.config.target_layer_ids)
+        for start in range(len(ids), len(ids) + horizon):
+            block = torch.tensor([[sequence[start]] + [drafter.config.mask_token_id] * (block_size - 1)])
+            drafts = drafter(features[:, :start], block, start, drafter.new_cache(1, start)).argmax(-1)[0].tolist()
+            truth = sequence[start + 1:start + block_size]
+            expected[next((k for k, (d, t) in enumerate(zip(drafts, truth)) if d != t), block_size - 1)] += 1
+    assert sum(expected) == horizon and sum(n > 0 for n in expected) >= 6  # every depth of acceptance occurs
+    assert report.histogram == expected
+    assert report.requests[0]["cycles"] == horizon
+    assert report.tau == pytest.approx(1 + sum(a * n for a, n in enumerate(expected)) / horizon)
+
+
+def test_teacher_forced_preflight_refuses_sampling_and_engines(tmp_path):
+    result = trtspec("preflight", "--teacher-forced", "--temperature", 1, "--limit", 1)
+    assert_one_line_error(result, "--teacher-forced", "greedy")
+    result = trtspec("preflight", "--teacher-forced", "--engine", tmp_path, "--limit", 1)
+    assert_one_line_error(result, "--teacher-forced", "--engine")

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from trtspec.bench import block_size_name
@@ -145,3 +146,54 @@ def run_preflight(pipeline, prompts: list[str], block_size: int, max_new_tokens:
     requests = [{"tau": s.tau, "cycles": s.cycles, "ceiling_fraction": s.ceiling_fraction,
                  "new_tokens": s.new_tokens} for s in stats]
     return Preflight(block_size, histogram, statistics.fmean(s.tau for s in measured) if measured else 0.0, requests)
+
+
+ANCHORS_PER_PASS = 32  # blocks per packed drafter pass when teacher forcing (bounds the attention mask)
+
+
+def run_teacher_forced(pipeline, prompts: list[str], block_size: int, max_new_tokens: int,
+                       progress: bool = True) -> Preflight:
+    """Greedy acceptance of the drafter at every position of the target's own greedy continuation.
+
+    Decoding starts a cycle wherever the previous one stopped, so two drafters are measured on
+    different contexts: one that commits more per cycle spends fewer cycles on easy text, and its
+    per-position rates lean toward the hard contexts that remain. Here the "cycle" starts at each
+    of the first `max_new_tokens` positions of the continuation — the same contexts for every
+    drafter and block size — so a difference in per-position acceptance is the drafter's own.
+    The continuation runs `block_size - 1` tokens further so that every block has its targets.
+    Each request also lists its blocks' accepted counts (`accepted`, one per start position).
+    """
+    from trtspec.training.blocks import pack
+    from trtspec.training.data import continue_prompts
+
+    target, drafter, codec = pipeline.target, pipeline.drafter, pipeline.codec
+    if target is None or drafter is None:
+        raise TrtspecError("teacher-forced acceptance runs the checkpoints: give --target and --drafter, not --engine")
+    config = GenerationConfig(block_size=1, max_new_tokens=max_new_tokens + block_size - 1)
+    prompt_ids = [codec.encode(p) for p in prompts]
+    continuations = continue_prompts(target, prompt_ids, config.with_stop_ids(codec.stop_ids), progress=progress)
+    histogram, requests = [0] * block_size, []
+    with torch.inference_mode():
+        for ids, continuation in tqdm(list(zip(prompt_ids, continuations)), desc="teacher-forced", unit="req",
+                                      file=sys.stderr, disable=not progress, dynamic_ncols=True):
+            sequence = ids + continuation
+            last = min(len(ids) + max_new_tokens, len(sequence) - block_size + 1)
+            anchors = torch.arange(len(ids), last)
+            _, features = target(torch.tensor([sequence], device=target.device), 0, None,
+                                 drafter.config.target_layer_ids)
+            accepted = []
+            for group in anchors.split(ANCHORS_PER_PASS):
+                batch = pack([(sequence, len(ids))], block_size, len(group), drafter.config.mask_token_id,
+                             1.0, None, anchor_sets=[group])
+                hidden = drafter.forward_packed(features, batch.block_tokens.to(target.device),
+                                                batch.block_positions.to(target.device), batch.mask.to(target.device))
+                drafts = drafter.lm_head(hidden).argmax(-1).cpu().view(-1, block_size)[:, 1:]
+                matches = drafts == batch.labels.view(-1, block_size)[:, 1:]
+                accepted += matches.int().cumprod(dim=1).sum(dim=1).tolist()
+            for a in accepted:
+                histogram[a] += 1
+            requests.append({"tau": 1 + statistics.fmean(accepted) if accepted else 0.0, "cycles": len(accepted),
+                             "ceiling_fraction": accepted.count(block_size - 1) / len(accepted) if accepted else 0.0,
+                             "new_tokens": len(continuation), "accepted": accepted})
+    taus = [r["tau"] for r in requests if r["cycles"]]
+    return Preflight(block_size, histogram, statistics.fmean(taus) if taus else 0.0, requests)

@@ -12,6 +12,7 @@ from trtspec.errors import TrtspecError
 Examples:
   trtspec preflight                                   # demo pair on HumanEval at its block size
   trtspec preflight --engine build/engine --block-size 24 --json pre.json --plot pre.png
+  trtspec preflight --drafter build/demo-b24 --block-size 24 --teacher-forced   # same contexts for every drafter
 """)
 @model_options
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE")
@@ -21,12 +22,20 @@ Examples:
 @click.option("--limit", type=int, metavar="N", help="Use only the first N prompts.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the report as JSON.")
 @click.option("--plot", "plot_path", metavar="OUT.png", help="Also draw the histogram and per-position acceptance.")
+@click.option("--teacher-forced", is_flag=True,
+              help="Instead of decoding, start a block at every position of the target's greedy continuation "
+                   "(the first --max-new-tokens), so every drafter and block size is measured on the same "
+                   "contexts. Greedy only; runs the checkpoints.")
 def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, temperature, top_k, top_p, seed,
-              max_new_tokens, limit, json_path, plot_path) -> None:
+              max_new_tokens, limit, json_path, plot_path, teacher_forced) -> None:
     """Acceptance histogram, per-position acceptance and stranded speed-up, with a recommendation."""
     from trtspec.bench import load_prompts, write_json
-    from trtspec.preflight import plot, run_preflight
+    from trtspec.preflight import plot, run_preflight, run_teacher_forced
 
+    if teacher_forced and temperature > 0:
+        raise TrtspecError("--teacher-forced measures greedy acceptance; drop --temperature")
+    if teacher_forced and engine is not None:
+        raise TrtspecError("--teacher-forced runs the checkpoints: give --target and --drafter, not --engine")
     name, prompts = load_prompts(prompts_spec, limit)
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine)
     if not pipeline.has_drafter:
@@ -34,9 +43,12 @@ def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, 
     block_size = block_size or pipeline.drafter_block_size
     if not 2 <= block_size <= 64:
         raise TrtspecError(f"--block-size must be in [2, 64], got {block_size}")
-    report = run_preflight(pipeline, prompts, block_size, max_new_tokens,
-                           sampling_config(temperature, top_k, top_p, seed))
-    click.echo(f"{name}: {len(prompts)} prompts, T={temperature:g}")
+    if teacher_forced:
+        report = run_teacher_forced(pipeline, prompts, block_size, max_new_tokens)
+    else:
+        report = run_preflight(pipeline, prompts, block_size, max_new_tokens,
+                               sampling_config(temperature, top_k, top_p, seed))
+    click.echo(f"{name}: {len(prompts)} prompts, T={temperature:g}" + (", teacher-forced" if teacher_forced else ""))
     click.echo(report.format())
     if json_path:
         click.echo(f"wrote {write_json(report.to_dict(), json_path)}", err=True)
@@ -61,12 +73,15 @@ Example:
 @click.option("--distill", "distill_weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="While the block grows, keep positions below B0 close to the original drafter "
                    "(weight of that KL term against the cross-entropy; 0 = off).")
+@click.option("--settle-steps", type=int, default=0, show_default=True,
+              help="Finally train at B1 with the source's plain position decay, so the early positions, "
+                   "which carry most of the acceptance, have the last word.")
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--anchors", type=int, default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--work", "work_dir", metavar="DIR", help="Stage checkpoints. [default: OUTPUT.work]")
 def expand_block(target, drafter, engine, dtype, device, to_block_size, data_file, output, steps, stages,
-                 continue_steps, lr, distill_weight, batch_size, anchors, seed, work_dir) -> None:
+                 continue_steps, lr, distill_weight, settle_steps, batch_size, anchors, seed, work_dir) -> None:
     """Post-train a drafter on a longer block with a curriculum that stresses the new positions.
 
     The result is an ordinary drafter directory; its config records the lineage (source block
@@ -77,14 +92,14 @@ def expand_block(target, drafter, engine, dtype, device, to_block_size, data_fil
 
     if engine is not None:
         raise TrtspecError("expand-block trains checkpoints; give --target/--drafter, not --engine")
-    if steps < 1 or stages < 1 or continue_steps < 0:
-        raise TrtspecError("--steps and --stages must be >= 1 and --continue-steps >= 0")
+    if steps < 1 or stages < 1 or continue_steps < 0 or settle_steps < 0:
+        raise TrtspecError("--steps and --stages must be >= 1, --continue-steps and --settle-steps >= 0")
     pipeline = load_pipeline(target, drafter, "float32" if dtype == "auto" else dtype, device)
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: the drafter to expand")
     config = ExpandConfig(to_block_size=to_block_size, steps=steps, stages=stages, continue_steps=continue_steps,
                           lr=lr, batch_size=batch_size, anchors_per_sequence=anchors, seed=seed,
-                          distill_weight=distill_weight)
+                          distill_weight=distill_weight, settle_steps=settle_steps)
     sequences = read_training_data(data_file, pipeline.codec)
     path = expand(pipeline.target, pipeline.drafter, sequences, config, output, work_dir)
     click.echo(f"wrote drafter to {path} (block size {to_block_size}, from {pipeline.drafter_block_size})", err=True)

@@ -61,11 +61,13 @@ class PackedBatch:
 
 
 def pack(sequences: list[tuple[list[int], int]], block_size: int, anchors_per_sequence: int,
-         mask_token_id: int, gamma: float, generator: torch.Generator, pad_id: int = 0,
-         emphasis_from: int = 0) -> PackedBatch:
-    """Build one training batch from (token ids, prompt length) pairs, sampling fresh anchors."""
-    anchor_sets = [sample_anchors(prompt_len, len(ids), anchors_per_sequence, generator)
-                   for ids, prompt_len in sequences]
+         mask_token_id: int, gamma: float, generator: torch.Generator | None, pad_id: int = 0,
+         emphasis_from: int = 0, anchor_sets: list[torch.Tensor] | None = None) -> PackedBatch:
+    """Build one batch from (token ids, prompt length) pairs: fresh random anchors for training,
+    or the given sorted `anchor_sets` (one per sequence) for evaluation."""
+    if anchor_sets is None:
+        anchor_sets = [sample_anchors(prompt_len, len(ids), anchors_per_sequence, generator)
+                       for ids, prompt_len in sequences]
     length = max(len(ids) for ids, _ in sequences)
     blocks = max(1, max(len(a) for a in anchor_sets))
     n = blocks * block_size

@@ -7,7 +7,8 @@ loss weights of the newly exposed positions (>= B0) restarted at full weight so 
 learned rather than drowned by the decay that favours early positions. Optionally, while the
 block grows, positions below B0 are also kept close to the drafter we started from (a KL term
 against a frozen copy seeing the same longer blocks), so the new positions cost the early ones,
-which carry most of the acceptance, less.
+which carry most of the acceptance, less. Optionally a last "settle" stage trains at B1 with
+the source's plain decay, so the early positions have the last word once the new ones are learned.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class ExpandConfig:
     seed: int = 0
     checkpoint_every: int = 50
     distill_weight: float = 0.0      # KL to the source drafter at positions < B0 while growing; 0 = off
+    settle_steps: int = 0            # a last stage at B1 with the source's plain position decay
 
 
 def stage_plan(from_block: int, config: ExpandConfig) -> list[tuple[int, int, int]]:
@@ -45,7 +47,8 @@ def stage_plan(from_block: int, config: ExpandConfig) -> list[tuple[int, int, in
     sizes = [from_block + (config.to_block_size - from_block) * (i + 1) // stages for i in range(stages)]
     per_stage = [config.steps // stages + (1 if i < config.steps % stages else 0) for i in range(stages)]
     plan = [(from_block, config.continue_steps, 0)] if config.continue_steps else []
-    return plan + [(size, steps, from_block) for size, steps in zip(sizes, per_stage) if steps > 0]
+    plan += [(size, steps, from_block) for size, steps in zip(sizes, per_stage) if steps > 0]
+    return plan + ([(config.to_block_size, config.settle_steps, 0)] if config.settle_steps else [])
 
 
 def frozen_copy(drafter: DFlashDrafter, target: Qwen3Target) -> DFlashDrafter:
@@ -69,7 +72,7 @@ def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tu
         stage_dir = work / f"stage{number}-b{block_size}"
         lineage = {"source_block_size": source.block_size, "block_size": config.to_block_size,
                    "steps": config.steps, "continue_steps": config.continue_steps,
-                   "distill_weight": config.distill_weight,
+                   "distill_weight": config.distill_weight, "settle_steps": config.settle_steps,
                    "stages": [list(stage) for stage in plan], "source_lineage": dict(source.lineage)}
         if not (stage_dir / "config.json").is_file():
             drafter.config = replace(drafter.config, block_size=block_size, lineage=lineage)
@@ -80,7 +83,7 @@ def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tu
                                        seed=config.seed + number, checkpoint_every=config.checkpoint_every,
                                        position_weight_shift=emphasis, lineage=lineage,
                                        mask_token_id=source.mask_token_id,
-                                       distill_below=emphasis if teacher is not None else 0,
+                                       distill_below=emphasis if teacher is not None else 0,  # none when settling
                                        distill_weight=config.distill_weight)
             train_drafter(target, sequences, train_config, stage_dir, work / f"stage{number}.work", drafter=drafter,
                           teacher=teacher, progress=progress)
