@@ -65,13 +65,13 @@ def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, dr
     output = tmp_path / "b20"
     args = ("expand-block", "--target", target_dir, "--drafter", drafter_dir, "--to", 20, "--data", data,
             "-o", output, "--steps", 4, "--stages", 2, "--continue-steps", 2, "--batch-size", 2, "--anchors", 2,
-            "--distill", 0.5)
+            "--distill", 0.5, "--settle-steps", 2)
     result = trtspec("--threads", 1, *args)
     assert result.returncode == 0, result.stderr.decode()
     config = json.loads((output / "config.json").read_text())
     assert config["block_size"] == 20
     assert config["trtspec_lineage"]["source_block_size"] == 16
-    assert config["trtspec_lineage"]["stages"] == [[16, 2, 0], [18, 2, 16], [20, 2, 16]]
+    assert config["trtspec_lineage"]["stages"] == [[16, 2, 0], [18, 2, 16], [20, 2, 16], [20, 2, 0]]
     assert config["trtspec_lineage"]["distill_weight"] == 0.5  # early positions kept close to the source
     stage = output.parent / "b20.work" / "stage1-b18" / "config.json"
     before = stage.stat().st_mtime_ns

@@ -178,7 +178,7 @@ def run_teacher_forced(pipeline, prompts: list[str], block_size: int, max_new_to
                                       file=sys.stderr, disable=not progress, dynamic_ncols=True):
             sequence = ids + continuation
             last = min(len(ids) + max_new_tokens, len(sequence) - block_size + 1)
-            anchors = torch.arange(len(ids), last)
+            anchors = torch.arange(len(ids), max(len(ids), last))  # none if it stopped within a block
             _, features = target(torch.tensor([sequence], device=target.device), 0, None,
                                  drafter.config.target_layer_ids)
             accepted = []

@@ -6,9 +6,10 @@ continue training at B0, then grow the block in stages up to B1 (e.g. 16 -> 20 -
 loss weights of the newly exposed positions (>= B0) restarted at full weight so they are
 learned rather than drowned by the decay that favours early positions. Optionally, while the
 block grows, positions below B0 are also kept close to the drafter we started from (a KL term
-against a frozen copy seeing the same longer blocks), so the new positions cost the early ones,
-which carry most of the acceptance, less. Optionally a last "settle" stage trains at B1 with
-the source's plain decay, so the early positions have the last word once the new ones are learned.
+against a frozen copy seeing the same longer blocks, in every stage longer than B0), so the new
+positions cost the early ones, which carry most of the acceptance, less. Optionally a last
+"settle" stage trains at B1 with the source's plain decay, so the early positions have the last
+word once the new ones are learned.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class ExpandConfig:
     anchors_per_sequence: int = 16
     seed: int = 0
     checkpoint_every: int = 50
-    distill_weight: float = 0.0      # KL to the source drafter at positions < B0 while growing; 0 = off
+    distill_weight: float = 0.0      # KL to the source drafter at positions < B0 past B0; 0 = off
     settle_steps: int = 0            # a last stage at B1 with the source's plain position decay
 
 
@@ -83,7 +84,7 @@ def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tu
                                        seed=config.seed + number, checkpoint_every=config.checkpoint_every,
                                        position_weight_shift=emphasis, lineage=lineage,
                                        mask_token_id=source.mask_token_id,
-                                       distill_below=emphasis if teacher is not None else 0,  # none when settling
+                                       distill_below=source.block_size if teacher is not None and block_size > source.block_size else 0,
                                        distill_weight=config.distill_weight)
             train_drafter(target, sequences, train_config, stage_dir, work / f"stage{number}.work", drafter=drafter,
                           teacher=teacher, progress=progress)
