@@ -42,7 +42,7 @@ class Preflight:
     block_size: int
     histogram: list[int]
     tau: float  # committed tokens per cycle (mean of per-request means)
-    requests: list[dict] = field(default_factory=list)  # per request: tau, cycles, ceiling fraction
+    requests: list[dict] = field(default_factory=list)  # per request: tau, cycles, ceiling fraction, histogram
 
     @property
     def ceiling_fraction(self) -> float:
@@ -144,7 +144,7 @@ def run_preflight(pipeline, prompts: list[str], block_size: int, max_new_tokens:
     measured = [s for s in stats if s.cycles]
     histogram = [sum(s.histogram[a] for s in measured) for a in range(block_size)]
     requests = [{"tau": s.tau, "cycles": s.cycles, "ceiling_fraction": s.ceiling_fraction,
-                 "new_tokens": s.new_tokens} for s in stats]
+                 "new_tokens": s.new_tokens, "histogram": s.histogram} for s in stats]
     return Preflight(block_size, histogram, statistics.fmean(s.tau for s in measured) if measured else 0.0, requests)
 
 
@@ -194,6 +194,7 @@ def run_teacher_forced(pipeline, prompts: list[str], block_size: int, max_new_to
                 histogram[a] += 1
             requests.append({"tau": 1 + statistics.fmean(accepted) if accepted else 0.0, "cycles": len(accepted),
                              "ceiling_fraction": accepted.count(block_size - 1) / len(accepted) if accepted else 0.0,
-                             "new_tokens": len(continuation), "accepted": accepted})
+                             "new_tokens": len(continuation),
+                             "histogram": [accepted.count(a) for a in range(block_size)], "accepted": accepted})
     taus = [r["tau"] for r in requests if r["cycles"]]
     return Preflight(block_size, histogram, statistics.fmean(taus) if taus else 0.0, requests)

@@ -8,9 +8,10 @@ prompts: the median and quartiles of committed tokens per cycle (tau) for each, 
 per-prompt gain of the expanded drafter over the other two, and whether its acceptance at
 block positions 1..15 stays at or above b16's.
 
-Decoded reports measure each drafter on its own cycle starts. Teacher-forced ones (`trtspec
-preflight --teacher-forced`) start a block at every position of the same continuations; for
-those the per-position difference also gets a 95% interval from a paired bootstrap over prompts.
+Decoded reports measure each drafter on its own cycle starts; teacher-forced ones (`trtspec
+preflight --teacher-forced`) start a block at every position of the same continuations. Where
+the reports list per-request histograms, each per-position difference also gets a 95% interval
+from a paired bootstrap over prompts.
 """
 
 from __future__ import annotations
@@ -31,17 +32,15 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def at_least_counts(report: dict) -> np.ndarray:
-    """[prompts, POSITIONS + 1]: per prompt, how many blocks accepted at least k drafts (k = 0..15)."""
-    rows = []
-    for request in report["requests"]:
-        accepted = np.array(request["accepted"])
-        rows.append([(accepted >= k).sum() for k in range(POSITIONS + 1)])
-    return np.array(rows, dtype=np.float64)
+    """[prompts, POSITIONS + 1]: per prompt, how many cycles accepted at least k drafts (k = 0..15)."""
+    histograms = np.array([request["histogram"] for request in report["requests"]], dtype=np.float64)
+    at_least = histograms[:, ::-1].cumsum(axis=1)[:, ::-1]
+    return at_least[:, :POSITIONS + 1]
 
 
 def paired_position_gaps(expanded: dict, base: dict, seed: int = 0) -> list[dict]:
     """Expanded minus base conditional acceptance at positions 1..15, with a bootstrap interval
-    that resamples prompts (both drafters saw the same contexts, so prompts are the unit)."""
+    that resamples prompts (both ran the same prompts, so prompts are the unit)."""
     a, b = at_least_counts(expanded), at_least_counts(base)
     resamples = np.random.default_rng(seed).integers(0, len(a), size=(RESAMPLES, len(a)))
     gaps = []
@@ -76,7 +75,7 @@ def main() -> None:
     early = zip(reports["b24@24"]["per_position_acceptance"][:15], reports["b16@16"]["per_position_acceptance"][:15])
     drops = [b16 - b24 for b24, b16 in early if b24 is not None and b16 is not None]
     result["positions_1_15_max_drop"] = max(drops)
-    if all("accepted" in r for report in (reports["b24@24"], reports["b16@16"]) for r in report["requests"]):
+    if all("histogram" in r for report in (reports["b24@24"], reports["b16@16"]) for r in report["requests"]):
         result["positions_1_15_paired"] = paired_position_gaps(reports["b24@24"], reports["b16@16"])
     result["pooled_tau"] = {name: report["tau"] for name, report in reports.items()}
     result["ceiling_fraction"] = {name: report["ceiling_fraction"] for name, report in reports.items()}
