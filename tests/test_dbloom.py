@@ -51,6 +51,7 @@ def test_preflight_command_writes_the_documented_json_and_plot(target_dir, draft
     assert data["block_size"] == 8 and len(data["histogram"]) == 8 and len(data["per_position_acceptance"]) == 7
     assert data["stranded_tau_estimate"] >= data["tau"] >= 1.0
     assert len(data["requests"]) == 2 and all(r["cycles"] >= 1 for r in data["requests"])
+    assert [sum(r["histogram"][a] for r in data["requests"]) for a in range(8)] == data["histogram"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "P(accept k | k-1)" in result.stdout.decode()
 

@@ -11,7 +11,8 @@ block positions 1..15 stays at or above b16's.
 Decoded reports measure each drafter on its own cycle starts; teacher-forced ones (`trtspec
 preflight --teacher-forced`) start a block at every position of the same continuations. Where
 the reports list per-request histograms, each per-position difference also gets a 95% interval
-from a paired bootstrap over prompts.
+from a paired bootstrap over prompts, and the positions where the expanded drafter is below b16
+with family-wise confidence 95% (one-sided, Bonferroni over the 15 positions) are listed.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def paired_position_gaps(expanded: dict, base: dict, seed: int = 0) -> list[dict
         point = rate(a) - rate(b)
         spread = rate(a, resamples) - rate(b, resamples)
         low, high = np.quantile(spread, [0.025, 0.975])
-        gaps.append({"position": k, "gap": float(point), "low": float(low), "high": float(high)})
+        family_low = np.quantile(spread, 0.05 / POSITIONS)  # one-sided, Bonferroni over the 15 positions
+        gaps.append({"position": k, "gap": float(point), "low": float(low), "high": float(high),
+                     "below_b16": bool(np.quantile(spread, 1 - 0.05 / POSITIONS) < 0),
+                     "family_low": float(family_low)})
     return gaps
 
 
@@ -76,7 +80,9 @@ def main() -> None:
     drops = [b16 - b24 for b24, b16 in early if b24 is not None and b16 is not None]
     result["positions_1_15_max_drop"] = max(drops)
     if all("histogram" in r for report in (reports["b24@24"], reports["b16@16"]) for r in report["requests"]):
-        result["positions_1_15_paired"] = paired_position_gaps(reports["b24@24"], reports["b16@16"])
+        gaps = paired_position_gaps(reports["b24@24"], reports["b16@16"])
+        result["positions_1_15_paired"] = gaps
+        result["positions_significantly_below_b16"] = [g["position"] for g in gaps if g["below_b16"]]
     result["pooled_tau"] = {name: report["tau"] for name, report in reports.items()}
     result["ceiling_fraction"] = {name: report["ceiling_fraction"] for name, report in reports.items()}
     print(json.dumps(result, indent=2))

@@ -23,7 +23,9 @@ trtspec --threads "$THREADS" train-drafter --data "$WORK/drafter-data.jsonl" --b
     --seed 0 --checkpoint-every 100 --work "$WORK/drafter-work" -o trtspec/assets/demo-b16
 
 # 4. DBloom: post-train demo-b16 to B=24 (continuation at 16, then 16 -> 20 -> 24 with the new
-#    positions emphasised), then ship it in bfloat16 as demo-b24.
+#    positions emphasised and the old ones kept close to demo-b16, then a settle stage at 24 under
+#    the plain decay), then ship it in bfloat16 as demo-b24.
 trtspec --threads "$THREADS" expand-block --drafter demo-b16 --to 24 --data "$WORK/drafter-data.jsonl" \
-    --steps 300 --continue-steps 100 --stages 2 --lr 1e-4 --batch-size 8 --anchors 16 -o "$WORK/demo-b24"
+    --steps 300 --continue-steps 100 --stages 2 --lr 1e-4 --batch-size 8 --anchors 16 \
+    --distill 5 --settle-steps 100 -o "$WORK/demo-b24"
 python scripts/demo/ship_drafter.py "$WORK/demo-b24" trtspec/assets/demo-b24
