@@ -71,8 +71,8 @@ Example:
               help="Continuation fine-tuning at the original block size first.")
 @click.option("--lr", type=float, default=3e-4, show_default=True)
 @click.option("--distill", "distill_weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="While the block grows, keep positions below B0 close to the original drafter "
-                   "(weight of that KL term against the cross-entropy; 0 = off).")
+              help="In every stage past B0 (growth and settle), keep positions below B0 close to the "
+                   "original drafter (weight of that KL term against the cross-entropy; 0 = off).")
 @click.option("--settle-steps", type=int, default=0, show_default=True,
               help="Finally train at B1 with the source's plain position decay, so the early positions, "
                    "which carry most of the acceptance, have the last word.")
