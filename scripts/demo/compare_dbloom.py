@@ -12,7 +12,9 @@ Decoded reports measure each drafter on its own cycle starts; teacher-forced one
 preflight --teacher-forced`) start a block at every position of the same continuations. Where
 the reports list per-request histograms, each per-position difference also gets a 95% interval
 from a paired bootstrap over prompts, and the positions where the expanded drafter is below b16
-with family-wise confidence 95% (one-sided, Bonferroni over the 15 positions) are listed.
+with family-wise confidence 95% (one-sided, Bonferroni over the 15 positions) are listed. For
+teacher-forced reports it also replays each drafter's greedy decode and scores both drafters on
+the same cycle starts, which separates the drafter from where its cycles happen to start.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from replay_schedules import replay  # noqa: E402
 
 POSITIONS = 15
 RESAMPLES = 2000
@@ -58,12 +65,34 @@ def paired_position_gaps(expanded: dict, base: dict, seed: int = 0) -> list[dict
     return gaps
 
 
+def cycle_starts(report: dict, new_tokens: int) -> list[tuple[int, int]]:
+    """(prompt, offset) of every cycle a greedy decode at the report's block size runs: at T=0
+    a cycle starting at offset o accepts what the teacher-forced report recorded for o."""
+    starts = []
+    for prompt, request in enumerate(report["requests"]):
+        cycles = replay({report["block_size"]: request["accepted"]}, new_tokens,
+                        lambda _, b=report["block_size"]: b)
+        offsets = [0]
+        for _, taken in cycles[:-1]:
+            offsets.append(offsets[-1] + taken + 1)
+        starts += [(prompt, offset) for offset in offsets]
+    return starts
+
+
+def rates_at(report: dict, starts: list[tuple[int, int]]) -> list[float]:
+    """Per-position acceptance (1..15) of a teacher-forced report over the given cycle starts."""
+    accepted = [report["requests"][p]["accepted"][o] for p, o in starts if o < len(report["requests"][p]["accepted"])]
+    at_least = [sum(a >= k for a in accepted) for k in range(POSITIONS + 1)]
+    return [at_least[k] / at_least[k - 1] if at_least[k - 1] else float("nan") for k in range(1, POSITIONS + 1)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("b16_16")
     parser.add_argument("b16_24")
     parser.add_argument("b24_24")
     parser.add_argument("--ceiling", type=float, default=0.25)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="the decode length the reports used")
     args = parser.parse_args()
     reports = {name: json.load(open(path)) for name, path in
                (("b16@16", args.b16_16), ("b16@24", args.b16_24), ("b24@24", args.b24_24))}
@@ -83,6 +112,13 @@ def main() -> None:
         gaps = paired_position_gaps(reports["b24@24"], reports["b16@16"])
         result["positions_1_15_paired"] = gaps
         result["positions_significantly_below_b16"] = [g["position"] for g in gaps if g["below_b16"]]
+    if all("accepted" in r for report in (reports["b24@24"], reports["b16@16"]) for r in report["requests"]):
+        # Decoded rates weigh contexts by where each drafter's cycles start; score both on the same starts.
+        new_tokens = args.max_new_tokens
+        result["same_cycle_starts"] = {
+            f"{starts_of} starts": {name: rates_at(reports[name], cycle_starts(reports[starts_of], new_tokens))
+                                    for name in ("b16@16", "b24@24")}
+            for starts_of in ("b16@16", "b24@24")}
     result["pooled_tau"] = {name: report["tau"] for name, report in reports.items()}
     result["ceiling_fraction"] = {name: report["ceiling_fraction"] for name, report in reports.items()}
     print(json.dumps(result, indent=2))
