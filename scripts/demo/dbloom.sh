@@ -6,7 +6,7 @@ set -euo pipefail
 WORK=${WORK:-build/demo}
 OUT=${OUT:-build/dbloom}
 THREADS=${THREADS:-1}
-EXPANDED=${EXPANDED:-$WORK/demo-b24}   # the expanded drafter (demo-b24 to use the bundled one)
+EXPANDED=${EXPANDED:-$WORK/demo-b24}   # the expanded drafter; the bundled name demo-b24 skips training
 mkdir -p "$OUT"
 run() { trtspec --threads "$THREADS" "$@"; }
 
@@ -18,7 +18,7 @@ run preflight --drafter demo-b16 --block-size 16 --teacher-forced --json "$OUT/t
 run preflight --drafter demo-b16 --block-size 24 --teacher-forced --json "$OUT/tf-b16-24.json"
 
 # 2. Post-train to B=24 (the recipe of make_drafter.sh step 4; stages resume if interrupted).
-[ -f "$EXPANDED/config.json" ] || run expand-block --drafter demo-b16 --to 24 --data "$WORK/drafter-data.jsonl" \
+[ "$EXPANDED" = demo-b24 ] || [ -f "$EXPANDED/config.json" ] || run expand-block --drafter demo-b16 --to 24 --data "$WORK/drafter-data.jsonl" \
     --steps 300 --continue-steps 100 --stages 2 --lr 1e-4 --batch-size 8 --anchors 16 \
     --distill 5 --settle-steps 100 -o "$EXPANDED"
 
