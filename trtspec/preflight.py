@@ -190,11 +190,10 @@ def run_teacher_forced(pipeline, prompts: list[str], block_size: int, max_new_to
                 drafts = drafter.lm_head(hidden).argmax(-1).cpu().view(-1, block_size)[:, 1:]
                 matches = drafts == batch.labels.view(-1, block_size)[:, 1:]
                 accepted += matches.int().cumprod(dim=1).sum(dim=1).tolist()
-            for a in accepted:
-                histogram[a] += 1
+            counts = [accepted.count(a) for a in range(block_size)]
+            histogram = [total + n for total, n in zip(histogram, counts)]
             requests.append({"tau": 1 + statistics.fmean(accepted) if accepted else 0.0, "cycles": len(accepted),
-                             "ceiling_fraction": accepted.count(block_size - 1) / len(accepted) if accepted else 0.0,
-                             "new_tokens": len(continuation),
-                             "histogram": [accepted.count(a) for a in range(block_size)], "accepted": accepted})
+                             "ceiling_fraction": counts[-1] / len(accepted) if accepted else 0.0,
+                             "new_tokens": len(continuation), "histogram": counts, "accepted": accepted})
     taus = [r["tau"] for r in requests if r["cycles"]]
     return Preflight(block_size, histogram, statistics.fmean(taus) if taus else 0.0, requests)

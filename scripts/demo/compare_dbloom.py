@@ -23,9 +23,12 @@ import argparse
 import json
 import statistics
 import sys
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
+
+from trtspec.preflight import per_position_acceptance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay_schedules import replay  # noqa: E402
@@ -72,18 +75,18 @@ def cycle_starts(report: dict, new_tokens: int) -> list[tuple[int, int]]:
     for prompt, request in enumerate(report["requests"]):
         cycles = replay({report["block_size"]: request["accepted"]}, new_tokens,
                         lambda _, b=report["block_size"]: b)
-        offsets = [0]
-        for _, taken in cycles[:-1]:
-            offsets.append(offsets[-1] + taken + 1)
-        starts += [(prompt, offset) for offset in offsets]
+        starts += [(prompt, offset) for offset in accumulate((taken + 1 for _, taken in cycles[:-1]), initial=0)]
     return starts
 
 
-def rates_at(report: dict, starts: list[tuple[int, int]]) -> list[float]:
+def rates_at(report: dict, starts: list[tuple[int, int]]) -> list[float | None]:
     """Per-position acceptance (1..15) of a teacher-forced report over the given cycle starts."""
-    accepted = [report["requests"][p]["accepted"][o] for p, o in starts if o < len(report["requests"][p]["accepted"])]
-    at_least = [sum(a >= k for a in accepted) for k in range(POSITIONS + 1)]
-    return [at_least[k] / at_least[k - 1] if at_least[k - 1] else float("nan") for k in range(1, POSITIONS + 1)]
+    histogram = [0] * report["block_size"]
+    for prompt, offset in starts:
+        accepted = report["requests"][prompt]["accepted"]
+        if offset < len(accepted):
+            histogram[accepted[offset]] += 1
+    return per_position_acceptance(histogram)[:POSITIONS]
 
 
 def main() -> None:

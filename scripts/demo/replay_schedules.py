@@ -58,9 +58,10 @@ def main() -> None:
         total = sum(seconds(replay(accepted, new_tokens, schedule), cost) for accepted in requests)
         return (new_tokens - 1) * cost[1] * len(requests) / total
 
-    fixed = {b: [seconds(replay(a, new_tokens, lambda c, b=b: b), cost) for a in requests] for b in sizes}
-    matching = {b: sum(len(replay(a, new_tokens, lambda c, b=b: b)) == r["runs"][str(b)]["cycles"]
-                       for a, r in zip(requests, records)) for b in sizes}
+    replayed = {b: [replay(a, new_tokens, lambda c, b=b: b) for a in requests] for b in sizes}
+    fixed = {b: [seconds(cycles, cost) for cycles in replayed[b]] for b in sizes}
+    matching = {b: sum(len(cycles) == r["runs"][str(b)]["cycles"] for cycles, r in zip(replayed[b], records))
+                for b in sizes}
     ar_total = (new_tokens - 1) * cost[1] * len(requests)
     results = {"replayed_cycles_match_labels": matching,
                "fixed": {b: ar_total / sum(times) for b, times in fixed.items()},
