@@ -14,27 +14,33 @@ import numpy as np
 import torch
 
 from trtspec.export.bindings import MAX_BLOCK_SIZE
-from trtspec.policy import AUTO, BlockPilot
+from trtspec.policy import BlockPilot
 from trtspec.errors import TrtspecError
 from trtspec.runtime.controller import Controller, Stepper, native_controller
 from trtspec.runtime.sampling import Sampler, SamplingConfig
+from trtspec.runtime.schedule import AUTO, BlockChoice
 from trtspec.runtime.stats import DecodeStats
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
     """What one request asks for. block_size 1 means autoregressive (target only); AUTO (0) lets
-    the BlockPilot policy choose once after prefill."""
+    the BlockPilot policy choose once after prefill; grow_to G > block_size grows the block after a
+    cycle that fills it (see trtspec.runtime.schedule)."""
 
     block_size: int = 16
     max_new_tokens: int = 256
     stop_ids: tuple[int, ...] = ()
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    grow_to: int = 0
 
     def __post_init__(self) -> None:
         if not (self.block_size == AUTO or 1 <= self.block_size <= MAX_BLOCK_SIZE):
             raise TrtspecError(f"block size must be in [2, {MAX_BLOCK_SIZE}] (or 1 for autoregressive, "
                                f"or auto), got {self.block_size}")
+        if self.grow_to and self.block_size == AUTO:
+            raise TrtspecError("with block size auto the BlockPilot policy chooses the growth too; drop grow_to")
+        BlockChoice(self.block_size, self.grow_to)  # validates the growth
         if self.max_new_tokens < 1:
             raise TrtspecError(f"max new tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -44,7 +50,7 @@ class GenerationConfig:
 
 
 Block = list[int] | torch.Tensor
-ControllerFactory = Callable[[list[int], list[int], list[tuple[int, ...]], int], Controller]
+ControllerFactory = Callable[[list[int], list[int], list[tuple[int, ...]], int, list[int]], Controller]
 
 
 @dataclass
@@ -76,7 +82,7 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
     """Decode one request. `on_commit` receives each batch of newly committed tokens (streaming);
     `policy` chooses the block size after prefill when the config asks for AUTO; `controller`
     makes the per-cycle core (the native one; the tests pass their Python oracle)."""
-    block_size = config.block_size
+    block_size, grow_to = config.block_size, config.grow_to
     if not prompt:
         raise TrtspecError("the prompt is empty")
     if len(prompt) >= engine.max_context:
@@ -86,7 +92,8 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
     if block_size == AUTO and policy is None:
         raise TrtspecError("block size auto needs a BlockPilot policy (trtspec train-policy; then --policy DIR "
                            "or trtspec build --policy DIR)")
-    _check_block_size(engine, block_size)
+    for size in (block_size, grow_to):
+        _check_block_size(engine, size)
     limit = min(config.max_new_tokens, engine.max_context - len(prompt))
     sampler = Sampler(config.sampling, engine.device)
     engine.reset(len(prompt) + limit)
@@ -100,17 +107,20 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
         began = time.perf_counter()  # the policy's choice counts as decode time
         chosen = block_size == AUTO
         if chosen:
-            block_size = policy.choose(context, prompt_logits)
-            _check_block_size(engine, block_size)
-        stats = DecodeStats(block_size=block_size, prompt_tokens=len(prompt), prefill_s=prefill_s,
+            choice = policy.choose(context, prompt_logits)
+            block_size, grow_to = choice.size, choice.grow_to
+            for size in choice.sizes:
+                _check_block_size(engine, size)
+        stats = DecodeStats(block_size=block_size, grow_to=grow_to, prompt_tokens=len(prompt), prefill_s=prefill_s,
                             auto=chosen, policy_s=time.perf_counter() - began if chosen else 0.0)
-        core = controller([block_size], [limit], [config.stop_ids], engine.mask_token_id or 0)
+        core = controller([block_size], [limit], [config.stop_ids], engine.mask_token_id or 0, [grow_to])
         core.begin(0, bonus, len(prompt))  # the bonus token sits at the first position after the prompt
         _cycles(engine, core, context, None if config.sampling.greedy else sampler.sample, on_commit)
         stats.decode_s = time.perf_counter() - began
 
     count = core.count(0)
-    stats.histogram = core.histograms[0, :block_size].tolist()
+    stats.histogram = core.histograms[0, :max(block_size, grow_to)].tolist()
+    stats.grown_cycles, stats.ceilings = core.grown_cycles(0), core.ceilings(0)
     stats.new_tokens = count
     stats.finish_reason = core.finish_reason(0)
     return Generation(core.tokens[0, :count].tolist(), stats)
@@ -122,15 +132,22 @@ def _cycles(engine: DecodeEngine, core: Controller, context: torch.Tensor | None
     """Cycles of draft(B) -> verify(B) -> one controller step until the request finishes.
 
     The blocks are the controller's own buffers: it writes each cycle's bonus into them and the
-    drafter writes its proposals behind it, so verify reads [bonus, drafts] in place.
+    drafter writes its proposals behind it, so verify reads [bonus, drafts] in place. The
+    controller also says each cycle's block size (a growing block changes it); the views of the
+    buffers at each size are made once.
     """
-    block, draft_block = torch.from_numpy(core.verify_blocks[0]), torch.from_numpy(core.draft_blocks[0])
-    proposals, drafting, step = block[1:], len(block) > 1, Stepper(core, posterior_of)
+    verify_row, draft_row = torch.from_numpy(core.verify_blocks[0]), torch.from_numpy(core.draft_blocks[0])
+    views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    step = Stepper(core, posterior_of)
     tokens = core.tokens[0]  # a view of the committed-token buffer, fixed for the request
     _emit(core, tokens, on_commit)
     start = core.start(0)
     while core.running:
-        if drafting:
+        size = core.block_size(0)
+        if size not in views:
+            views[size] = verify_row[:size], draft_row[:size], verify_row[1:size]
+        block, draft_block, proposals = views[size]
+        if size > 1:
             engine.draft(context, draft_block, start, out=proposals)
         logits, features = engine.verify(block, start)
         step(logits)

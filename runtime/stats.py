@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class DecodeStats:
-    """`histogram[a]` counts cycles that accepted `a` drafts (0..B-1); bin B-1 is the ceiling.
+    """`histogram[a]` counts cycles that accepted `a` drafts (0..B-1); bin B-1 is the ceiling. A
+    growing block (grow_to G) widens the histogram to G bins and counts its ceilings itself.
 
     tau is committed tokens per cycle *including the bonus* (a + 1), averaged over cycles, as
     counted by the acceptance rule (a stop or the token limit may cut the last cycle short).
@@ -22,10 +23,13 @@ class DecodeStats:
     histogram: list[int] = field(default_factory=list)
     auto: bool = False      # block_size was chosen by the BlockPilot policy
     policy_s: float = 0.0   # time of that choice (part of decode_s)
+    grow_to: int = 0        # the grown block size (0: the block never grows)
+    grown_cycles: int = 0   # cycles run at grow_to
+    ceilings: int | None = None  # cycles that accepted their whole block (None: the histogram's last bin)
 
     def __post_init__(self) -> None:
         if not self.histogram:
-            self.histogram = [0] * self.block_size
+            self.histogram = [0] * max(self.block_size, self.grow_to)
 
     def record_cycle(self, accepted: int) -> None:
         self.histogram[accepted] += 1
@@ -42,7 +46,13 @@ class DecodeStats:
 
     @property
     def ceiling_fraction(self) -> float:
-        return self.histogram[-1] / self.cycles if self.cycles else 0.0
+        ceilings = self.histogram[-1] if self.ceilings is None else self.ceilings
+        return ceilings / self.cycles if self.cycles else 0.0
+
+    @property
+    def schedule(self) -> str:
+        """The block size as written on the command line: B, or B:G for a growing block."""
+        return f"{self.block_size}:{self.grow_to}" if self.grow_to else str(self.block_size)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -57,6 +67,8 @@ class DecodeStats:
             "ceiling_fraction": self.ceiling_fraction,
             "cycles": self.cycles,
             "block_size": self.block_size,
+            "grow_to": self.grow_to,
+            "grown_cycles": self.grown_cycles,
             "block_size_auto": self.auto,
             "policy_s": self.policy_s,
             "prompt_tokens": self.prompt_tokens,
@@ -70,7 +82,8 @@ class DecodeStats:
     def summary(self) -> str:
         """One human-readable line for stderr."""
         chosen = " (chosen by BlockPilot)" if self.auto else ""
-        text = (f"{self.new_tokens} new tokens, {self.cycles} cycles at B={self.block_size}{chosen}, "
+        grown = f" ({self.grown_cycles} grown to {self.grow_to})" if self.grow_to else ""
+        text = (f"{self.new_tokens} new tokens, {self.cycles} cycles at B={self.block_size}{grown}{chosen}, "
                 f"tau {self.tau:.2f}")
         if self.block_size > 1:
             text += f", ceiling {self.ceiling_fraction:.1%}"

@@ -53,13 +53,17 @@ class PythonController:
     """The controller interface (see trtspec.runtime.controller.Controller) over per-request
     Outputs and DecodeStats; blocks are numpy buffers like the native core's."""
 
-    def __init__(self, block_sizes, limits, stop_ids, mask_token_id: int):
+    def __init__(self, block_sizes, limits, stop_ids, mask_token_id: int, grow_to=()):
         self.block_sizes, self.limits = list(block_sizes), list(limits)
-        width, requests = max(self.block_sizes), len(self.block_sizes)
+        self.grow_to = list(grow_to) or [0] * len(self.block_sizes)
+        self.active = list(self.block_sizes)  # the next cycle's block size
+        self.grown = [0] * len(self.block_sizes)
+        self.ceiling_cycles = [0] * len(self.block_sizes)
+        width, requests = max(self.block_sizes + self.grow_to), len(self.block_sizes)
         self.verify_blocks = np.zeros((requests, width), dtype=np.int64)
         self.draft_blocks = np.full((requests, width), mask_token_id, dtype=np.int64)
         self.outputs = [Output(limit, tuple(ids)) for limit, ids in zip(self.limits, stop_ids, strict=True)]
-        self.stats = [DecodeStats(block_size=b) for b in self.block_sizes]
+        self.stats = [DecodeStats(block_size=b, grow_to=g) for b, g in zip(self.block_sizes, self.grow_to)]
         self.starts = [0] * requests
         self.accepted_lengths = [0] * requests
         self.kept: list[list[int]] = [[] for _ in range(requests)]
@@ -67,7 +71,9 @@ class PythonController:
 
     def begin(self, request: int, token: int, start: int) -> None:
         self.outputs[request] = Output(self.limits[request], tuple(self.outputs[request].stop_ids))
-        self.stats[request] = DecodeStats(block_size=self.block_sizes[request])
+        self.stats[request] = DecodeStats(block_size=self.block_sizes[request], grow_to=self.grow_to[request])
+        self.active[request] = self.block_sizes[request]
+        self.grown[request] = self.ceiling_cycles[request] = 0
         self.kept[request] = self.outputs[request].commit([token])
         self.starts[request], self.accepted_lengths[request] = start, 0
         self.verify_blocks[request, 0] = self.draft_blocks[request, 0] = token
@@ -83,9 +89,10 @@ class PythonController:
     def step(self, posterior) -> int:
         posterior = torch.as_tensor(posterior)
         posterior = posterior[None] if posterior.dim() == 1 else posterior
-        for r, b in enumerate(self.block_sizes):
+        for r, b in enumerate(self.active):
             if not self._running(r):
                 continue
+            base = self.block_sizes[r]
             row = posterior[r, :b]
             drafts = torch.from_numpy(self.verify_blocks[r, 1:b])
             accepted = int(accepted_length(drafts, row)) if b > 1 else 0
@@ -94,6 +101,10 @@ class PythonController:
             self.kept[r] = self.outputs[r].commit(drafts[:accepted].tolist() + [bonus])
             self.starts[r] += accepted + 1
             self.accepted_lengths[r] = accepted
+            # A growing block: a cycle that filled a base block makes the next one run grown.
+            self.grown[r] += b != base
+            self.ceiling_cycles[r] += accepted == b - 1
+            self.active[r] = self.grow_to[r] if self.grow_to[r] and accepted >= base - 1 else base
             self.verify_blocks[r, 0] = self.draft_blocks[r, 0] = bonus
         return self.running
 
@@ -136,7 +147,13 @@ class PythonController:
         return self.stats[request].tau
 
     def ceiling_fraction(self, request: int) -> float:
-        return self.stats[request].ceiling_fraction
+        return self.ceiling_cycles[request] / self.cycles(request) if self.cycles(request) else 0.0
 
     def block_size(self, request: int) -> int:
-        return self.block_sizes[request]
+        return self.active[request]
+
+    def grown_cycles(self, request: int) -> int:
+        return self.grown[request]
+
+    def ceilings(self, request: int) -> int:
+        return self.ceiling_cycles[request]

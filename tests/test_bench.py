@@ -10,6 +10,7 @@ from trtspec.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, par
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import Generation
 from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.schedule import AUTO, BlockChoice, parse_block_choices
 from trtspec.runtime.stats import DecodeStats
 
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n"]
@@ -52,10 +53,17 @@ def test_jsonl_prompts(prompts_file, tmp_path):
 
 def test_block_sizes_are_parsed_and_checked():
     assert parse_block_sizes("8,12,8, 16") == (8, 12, 16)
-    for bad, message in [("8,x", "comma-separated integers"), ("8,,12", "comma-separated integers"),
-                         ("1", r"in \[2, 64\], got 1"), ("65", "got 65")]:
+    for bad, message in [("8,x", "an integer B or B:G"), ("8,,12", "an integer B or B:G"),
+                         ("1", r"in \[2, 64\], got 1"), ("65", "got 65"), ("6:16", "plain block sizes")]:
         with pytest.raises(TrtspecError, match=message):
             parse_block_sizes(bad)
+    assert parse_block_choices("6, 6:16,auto,6", allow_auto=True) == (BlockChoice(6), BlockChoice(6, 16),
+                                                                      BlockChoice(AUTO))
+    assert [c.name for c in parse_block_choices("6,6:16")] == ["6", "6:16"]
+    for bad, message in [("auto", "an integer B or B:G"), ("6:6", "to a larger size"), ("6:x", "an integer B or B:G"),
+                         ("6:65", "up to 64")]:
+        with pytest.raises(TrtspecError, match=message):
+            parse_block_choices(bad)
     with pytest.raises(TrtspecError, match="--repeats"):
         BenchConfig(repeats=0)
     with pytest.raises(TrtspecError, match="--max-new-tokens"):
@@ -64,8 +72,9 @@ def test_block_sizes_are_parsed_and_checked():
 
 def _run(block_size: int, repeats: list[list[tuple[int, float, list[int]]]]) -> BenchRun:
     """A run from hand-made (new_tokens, decode_s, histogram) per request, per repeat."""
-    return BenchRun(block_size, [[Generation([], DecodeStats(block_size, new_tokens=n, decode_s=s, histogram=h))
-                                  for n, s, h in repeat] for repeat in repeats])
+    return BenchRun(BlockChoice(block_size),
+                    [[Generation([], DecodeStats(block_size, new_tokens=n, decode_s=s, histogram=h))
+                      for n, s, h in repeat] for repeat in repeats])
 
 
 def test_aggregation_on_hand_made_numbers():
@@ -131,9 +140,10 @@ def test_cli_end_to_end(target_dir, drafter_dir, prompts_file, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("--prompts", "nope.jsonl"), "not found: nope.jsonl"),
-    (("--block-sizes", "8,x"), "comma-separated integers"),
-    (("--block-sizes", "1"), "block sizes must be in [2, 64], got 1"),
-    (("--block-sizes", "65"), "block sizes must be in [2, 64], got 65"),
+    (("--block-sizes", "8,x"), "a block size is an integer B or B:G (B growing to G), or auto; got 'x'"),
+    (("--block-sizes", "8:4"), "a block grows from B >= 2 to a larger size up to 64; got 8:4"),
+    (("--block-sizes", "1"), "block size must be in [2, 64], got 1"),
+    (("--block-sizes", "65"), "block size must be in [2, 64], got 65"),
     (("--repeats", 0), "--repeats must be >= 1"),
     (("--limit", 0), "--limit must be >= 1"),
 ])

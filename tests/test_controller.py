@@ -1,6 +1,6 @@
 """The native decode controller agrees with the Python oracle cycle by cycle.
 
-Batches of requests with different block sizes, limits and stop ids are driven through both with
+Batches of requests with different block sizes (some growing), limits and stop ids are driven through both with
 the same drafts and posterior tokens (or logits, for the greedy step); after every cycle each
 request's accept length, committed tokens, stop or limit, statistics and next start position
 must be identical.
@@ -27,7 +27,8 @@ def batches(draw):
     limits = draw(st.lists(st.integers(1, 60), min_size=requests, max_size=requests))
     stop_ids = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=2), min_size=requests, max_size=requests))
     starts = draw(st.lists(st.integers(1, 500), min_size=requests, max_size=requests))
-    return block_sizes, limits, stop_ids, starts, draw(st.integers(0, 2**32 - 1)), draw(st.booleans())
+    grow_to = [draw(st.sampled_from([0, *range(b + 1, 25)])) if b >= 2 else 0 for b in block_sizes]
+    return block_sizes, limits, stop_ids, starts, grow_to, draw(st.integers(0, 2**32 - 1)), draw(st.booleans())
 
 
 def _propose(rng, posterior, width):
@@ -45,7 +46,8 @@ def _assert_same(native, oracle, requests):
         count = oracle.count(r)
         assert native.count(r) == count
         assert native.tokens[r, :count].tolist() == oracle.tokens[r, :count].tolist()
-        for name in ("start", "accepted", "committed", "finish_reason", "cycles", "tau", "ceiling_fraction"):
+        for name in ("start", "accepted", "committed", "finish_reason", "cycles", "tau", "ceiling_fraction",
+                     "block_size", "grown_cycles", "ceilings"):
             assert getattr(native, name)(r) == getattr(oracle, name)(r), (name, r)
         assert native.histograms[r].tolist() == oracle.histograms[r].tolist()
         assert native.verify_blocks[r, 0] == oracle.verify_blocks[r, 0]
@@ -55,10 +57,10 @@ def _assert_same(native, oracle, requests):
 @settings(max_examples=150, deadline=None)
 @given(batches())
 def test_native_controller_matches_the_python_oracle(batch):
-    block_sizes, limits, stop_ids, starts, seed, greedy = batch
+    block_sizes, limits, stop_ids, starts, grow_to, seed, greedy = batch
     rng = np.random.default_rng(seed)
-    requests, width = len(block_sizes), max(block_sizes)
-    cores = [make(block_sizes, limits, stop_ids, MASK) for make in (native_controller, PythonController)]
+    requests, width = len(block_sizes), max(block_sizes + grow_to)
+    cores = [make(block_sizes, limits, stop_ids, MASK, grow_to) for make in (native_controller, PythonController)]
     for core in cores:
         for r, start in enumerate(starts):
             core.begin(r, int(rng.integers(0, VOCAB)) if core is cores[0] else int(cores[0].tokens[r, 0]), start)
@@ -89,9 +91,29 @@ def test_a_stop_id_mid_block_truncates_and_ends_the_request():
     assert core.start(0) == 14 and core.histograms[0].tolist() == [0, 0, 0, 1, 0]
 
 
+def test_a_growing_block_grows_after_a_full_base_block_and_shrinks_after_a_short_one():
+    core = native_controller([3], [100], [[]], MASK, [6])
+    core.begin(0, 1, 0)
+    assert core.block_size(0) == 3 and core.verify_blocks.shape == (1, 6)
+    core.verify_blocks[0, 1:3] = [2, 3]
+    core.step(np.array([2, 3, 4]))  # both drafts accepted: a full block of 3
+    assert core.block_size(0) == 6 and core.ceilings(0) == 1
+    core.verify_blocks[0, 1:6] = [5, 6, 0, 0, 0]
+    core.step(np.array([5, 6, 7, 8, 9, 1]))  # 2 of 5 accepted at 6: not a ceiling, but a full base block
+    assert core.block_size(0) == 6 and (core.grown_cycles(0), core.ceilings(0)) == (1, 1)
+    core.verify_blocks[0, 1:6] = [9, 9, 9, 9, 9]
+    core.step(np.array([1, 2, 3, 4, 5, 6]))  # none accepted: back to the base size
+    assert core.block_size(0) == 3 and core.grown_cycles(0) == 2 and core.cycles(0) == 3
+    assert core.tokens[0, :core.count(0)].tolist() == [1, 2, 3, 4, 5, 6, 7, 1]
+    assert core.histograms[0].tolist() == [1, 0, 2, 0, 0, 0] and core.ceiling_fraction(0) == pytest.approx(1 / 3)
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError):
         native_controller([0], [5], [[]], MASK)
+    for base, grown in ((4, 4), (4, 2), (1, 4)):  # a block grows from B >= 2 to a larger size
+        with pytest.raises(ValueError):
+            native_controller([base], [5], [[]], MASK, [grown])
     core = native_controller([4, 4], [5, 5], [[], []], MASK)
     for r in range(2):
         core.begin(r, 1, 0)

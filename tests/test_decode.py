@@ -10,6 +10,7 @@ from trtspec.models import Qwen3Target
 from trtspec.runtime.decode import GenerationConfig, generate
 
 BLOCK_SIZES = (2, 4, 8, 12, 16, 20, 24)
+GROWING = ((2, 8), (4, 12), (8, 24))  # B growing to G after a full block of B
 
 
 def _prompts(count, vocab, seed=0):
@@ -39,18 +40,24 @@ def _mid_block_cut(stats) -> bool:
 @pytest.mark.parametrize("engine_name", ["predictable", "unhelpful"])
 def test_greedy_speculative_equals_autoregressive(engine_name, request):
     engine = request.getfixturevalue(engine_name)
-    totals = {b: [0] * b for b in BLOCK_SIZES}
+    totals, grown = {b: [0] * b for b in BLOCK_SIZES}, 0
     for prompt in _prompts(8, engine.target.config.vocab_size):
         expected = generate(engine, prompt, GenerationConfig(block_size=1, max_new_tokens=70)).tokens
         for block_size in BLOCK_SIZES:
             result = generate(engine, prompt, GenerationConfig(block_size=block_size, max_new_tokens=70))
             assert result.tokens == expected, f"B={block_size} prompt={prompt}"
             totals[block_size] = [x + y for x, y in zip(totals[block_size], result.stats.histogram)]
+        for block_size, grow_to in GROWING:
+            result = generate(engine, prompt, GenerationConfig(block_size=block_size, grow_to=grow_to,
+                                                               max_new_tokens=70))
+            assert result.tokens == expected, f"B={block_size}:{grow_to} prompt={prompt}"
+            grown += result.stats.grown_cycles
     if engine_name == "predictable":
         # the drafter exercises every kind of cycle: none, part of the block, the whole block
         for block_size in (4, 8, 12):
             hist = totals[block_size]
             assert hist[0] > 0 and sum(hist[1:-1]) > 0 and hist[-1] > 0, (block_size, hist)
+        assert grown > 0  # the growing blocks did grow
     else:
         assert all(sum(h[1:]) < 0.2 * sum(h) for h in totals.values())
 
@@ -105,6 +112,9 @@ def test_statistics(predictable):
     ({"block_size": -1}, "block size must be in"),
     ({"block_size": 65}, "block size must be in"),
     ({"max_new_tokens": 0}, "max new tokens"),
+    ({"block_size": 8, "grow_to": 8}, "grows from B >= 2 to a larger size"),
+    ({"block_size": 1, "grow_to": 8}, "grows from B >= 2"),
+    ({"block_size": 0, "grow_to": 8}, "policy chooses the growth"),
 ])
 def test_bad_generation_configs(kwargs, message):
     with pytest.raises(TrtspecError, match=message):

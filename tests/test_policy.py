@@ -9,6 +9,7 @@ from helpers import assert_one_line_error, trtspec
 from trtspec.errors import TrtspecError
 from trtspec.policy import AUTO, expected_regret, load_policy, summarize_prefill, train_policy
 from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.schedule import BlockChoice
 
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n", "import os\nimport sys\n",
            "Speculative decoding drafts", "def f(x):\n    return"]
@@ -45,6 +46,12 @@ def test_policy_learns_a_feature_dependent_choice_and_round_trips(tmp_path):
     assert torch.equal(loaded.net(fresh), policy.net(fresh)) and loaded.block_sizes == (8, 16)
     with pytest.raises(TrtspecError, match="16 is not in the engine"):
         load_policy(tmp_path / "policy", available_block_sizes=(8, 12))
+    # a growing block needs both of its sizes in the engine
+    growing = train_policy(inputs, speeds, (BlockChoice(8), BlockChoice(4, 12)), ("last",), hidden=16, steps=5)
+    loaded = load_policy(growing.save(tmp_path / "growing"), available_block_sizes=(4, 8, 12))
+    assert loaded.choices == (BlockChoice(8), BlockChoice(4, 12)) and loaded.block_sizes == (4, 8, 12)
+    with pytest.raises(TrtspecError, match="among 8, 4:12, but block size 12 is not in the engine"):
+        load_policy(tmp_path / "growing", available_block_sizes=(4, 8, 16))
     with pytest.raises(TrtspecError, match="not a BlockPilot policy"):
         load_policy(tmp_path)
 
@@ -67,7 +74,7 @@ def trained(target_dir, drafter_dir, tmp_path_factory):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     labels = work / "not-yet" / "labels.jsonl"  # the output's directory is created
     result = trtspec("--threads", 1, "label-blocks", "--target", target_dir, "--drafter", drafter_dir,
-                     "--prompts", prompts, "--block-sizes", "4,8", "--max-new-tokens", 16, "-o", labels)
+                     "--prompts", prompts, "--block-sizes", "4,8,4:8", "--max-new-tokens", 16, "-o", labels)
     assert result.returncode == 0, result.stderr.decode()
     result = trtspec("train-policy", labels, "-o", work / "policy", "--steps", 50, "--ablation")
     assert result.returncode == 0, result.stderr.decode()
@@ -80,13 +87,19 @@ def test_label_blocks_records_every_block_size_and_the_cost_table(trained):
 
     _, _, path = trained
     labels = read_labels(path)
-    assert labels.block_sizes == (4, 8) and len(labels.records) == len(PROMPTS)
+    assert labels.choices == (BlockChoice(4), BlockChoice(8), BlockChoice(4, 8)) and len(labels.records) == len(PROMPTS)
     assert set(labels.header["cycle_cost_s"]) == {"1", "4", "8"} and labels.header["ar_token_s"] > 0
+    cost = labels.cycle_cost
     for record, label in zip(labels.records, labels.labels()):
-        assert set(record["runs"]) == {"1", "4", "8"} and record["label"] == label
-        speeds = {b: record["runs"][str(b)]["tau"] / labels.cycle_cost(b) for b in (4, 8)}
-        assert label == max(speeds, key=speeds.get)
-        assert record["runs"]["1"]["tau"] == 1.0 and 1.0 <= record["runs"]["8"]["tau"] <= 8.0
+        runs = record["runs"]
+        assert set(runs) == {"1", "4", "8", "4:8"} and record["label"] == label.name
+        grown = runs["4:8"]
+        speeds = {"4": runs["4"]["tau"] / cost(4), "8": runs["8"]["tau"] / cost(8),
+                  "4:8": grown["tau"] * grown["cycles"] / ((grown["cycles"] - grown["grown_cycles"]) * cost(4)
+                                                          + grown["grown_cycles"] * cost(8))}
+        assert speeds[label.name] == pytest.approx(max(speeds.values()))  # 4 and 4:8 tie when it never grew
+        assert runs["1"]["tau"] == 1.0 and 1.0 <= runs["8"]["tau"] <= 8.0
+        assert runs["4"]["grown_cycles"] == 0 and 0 <= grown["grown_cycles"] < grown["cycles"]
     assert labels.features["last"].shape[0] == len(PROMPTS) and labels.features["length"].shape[1] == 1
     assert labels.features["confidence"].shape == (len(PROMPTS), 2) and labels.header["vocab_size"] > 0
 
@@ -97,11 +110,13 @@ def test_eval_policy_reports_fixed_blockpilot_and_oracle(trained):
     result = trtspec("eval-policy", "--policy", work / "policy", "--labels", labels, "--json", out)
     assert result.returncode == 0, result.stderr.decode()
     report = json.loads(out.read_text())
-    assert set(report["strategies"]) == {"B=4", "B=8", "blockpilot", "oracle"}
-    oracle = report["strategies"]["oracle"]
+    strategies = report["strategies"]
+    assert set(strategies) == {"B=4", "B=8", "B=4:8", "blockpilot", "oracle", "oracle (all)"}
+    oracle = strategies["oracle"]  # the per-prompt best fixed block size
     assert oracle["mean_regret"] == 0.0
-    for metrics in report["strategies"].values():  # nothing beats the per-prompt oracle (modelled)
-        assert metrics["modelled_speedup"] <= oracle["modelled_speedup"] + 1e-9
+    for name in ("B=4", "B=8"):  # no fixed size beats it (modelled)
+        assert strategies[name]["modelled_speedup"] <= oracle["modelled_speedup"] + 1e-9
+    assert strategies["oracle (all)"]["modelled_speedup"] >= oracle["modelled_speedup"] - 1e-9
     assert sum(report["strategies"]["blockpilot"]["chosen"].values()) == len(PROMPTS)
     assert 0 < report["policy_overhead_s"] < 0.01
     assert "BlockPilot chose" in result.stdout.decode()
@@ -116,7 +131,7 @@ def test_auto_picks_a_candidate_and_stays_lossless(trained, target_dir, drafter_
     baseline = pipeline.autoregressive()
     for prompt in PROMPTS:
         auto = pipeline.generate(prompt, GenerationConfig(block_size=AUTO, max_new_tokens=20))
-        assert auto.generation.stats.auto and auto.generation.stats.block_size in (4, 8)
+        assert auto.generation.stats.auto and auto.generation.stats.schedule in ("4", "8", "4:8")
         assert auto.tokens == baseline.generate(prompt, GenerationConfig(block_size=1, max_new_tokens=20)).tokens
 
 
@@ -136,10 +151,11 @@ def test_engine_ships_the_policy_and_refuses_one_it_cannot_serve(trained, target
     run = trtspec("run", prompt, "--engine", engine, "--max-new-tokens", 12, "--json")  # auto by default
     stats = json.loads(run.stdout)["stats"]
     assert stats["block_size_auto"] and stats["block_size"] in (4, 8)
-    bench = trtspec("bench", "--engine", engine, "--prompts", prompts, "--block-sizes", "4,auto", "--repeats", 1,
+    bench = trtspec("bench", "--engine", engine, "--prompts", prompts, "--block-sizes", "4,4:8,auto", "--repeats", 1,
                     "--max-new-tokens", 12, "--json", tmp_path / "bench.json")
     assert bench.returncode == 0, bench.stderr.decode()
     runs = json.loads((tmp_path / "bench.json").read_text())["runs"]
-    assert [r["block_size"] for r in runs] == [1, 4, "auto"]
-    assert sum(runs[2]["chosen_block_sizes"].values()) == len(PROMPTS)
-    assert any(line.startswith("auto ") for line in bench.stdout.decode().splitlines())
+    assert [r["block_size"] for r in runs] == [1, 4, "4:8", "auto"]
+    assert runs[1]["grown_cycle_fraction"] == 0 and runs[2]["grow_to"] == 8
+    assert sum(runs[3]["chosen_block_sizes"].values()) == len(PROMPTS)
+    assert [line.split()[0] for line in bench.stdout.decode().splitlines()[-3:]] == ["4", "4:8", "auto"]

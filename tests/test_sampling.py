@@ -31,24 +31,31 @@ def engine():
     return EagerEngine(*predictable_pair(vocab_size=VOCAB, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1))
 
 
-def exact_three_token_distribution(target) -> np.ndarray:
-    """p(t1, t2, t3 | prompt) from the target's logits over every two-token continuation."""
-    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))
-    sequences = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], dim=1)
+def exact_distribution(target, length: int = 3) -> np.ndarray:
+    """p(t1, ..., t_length | prompt) [VOCAB] * length, from the target's logits over every
+    continuation of length - 1 tokens."""
+    grid = torch.cartesian_prod(*[torch.arange(VOCAB)] * (length - 1)).reshape(-1, length - 1)
+    sequences = torch.cat([torch.tensor(PROMPT).expand(len(grid), -1), grid], dim=1)
     with torch.no_grad():
         probs = torch.softmax(target(sequences, 0, None)[0].double(), dim=-1)
-    p1 = probs[0, len(PROMPT) - 1]                                       # [t1]
-    p2 = probs[::VOCAB, len(PROMPT)]                                     # [t1, t2]
-    p3 = probs[:, len(PROMPT) + 1].reshape(VOCAB, VOCAB, VOCAB)          # [t1, t2, t3]
-    return (p1[:, None, None] * p2[:, :, None] * p3).numpy()
+    joint = probs[0, len(PROMPT) - 1]  # [t1]
+    for k in range(1, length):  # p(t_k+1 | t1..t_k), the same for every continuation beyond t_k
+        step = probs[::VOCAB ** (length - 1 - k), len(PROMPT) + k - 1].reshape(*[VOCAB] * (k + 1))
+        joint = joint[..., None] * step
+    return joint.numpy()
 
 
-def sample_three_tokens(engine, count: int, block_size: int = 4, controller=None) -> np.ndarray:
-    """First three tokens of `count` seeded requests, through the native core or `controller`."""
+def exact_three_token_distribution(target) -> np.ndarray:
+    return exact_distribution(target, 3)
+
+
+def sample_three_tokens(engine, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
+                        tokens: int = 3) -> np.ndarray:
+    """First `tokens` tokens of `count` seeded requests, through the native core or `controller`."""
     rows = []
     options = {"controller": controller} if controller is not None else {}
     for seed in range(count):
-        config = GenerationConfig(block_size=block_size, max_new_tokens=3,
+        config = GenerationConfig(block_size=block_size, grow_to=grow_to, max_new_tokens=tokens,
                                   sampling=SamplingConfig(temperature=1.0, seed=seed))
         rows.append(generate(engine, PROMPT, config, **options).tokens)
     return np.array(rows)
@@ -86,6 +93,20 @@ def test_speculative_sampling_matches_the_target(engine):
     accepted_first = np.mean(samples[:, 1] == 7)
     assert 0.1 < accepted_first < 0.5  # the drafter's proposal is sometimes, not always, right
     results = pvalues(samples, joint)
+    assert min(results.values()) > ALPHA, results
+
+
+@pytest.mark.slow
+def test_a_growing_block_samples_from_the_target(engine):
+    """B=2 growing to 4: after prefill's t1, a cycle at 2 that accepts its draft commits t2, t3 and
+    makes the next cycle, which commits t4 onwards, run at 4. The first four tokens must follow the
+    target's own distribution (each marginal beyond t1, and jointly)."""
+    joint = exact_distribution(engine.target, 4)
+    samples = sample_three_tokens(engine, 20_000, block_size=2, grow_to=4, tokens=4)
+    assert 0.1 < np.mean(samples[:, 1] == 7) < 0.5  # so about that share of requests grew
+    results = {"t4": fit_pvalue(samples[:, 3:4], joint.sum(axis=(0, 1, 2))),
+               "(t3, t4)": fit_pvalue(samples[:, 2:4], joint.sum(axis=(0, 1))),
+               "(t1, t2, t3, t4)": fit_pvalue(samples, joint)}
     assert min(results.values()) > ALPHA, results
 
 

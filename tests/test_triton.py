@@ -112,6 +112,8 @@ def test_http_greedy_output_equals_trtspec_run(server, tmp_path):
     assert text == json.loads(local.stdout)["text"]
     assert stats["block_size"] == 8 and stats["tau"] >= 1 and len(stats["histogram"]) == 8
     assert {"ceiling_fraction", "decode_tokens_per_s", "block_size_auto"} <= set(stats)
+    grown_text, grown = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(4), grow_to=np.int32(8))
+    assert grown_text == text and grown["block_size"] == 4 and grown["grow_to"] == 8 and len(grown["histogram"]) == 8
 
 
 def test_grpc_streaming_delivers_the_same_text_in_pieces(server):

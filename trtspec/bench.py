@@ -25,9 +25,9 @@ from trtspec import __version__
 from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
-from trtspec.policy import AUTO
 from trtspec.runtime.decode import Generation, GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.schedule import AUTO, BlockChoice, parse_block_choices
 from trtspec.runtime.stats import DecodeStats
 from trtspec.training.data import read_jsonl
 
@@ -56,37 +56,29 @@ def load_prompts(spec: str, limit: int | None = None) -> tuple[str, list[str]]:
     return spec, prompts[:limit]
 
 
-def parse_block_sizes(text: str, allow_auto: bool = False) -> tuple[int, ...]:
-    """'8,12,16' -> (8, 12, 16); each in [2, MAX_BLOCK_SIZE] (or auto -> AUTO if allowed), duplicates dropped."""
-    parts = [part.strip() for part in text.split(",")]
-    try:
-        sizes = [AUTO if allow_auto and part == "auto" else int(part) for part in parts]
-    except ValueError:
-        also = " or auto" if allow_auto else ""
-        raise TrtspecError(f"--block-sizes must be comma-separated integers{also}, got {text!r}") from None
-    bad = [b for b in sizes if b != AUTO and not 2 <= b <= MAX_BLOCK_SIZE]
-    if bad:
-        raise TrtspecError(f"block sizes must be in [2, {MAX_BLOCK_SIZE}], got {bad[0]} "
-                           "(autoregressive decoding is always measured as the baseline)")
-    return tuple(dict.fromkeys(sizes))
-
-
-def block_size_name(block_size: int) -> str:
-    return {AUTO: "auto", 1: "AR"}.get(block_size, str(block_size))
+def parse_block_sizes(text: str) -> tuple[int, ...]:
+    """'8,12,16' -> (8, 12, 16): plain block sizes (what an engine is built for), duplicates dropped."""
+    choices = parse_block_choices(text)
+    if any(c.grow_to for c in choices):
+        raise TrtspecError(f"give plain block sizes here (a growing block B:G runs the graphs of B and G); got {text!r}")
+    return tuple(c.size for c in choices)
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What one benchmark measures; the CLI's defaults come from these fields."""
+    """What one benchmark measures; the CLI's defaults come from these fields. Block sizes are
+    BlockChoices (fixed, growing or auto); plain integers are taken as fixed sizes."""
 
-    block_sizes: tuple[int, ...] = (8, 12, 16, 20, 24)
+    block_sizes: tuple[BlockChoice | int, ...] = (8, 12, 16, 20, 24)
     max_new_tokens: int = 128
     repeats: int = 3
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
-        if not self.block_sizes or any(b != AUTO and not 2 <= b <= MAX_BLOCK_SIZE for b in self.block_sizes):
-            raise TrtspecError(f"block sizes must be in [2, {MAX_BLOCK_SIZE}], got {list(self.block_sizes)}")
+        choices = tuple(b if isinstance(b, BlockChoice) else BlockChoice(b) for b in self.block_sizes)
+        object.__setattr__(self, "block_sizes", choices)
+        if not choices or any(c.size != AUTO and not 2 <= c.size <= MAX_BLOCK_SIZE for c in choices):
+            raise TrtspecError(f"block sizes must be in [2, {MAX_BLOCK_SIZE}], got {[c.name for c in choices]}")
         if self.max_new_tokens < 2:
             raise TrtspecError(f"--max-new-tokens must be >= 2 for a benchmark (the first token comes from "
                                f"prefill), got {self.max_new_tokens}")
@@ -117,8 +109,16 @@ def speedups(spec_tokens_per_s: list[float], ar_tokens_per_s: list[float]) -> li
 class BenchRun:
     """One configuration (block size 1 = AR) over every prompt of every repeat."""
 
-    block_size: int
+    choice: BlockChoice
     generations: list[list[Generation]] = field(default_factory=list)  # [repeat][prompt]
+
+    @property
+    def block_size(self) -> int:
+        return self.choice.size
+
+    @property
+    def name(self) -> str:
+        return self.choice.name
 
     @property
     def stats(self) -> list[DecodeStats]:
@@ -131,8 +131,8 @@ class BenchRun:
 
     @property
     def histogram(self) -> list[int]:
-        """Cycles that accepted a drafts, summed over every request of every repeat (with auto,
-        requests' block sizes differ and the shorter histograms count as zeros beyond their end)."""
+        """Cycles that accepted a drafts, summed over every request of every repeat (with auto or a
+        growing block, histograms differ in length and the shorter count as zeros beyond their end)."""
         width = max(len(s.histogram) for s in self.stats)
         return [sum(s.histogram[a] for s in self.stats if a < len(s.histogram)) for a in range(width)]
 
@@ -140,13 +140,19 @@ class BenchRun:
     def ceiling_fraction(self) -> float:
         """Fraction of cycles that accepted their request's whole block."""
         cycles = sum(s.cycles for s in self.stats)
-        return sum(s.histogram[-1] for s in self.stats) / cycles if cycles else 0.0
+        return sum(s.ceiling_fraction * s.cycles for s in self.stats) / cycles if cycles else 0.0
+
+    @property
+    def grown_fraction(self) -> float:
+        """Fraction of cycles run at a grown block size."""
+        cycles = sum(s.cycles for s in self.stats)
+        return sum(s.grown_cycles for s in self.stats) / cycles if cycles else 0.0
 
     @property
     def chosen_block_sizes(self) -> dict[str, int]:
-        """How often each block size ran (the distribution BlockPilot chose, for auto)."""
-        sizes = [s.block_size for s in self.stats]
-        return {str(b): sizes.count(b) for b in sorted(set(sizes))}
+        """How often each schedule ran (the distribution BlockPilot chose, for auto)."""
+        names = [s.schedule for s in self.stats]
+        return {name: names.count(name) for name in sorted(set(names), key=lambda n: [int(x) for x in n.split(":")])}
 
     @property
     def tokens_per_s_repeats(self) -> list[float]:
@@ -185,7 +191,9 @@ class BenchReport:
         for run in self.runs:
             stats = run.stats
             runs.append({
-                "block_size": "auto" if run.block_size == AUTO else run.block_size,
+                "block_size": run.name if run.block_size == AUTO or run.choice.grow_to else run.block_size,
+                "grow_to": run.choice.grow_to,
+                "grown_cycle_fraction": run.grown_fraction,
                 "chosen_block_sizes": run.chosen_block_sizes,
                 "temperature": self.config.sampling.temperature,
                 "tau": run.tau,
@@ -204,7 +212,7 @@ class BenchReport:
         if self.reference is not None:
             comparison = {"reference": self.reference.to_dict(), "agreement": self.agreement,
                           "time_per_token_vs_reference": [
-                              {"block_size": run.block_size, "ratio": statistics.median(ratios), "ratio_repeats": ratios}
+                              {"block_size": run.name, "ratio": statistics.median(ratios), "ratio_repeats": ratios}
                               for run, ratios in self.time_ratios()]}
         return {
             "backend": self.machine.get("backend"),
@@ -228,18 +236,18 @@ class BenchReport:
         m, c = self.machine, self.config
         lines = [f"{self.prompts}: {self.n_prompts} prompts x {c.repeats} repeats, T={c.sampling.temperature:g}, "
                  f"max {c.max_new_tokens} new tokens | {m['device']} {m['dtype']}, torch {m['torch']}",
-                 f"{'B':>4}  {'tau':>6}  {'ceiling':>7}  {'decode tok/s':>12}  {'speed-up':>8}"]
+                 f"{'B':>5}  {'tau':>6}  {'ceiling':>7}  {'decode tok/s':>12}  {'speed-up':>8}"]
         for run in self.runs:
             ar = run is self.ar
             ceiling = "-" if ar else f"{run.ceiling_fraction:.1%}"
-            lines.append(f"{block_size_name(run.block_size):>4}  {run.tau:>6.2f}  {ceiling:>7}  "
+            lines.append(f"{run.name:>5}  {run.tau:>6.2f}  {ceiling:>7}  "
                          f"{run.tokens_per_s:>12.1f}  {self.speedup(run):>7.2f}x")
         if self.reference is not None:
             own, ref = self.machine["backend"], self.reference.machine["backend"]
             lines += ["", f"reference backend: {ref}", *self.reference.format_table().splitlines()[1:], "",
                       f"{own} vs {ref}: time per decode token (median ratio; < 1 = {own} faster) and identical outputs"]
             for (run, ratios), agree in zip(self.time_ratios(), self.agreement):
-                lines.append(f"{block_size_name(run.block_size):>4}  {statistics.median(ratios):>6.2f}x  "
+                lines.append(f"{run.name:>5}  {statistics.median(ratios):>6.2f}x  "
                              f"identical {agree['identical']}/{agree['requests']}")
         return "\n".join(lines)
 
@@ -286,32 +294,32 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=No
         if not backend.has_drafter:
             raise TrtspecError("a benchmark needs a drafter (give --drafter DIR)")
     check_prompts(pipeline, prompts)
-    sizes = (1, *config.block_sizes)
-    runs = [[BenchRun(b) for b in sizes] for _ in backends]  # [backend][configuration]
+    sizes = (BlockChoice(1), *config.block_sizes)
+    runs = [[BenchRun(c) for c in sizes] for _ in backends]  # [backend][configuration]
     baselines = [backend.autoregressive() for backend in backends]
 
-    def request(k: int, block_size: int, prompt: str, max_new_tokens: int, seed: int) -> Generation:
+    def request(k: int, choice: BlockChoice, prompt: str, max_new_tokens: int, seed: int) -> Generation:
         sampling = replace(config.sampling, seed=seed)
-        generation_config = GenerationConfig(block_size=block_size, max_new_tokens=max_new_tokens, sampling=sampling)
-        return (baselines[k] if block_size == 1 else backends[k]).generate(prompt, generation_config).generation
+        generation_config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
+                                             max_new_tokens=max_new_tokens, sampling=sampling)
+        return (baselines[k] if choice.size == 1 else backends[k]).generate(prompt, generation_config).generation
 
     for k in range(len(backends)):  # warm-up: first-call overheads (allocations, kernels per shape) stay out
-        for block_size in sizes:
-            request(k, block_size, prompts[0], min(WARMUP_TOKENS, config.max_new_tokens),
+        for choice in sizes:
+            request(k, choice, prompts[0], min(WARMUP_TOKENS, config.max_new_tokens),
                     config.request_seed(0, 0, len(prompts)))
 
     total = config.repeats * len(sizes) * len(prompts) * len(backends)
     with tqdm(total=total, desc="bench", unit="req", file=sys.stderr, disable=not progress,
               dynamic_ncols=True) as bar:
         for repeat in range(config.repeats):
-            for index_in_sizes, block_size in enumerate(sizes):
+            for index_in_sizes, choice in enumerate(sizes):
                 for k, backend in enumerate(backends):
-                    name = f"B={block_size_name(block_size)}"
-                    bar.set_postfix_str(f"repeat {repeat + 1}/{config.repeats}, {name}, {backend.backend}")
+                    bar.set_postfix_str(f"repeat {repeat + 1}/{config.repeats}, B={choice.name}, {backend.backend}")
                     generations = []
                     for index, prompt in enumerate(prompts):
                         seed = config.request_seed(repeat, index, len(prompts))
-                        generations.append(request(k, block_size, prompt, config.max_new_tokens, seed))
+                        generations.append(request(k, choice, prompt, config.max_new_tokens, seed))
                         bar.update()
                     runs[k][index_in_sizes].generations.append(generations)
     reports = []
@@ -337,7 +345,7 @@ def compare_outputs(pipeline, reference, prompts: list[str], own: BenchRun, othe
         if a != b:
             trace = trace_divergence(pipeline, reference, pipeline.codec.encode(prompts[index]), a, b)
             divergences.append({"repeat": repeat, "prompt": index, **trace})
-    return {"block_size": own.block_size, "requests": len(pairs), "identical": len(pairs) - len(divergences),
+    return {"block_size": own.name, "requests": len(pairs), "identical": len(pairs) - len(divergences),
             "divergences": divergences}
 
 

@@ -22,11 +22,12 @@ import torch
 from tqdm import tqdm
 
 import trtspec
-from trtspec.bench import WARMUP_TOKENS, BenchConfig, block_size_name, check_prompts, machine_info, speedups
+from trtspec.bench import WARMUP_TOKENS, BenchConfig, check_prompts, machine_info, speedups
 from trtspec.engines.executor import PREFILL
 from trtspec.errors import TrtspecError
 from trtspec.runtime.controller import native_controller
 from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.schedule import AUTO, BlockChoice
 
 ORACLE = Path(trtspec.__file__).resolve().parents[1] / "tests" / "oracle.py"
 CONTROLLERS = ("python", "native")
@@ -162,13 +163,13 @@ class HostProfile:
                  f"{'B':>4}  {'controller':>10}  {'cycle ms':>8}  {'model ms':>8}  {'host us':>8}  {'host':>6}  "
                  f"{'tok/s':>7}  {'speed-up':>8}  {'identical':>9}"]
         for row in self.rows():
-            lines.append(f"{block_size_name(row['block_size']):>4}  {row['controller']:>10}  {row['cycle_ms']:>8.2f}  "
+            lines.append(f"{BlockChoice(row['block_size']).name:>4}  {row['controller']:>10}  {row['cycle_ms']:>8.2f}  "
                          f"{row['model_ms']:>8.2f}  {row['host_us']:>8.1f}  {row['host_fraction']:>6.1%}  "
                          f"{row['decode_tokens_per_s']:>7.1f}  {row['speedup_vs_ar']:>7.2f}x  "
                          f"{row['identical_outputs']:>4}/{row['requests']}")
-        for block_size in (1, *c.block_sizes):
+        for block_size in (1, *(b.size for b in c.block_sizes)):
             python, native = (self.runs[(block_size, name)] for name in CONTROLLERS)
-            lines.append(f"B={block_size_name(block_size)}: native host time is {native.host_us / python.host_us:.2f}x "
+            lines.append(f"B={BlockChoice(block_size).name}: native host time is {native.host_us / python.host_us:.2f}x "
                          f"the Python loop's; speed-up {self.speedup(python):.2f}x -> {self.speedup(native):.2f}x")
         return "\n".join(lines)
 
@@ -179,13 +180,14 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
     executor = getattr(pipeline.engine, "executor", None)
     if executor is None:
         raise TrtspecError("--profile-host times the executor's graph runs; give a built engine (--engine DIR)")
-    if 0 in config.block_sizes:
-        raise TrtspecError("--profile-host measures fixed block sizes; leave auto out of --block-sizes")
+    if any(c.size == AUTO or c.grow_to for c in config.block_sizes):
+        raise TrtspecError("--profile-host measures fixed block sizes; leave auto and growing blocks B:G out "
+                           "of --block-sizes")
     controllers = {"python": load_oracle().PythonController, "native": native_controller}
     baseline = pipeline.autoregressive()
     check_prompts(pipeline, prompts)
     encoded = [pipeline.codec.encode(p) for p in prompts]
-    sizes = (1, *config.block_sizes)
+    sizes = (1, *(c.size for c in config.block_sizes))
     runs = {(b, c): HostRun(b, c) for b in sizes for c in CONTROLLERS}
 
     def request(block_size: int, ids: list[int], controller: str, max_new_tokens: int, seed: int):

@@ -7,7 +7,9 @@ so feature sets can be compared without rerunning anything).
 
 A request's speed at B is *modelled* as tau_B / cycle_cost_B, with cycle_cost_B the backend's
 mean decode time per cycle at B over the whole set: single-request wall times are noisy on a
-shared machine, the cost per cycle is not. The raw times are kept for checking.
+shared machine, the cost per cycle is not. The raw times are kept for checking. A growing block
+`B:G` (a column beside the fixed sizes) is modelled from its cycles at B and at G, with the costs
+measured at the fixed sizes B and G, which must therefore be columns too.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from trtspec.fileio import atomic_write_text
 from trtspec.policy import FEATURE_KINDS, BlockPilot, summarize_prefill, time_choice
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.schedule import BlockChoice
 from trtspec.training.data import read_jsonl
 
 LABELS_VERSION = 2  # 2: confidence features, vocab_size
@@ -35,9 +38,16 @@ LABELS_VERSION = 2  # 2: confidence features, vocab_size
 
 @dataclass(frozen=True)
 class LabelConfig:
-    block_sizes: tuple[int, ...] = (12, 16, 20, 24)
+    choices: tuple[BlockChoice, ...] = tuple(BlockChoice(b) for b in (12, 16, 20, 24))
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        fixed = {c.size for c in self.choices if not c.grow_to}
+        for choice in self.choices:
+            if not set(choice.sizes) <= fixed:
+                raise TrtspecError(f"the growing block {choice.name} is modelled from the cycle costs of B="
+                                   f"{choice.size} and B={choice.grow_to}; add both as fixed block sizes")
 
 
 def features_path(path: Path) -> Path:
@@ -51,19 +61,36 @@ class LabelSet:
     features: dict[str, torch.Tensor]  # kind -> [N, D_kind]
 
     @property
-    def block_sizes(self) -> tuple[int, ...]:
-        return tuple(self.header["block_sizes"])
+    def choices(self) -> tuple[BlockChoice, ...]:
+        """The columns: fixed block sizes and growing blocks."""
+        return tuple(BlockChoice.parse(b, allow_auto=False) for b in self.header["block_sizes"])
+
+    @property
+    def fixed(self) -> tuple[BlockChoice, ...]:
+        return tuple(c for c in self.choices if not c.grow_to)
 
     def cycle_cost(self, block_size: int) -> float:
         return self.header["cycle_cost_s"][str(block_size)]
 
-    def speeds(self) -> torch.Tensor:
-        """Modelled decode tokens/s [N, K]: tau at B over the cost of one cycle at B."""
-        return torch.tensor([[r["runs"][str(b)]["tau"] / self.cycle_cost(b) for b in self.block_sizes]
-                             for r in self.records], dtype=torch.float32)
+    def modelled_seconds(self, run: dict, choice: BlockChoice) -> float:
+        """A run's decode time from its cycle counts and the per-cycle costs."""
+        grown = run.get("grown_cycles", 0)
+        grown_s = grown * self.cycle_cost(choice.grow_to) if grown else 0.0
+        return (run["cycles"] - grown) * self.cycle_cost(choice.size) + grown_s
 
-    def labels(self) -> list[int]:
-        return [self.block_sizes[i] for i in self.speeds().argmax(dim=1).tolist()]
+    def speeds(self, choices: tuple[BlockChoice, ...] | None = None) -> torch.Tensor:
+        """Modelled decode tokens/s [N, K] of each of `choices` (default: every column)."""
+        choices = self.choices if choices is None else choices
+        rows = []
+        for record in self.records:
+            runs = [record["runs"][c.name] for c in choices]
+            rows.append([run["tau"] * run["cycles"] / self.modelled_seconds(run, c) for run, c in zip(runs, choices)])
+        return torch.tensor(rows, dtype=torch.float32)
+
+    def labels(self, choices: tuple[BlockChoice, ...] | None = None) -> list[BlockChoice]:
+        """Per prompt, the fastest of `choices` (default: every column) by modelled speed."""
+        choices = self.choices if choices is None else choices
+        return [choices[i] for i in self.speeds(choices).argmax(dim=1).tolist()]
 
     def inputs(self, kinds: tuple[str, ...]) -> torch.Tensor:
         return torch.cat([self.features[k] for k in kinds], dim=1)
@@ -101,7 +128,7 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
     baseline = pipeline.autoregressive()
     seed = config.sampling.seed if config.sampling.seed is not None else 0
     records, summaries = [], {k: [] for k in FEATURE_KINDS}
-    sizes = (1, *config.block_sizes)
+    sizes = (BlockChoice(1), *config.choices)
     with tqdm(total=len(prompts) * len(sizes), desc="label-blocks", unit="req", file=sys.stderr,
               disable=not progress, dynamic_ncols=True) as bar:
         for index, prompt in enumerate(prompts):
@@ -112,16 +139,18 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
             for kind in FEATURE_KINDS:
                 summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
             runs = {}
-            for block_size in sizes:
-                generation_config = GenerationConfig(block_size=block_size, max_new_tokens=config.max_new_tokens,
+            for choice in sizes:
+                generation_config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
+                                                     max_new_tokens=config.max_new_tokens,
                                                      sampling=replace(config.sampling, seed=seed + index))
-                stats = (baseline if block_size == 1 else pipeline).generate(prompt, generation_config).generation.stats
-                runs[str(block_size)] = {"tau": stats.tau, "cycles": stats.cycles, "new_tokens": stats.new_tokens,
-                                         "decode_s": stats.decode_s}
+                stats = (baseline if choice.size == 1 else pipeline).generate(prompt, generation_config).generation.stats
+                runs["1" if choice.size == 1 else choice.name] = {
+                    "tau": stats.tau, "cycles": stats.cycles, "grown_cycles": stats.grown_cycles,
+                    "new_tokens": stats.new_tokens, "decode_s": stats.decode_s}
                 bar.update()
             records.append({"index": index, "prompt_tokens": len(ids), "runs": runs})
     costs = {}
-    for block_size in sizes:
+    for block_size in [c.size for c in sizes if not c.grow_to]:
         seconds = sum(r["runs"][str(block_size)]["decode_s"] for r in records)
         cycles = sum(r["runs"][str(block_size)]["cycles"] for r in records)
         if cycles == 0:
@@ -129,34 +158,37 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
                                "use other prompts or a larger --max-new-tokens")
         costs[str(block_size)] = seconds / cycles
     header = {"labels_version": LABELS_VERSION, "prompts": prompts_name, "n_prompts": len(prompts),
-              "block_sizes": list(config.block_sizes), "max_new_tokens": config.max_new_tokens,
+              "block_sizes": [c.name if c.grow_to else c.size for c in config.choices],
+              "max_new_tokens": config.max_new_tokens,
               "temperature": config.sampling.temperature, "seed": seed, "backend": pipeline.backend,
               "cycle_cost_s": costs, "ar_token_s": costs["1"],
               "vocab_size": int(prompt_logits.shape[-1])}
     label_set = LabelSet(header, records, {k: torch.stack(v) for k, v in summaries.items()})
     for record, label in zip(records, label_set.labels()):
-        record["label"] = label
+        record["label"] = label.name
     return label_set
 
 
 def best_fixed_block_size(labels: LabelSet) -> int:
-    """The single block size with the highest modelled decode speed over the whole set."""
-    tokens = {b: sum(r["runs"][str(b)]["tau"] * r["runs"][str(b)]["cycles"] for r in labels.records)
-              for b in labels.block_sizes}
-    seconds = {b: sum(r["runs"][str(b)]["cycles"] for r in labels.records) * labels.cycle_cost(b)
-               for b in labels.block_sizes}
-    return max(labels.block_sizes, key=lambda b: tokens[b] / seconds[b])
+    """The single fixed block size with the highest modelled decode speed over the whole set."""
+    return strategy_best(labels, labels.fixed).size
 
 
-def strategy_metrics(labels: LabelSet, choices: list[int]) -> dict:
-    """Modelled and measured figures when prompt i runs at block size choices[i]."""
+def strategy_best(labels: LabelSet, choices: tuple[BlockChoice, ...]) -> BlockChoice:
+    """The one column of `choices` that is fastest over the whole set (modelled)."""
+    return max(choices, key=lambda c: strategy_metrics(labels, [c] * len(labels.records))["modelled_speedup"])
+
+
+def strategy_metrics(labels: LabelSet, choices: list[BlockChoice]) -> dict:
+    """Modelled and measured figures when prompt i runs with choices[i]; regret is against the
+    per-prompt best fixed block size."""
     records = labels.records
-    runs = [r["runs"][str(b)] for r, b in zip(records, choices)]
+    runs = [r["runs"][c.name] for r, c in zip(records, choices)]
     speeds = labels.speeds()
-    oracle = speeds.max(dim=1).values
-    chosen = torch.tensor([speeds[i, labels.block_sizes.index(b)] for i, b in enumerate(choices)])
+    oracle = labels.speeds(labels.fixed).max(dim=1).values
+    chosen = torch.tensor([speeds[i, labels.choices.index(c)] for i, c in enumerate(choices)])
     modelled_tokens = sum(run["tau"] * run["cycles"] for run in runs)
-    modelled_s = sum(run["cycles"] * labels.cycle_cost(b) for run, b in zip(runs, choices))
+    modelled_s = sum(labels.modelled_seconds(run, c) for run, c in zip(runs, choices))
     measured_tokens = sum(max(run["new_tokens"] - 1, 0) for run in runs)
     measured_s = sum(run["decode_s"] for run in runs)
     ar = [r["runs"]["1"] for r in records]
@@ -168,25 +200,29 @@ def strategy_metrics(labels: LabelSet, choices: list[int]) -> dict:
         "measured_tokens_per_s": measured_tokens / measured_s,
         "measured_speedup": measured_tokens / measured_s / ar_measured,
         "mean_regret": float((1 - chosen / oracle).mean()),
-        "chosen": {str(b): choices.count(b) for b in labels.block_sizes},
+        "chosen": {c.name: choices.count(c) for c in labels.choices if c in choices},
     }
 
 
 def evaluate_policy(policy: BlockPilot, labels: LabelSet, fixed_block_size: int) -> dict:
-    """Each fixed block size, BlockPilot and the per-prompt oracle on one (held-out) label set."""
-    missing = set(policy.block_sizes) - set(labels.block_sizes)
+    """Each column, BlockPilot and the per-prompt oracles on one (held-out) label set. The oracle
+    is the best fixed block size per prompt in hindsight; "oracle (all)" may also pick a growing block."""
+    missing = set(policy.choices) - set(labels.choices)
     if missing:
-        raise TrtspecError(f"the labels lack block sizes {sorted(missing)} that the policy can choose")
+        raise TrtspecError(f"the labels lack {', '.join(sorted(c.name for c in missing))}, which the policy "
+                           "can choose (label-blocks --block-sizes must include every policy candidate)")
     inputs = labels.inputs(policy.kinds)
     with torch.inference_mode():
         picks = policy.net(inputs).argmax(dim=1).tolist()
-    pilot = [policy.block_sizes[i] for i in picks]
-    strategies = {f"B={b}": strategy_metrics(labels, [b] * len(labels.records)) for b in labels.block_sizes}
+    pilot = [policy.choices[i] for i in picks]
+    strategies = {f"B={c.name}": strategy_metrics(labels, [c] * len(labels.records)) for c in labels.choices}
     strategies["blockpilot"] = strategy_metrics(labels, pilot)
-    strategies["oracle"] = strategy_metrics(labels, labels.labels())
+    strategies["oracle"] = strategy_metrics(labels, labels.labels(labels.fixed))
+    if labels.fixed != labels.choices:
+        strategies["oracle (all)"] = strategy_metrics(labels, labels.labels())
     fixed, best, oracle = (strategies[f"B={fixed_block_size}"]["modelled_speedup"],
                            strategies["blockpilot"]["modelled_speedup"], strategies["oracle"]["modelled_speedup"])
-    decode_s = statistics.fmean(r["runs"][str(b)]["decode_s"] for r, b in zip(labels.records, pilot))
+    decode_s = statistics.fmean(r["runs"][c.name]["decode_s"] for r, c in zip(labels.records, pilot))
     # The policy's cost per request: summarising prefill's outputs plus the MLP, timed on
     # realistic prompt-sized features and tail logits.
     width, vocabulary = labels.features["last"].shape[1], labels.header["vocab_size"]
@@ -205,10 +241,11 @@ def evaluate_policy(policy: BlockPilot, labels: LabelSet, fixed_block_size: int)
 
 def format_evaluation(report: dict) -> str:
     lines = [f"{report['prompts']}: {report['n_prompts']} prompts, T={report['temperature']:g}, {report['backend']}; "
-             f"fixed baseline B={report['fixed_block_size']} (best on the training labels)",
-             f"{'strategy':>11}  {'tau':>5}  {'speed-up (modelled)':>19}  {'speed-up (measured)':>19}  {'regret':>6}"]
+             f"fixed baseline B={report['fixed_block_size']} (best on the training labels); "
+             "regret against the per-prompt best fixed B",
+             f"{'strategy':>12}  {'tau':>5}  {'speed-up (modelled)':>19}  {'speed-up (measured)':>19}  {'regret':>6}"]
     for name, m in report["strategies"].items():
-        lines.append(f"{name:>11}  {m['mean_tau']:>5.2f}  {m['modelled_speedup']:>18.3f}x  "
+        lines.append(f"{name:>12}  {m['mean_tau']:>5.2f}  {m['modelled_speedup']:>18.3f}x  "
                      f"{m['measured_speedup']:>18.3f}x  {m['mean_regret']:>6.1%}")
     chosen = report["strategies"]["blockpilot"]["chosen"]
     lines.append(f"BlockPilot chose {', '.join(f'B={b}: {n}' for b, n in chosen.items())}; closes "

@@ -1,5 +1,9 @@
 """BlockPilot: choose a request's block size once, right after prefill, from what prefill computed.
 
+The candidates are block sizes and growing blocks (`6:16`: cycles at 6, at 16 after one that
+fills a block of 6; see trtspec.runtime.schedule), so the one choice after prefill also decides
+whether the request may widen its block inside repetitive stretches.
+
 The prefill already produced the target's tapped-layer features of every prompt position (the
 drafter's context) and its next-token logits over the prompt's last positions; BlockPilot reads a
 summary of them (the last position's features, their mean over the prompt, the prompt length, and
@@ -28,8 +32,7 @@ from torch import nn
 
 from trtspec.errors import TrtspecError
 from trtspec.fileio import staged_directory
-
-AUTO = 0  # block_size value meaning "let BlockPilot choose"
+from trtspec.runtime.schedule import AUTO, BlockChoice  # noqa: F401 (AUTO: re-exported)
 FEATURE_KINDS = ("last", "mean", "length", "confidence")
 POLICY_CONFIG, POLICY_WEIGHTS = "policy.json", "policy.safetensors"
 DRAFTER_POLICY_DIR = "blockpilot"  # a drafter directory may ship its policy here
@@ -86,23 +89,28 @@ class PolicyNet(nn.Module):
 
 @dataclass
 class BlockPilot:
-    block_sizes: tuple[int, ...]
+    choices: tuple[BlockChoice, ...]
     kinds: tuple[str, ...]
     net: PolicyNet
     info: dict
 
-    def choose(self, features: torch.Tensor, logits: torch.Tensor) -> int:
-        """The block size for a request whose prefill produced `features` [P, F] and tail `logits` [T, V]."""
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """Every block size the policy's choices run (what the engine must have)."""
+        return tuple(sorted({size for choice in self.choices for size in choice.sizes}))
+
+    def choose(self, features: torch.Tensor, logits: torch.Tensor) -> BlockChoice:
+        """The schedule for a request whose prefill produced `features` [P, F] and tail `logits` [T, V]."""
         x = summarize_prefill(features, logits, self.kinds).to(self.net.mean.device)
         with torch.inference_mode():
-            return self.block_sizes[int(self.net(x).argmax())]
+            return self.choices[int(self.net(x).argmax())]
 
     def to(self, device: torch.device) -> "BlockPilot":
         self.net.to(device)
         return self
 
     def save(self, directory: str | Path) -> Path:
-        config = {"kind": "blockpilot", "block_sizes": list(self.block_sizes), "features": list(self.kinds),
+        config = {"kind": "blockpilot", "choices": [c.name for c in self.choices], "features": list(self.kinds),
                   "inputs": self.net.mean.numel(), "hidden": self.net.layers[0].out_features, **self.info}
         with staged_directory(directory) as staging:
             (staging / POLICY_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -119,20 +127,24 @@ def load_policy(directory: str | Path, available_block_sizes: tuple[int, ...] | 
                            "make one with `trtspec train-policy`)")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
-        block_sizes, kinds = tuple(config["block_sizes"]), tuple(config["features"])
-        net = PolicyNet(config["inputs"], config["hidden"], len(block_sizes))
+        # "block_sizes": policies written before growing blocks were candidates
+        choices = tuple(BlockChoice.parse(c, allow_auto=False) for c in config.get("choices", config.get("block_sizes")))
+        kinds = tuple(config["features"])
+        net = PolicyNet(config["inputs"], config["hidden"], len(choices))
         net.load_state_dict(load_file(str(weights_path)))
-    except (KeyError, ValueError, RuntimeError, OSError) as exc:
+    except (KeyError, ValueError, TypeError, RuntimeError, OSError, TrtspecError) as exc:
         raise TrtspecError(f"cannot load the BlockPilot policy in {directory} ({exc})") from None
+    policy = BlockPilot(choices, kinds, net.eval(),
+                        {k: v for k, v in config.items() if k not in ("choices", "block_sizes", "features",
+                                                                      "inputs", "hidden")})
     if available_block_sizes is not None:
-        missing = sorted(set(block_sizes) - set(available_block_sizes))
+        missing = sorted(set(policy.block_sizes) - set(available_block_sizes))
         if missing:
-            raise TrtspecError(f"the policy in {directory} chooses among block sizes "
-                               f"{', '.join(map(str, block_sizes))}, but {', '.join(map(str, missing))} "
+            raise TrtspecError(f"the policy in {directory} chooses among {', '.join(c.name for c in choices)}, "
+                               f"but block size{'' if len(missing) == 1 else 's'} {', '.join(map(str, missing))} "
                                f"{'is' if len(missing) == 1 else 'are'} not in the engine "
                                f"(built for {', '.join(map(str, available_block_sizes))})")
-    info = {k: v for k, v in config.items() if k not in ("block_sizes", "features", "inputs", "hidden")}
-    return BlockPilot(block_sizes, kinds, net.eval(), info)
+    return policy
 
 
 def expected_regret(scores: torch.Tensor, speeds: torch.Tensor) -> torch.Tensor:
@@ -141,12 +153,14 @@ def expected_regret(scores: torch.Tensor, speeds: torch.Tensor) -> torch.Tensor:
     return (scores.softmax(dim=1) * regret).sum(dim=1).mean()
 
 
-def train_policy(inputs: torch.Tensor, speeds: torch.Tensor, block_sizes: tuple[int, ...],
+def train_policy(inputs: torch.Tensor, speeds: torch.Tensor, choices: tuple[BlockChoice | int, ...],
                  kinds: tuple[str, ...], *, hidden: int = 64, steps: int = 600, lr: float = 3e-3,
                  weight_decay: float = 1e-2, seed: int = 0) -> BlockPilot:
-    """Fit the MLP on `inputs` [N, D] (summaries) against modelled `speeds` [N, len(block_sizes)]."""
+    """Fit the MLP on `inputs` [N, D] (summaries) against modelled `speeds` [N, len(choices)];
+    plain integers among `choices` are fixed block sizes."""
+    choices = tuple(c if isinstance(c, BlockChoice) else BlockChoice(c) for c in choices)
     torch.manual_seed(seed)
-    net = PolicyNet(inputs.shape[1], hidden, len(block_sizes))
+    net = PolicyNet(inputs.shape[1], hidden, len(choices))
     net.mean.copy_(inputs.mean(dim=0))
     net.std.copy_(inputs.std(dim=0).clamp_min(1e-6))
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
@@ -155,7 +169,7 @@ def train_policy(inputs: torch.Tensor, speeds: torch.Tensor, block_sizes: tuple[
         loss = expected_regret(net(inputs), speeds)
         loss.backward()
         optimizer.step()
-    return BlockPilot(tuple(block_sizes), tuple(kinds), net.eval(), {"train_prompts": inputs.shape[0],
+    return BlockPilot(tuple(choices), tuple(kinds), net.eval(), {"train_prompts": inputs.shape[0],
                                                                      "train_regret": float(loss.detach())})
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from trtspec.bench import block_size_name
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.runtime.decode import GenerationConfig
+from trtspec.runtime.schedule import BlockChoice
 
 CEILING_THRESHOLD = 0.10   # a ceiling bin above this is worth a look
 MIN_STRANDED_GAIN = 0.25   # tokens per cycle an expansion must promise to be recommended
@@ -90,7 +90,7 @@ class Preflight:
                 "requests": self.requests}
 
     def format(self) -> str:
-        lines = [f"acceptance at B={block_size_name(self.block_size)}: tau {self.tau:.2f}, "
+        lines = [f"acceptance at B={BlockChoice(self.block_size).name}: tau {self.tau:.2f}, "
                  f"ceiling {self.ceiling_fraction:.1%}, stranded tau estimate {self.stranded_tau_estimate:.2f}",
                  f"{'accepted':>8}  {'cycles':>7}  {'share':>6}  {'P(accept k | k-1)':>17}"]
         cycles = max(sum(self.histogram), 1)

@@ -49,15 +49,20 @@ int64_t argmax(const float* row, size_t n) {
 }  // namespace
 
 Controller::Controller(std::vector<int64_t> block_sizes, std::vector<int64_t> limits,
-                       const std::vector<std::vector<int64_t>>& stop_ids, int64_t mask_token_id)
-    : block_sizes_(std::move(block_sizes)), limits_(std::move(limits)) {
+                       const std::vector<std::vector<int64_t>>& stop_ids, int64_t mask_token_id,
+                       std::vector<int64_t> grow_to)
+    : block_sizes_(std::move(block_sizes)), limits_(std::move(limits)), grow_to_(std::move(grow_to)) {
     const size_t n = block_sizes_.size();
-    if (n == 0 || limits_.size() != n || stop_ids.size() != n)
+    if (grow_to_.empty()) grow_to_.assign(n, 0);
+    if (n == 0 || limits_.size() != n || stop_ids.size() != n || grow_to_.size() != n)
         throw std::invalid_argument("one block size, limit and stop-id list per request, at least one request");
     for (size_t r = 0; r < n; ++r) {
         if (block_sizes_[r] < 1 || limits_[r] < 1)
             throw std::invalid_argument("request " + std::to_string(r) + ": block size and limit must be >= 1");
-        width_ = std::max(width_, static_cast<size_t>(block_sizes_[r]));
+        if (grow_to_[r] != 0 && (block_sizes_[r] < 2 || grow_to_[r] <= block_sizes_[r]))
+            throw std::invalid_argument("request " + std::to_string(r) + ": a block grows from B >= 2 to a larger size");
+        if (grow_to_[r] == 0) grow_to_[r] = block_sizes_[r];
+        width_ = std::max(width_, static_cast<size_t>(grow_to_[r]));
         capacity_ = std::max(capacity_, static_cast<size_t>(limits_[r]));
     }
     stop_offsets_.push_back(0);
@@ -75,6 +80,9 @@ Controller::Controller(std::vector<int64_t> block_sizes, std::vector<int64_t> li
     committed_.assign(n, 0);
     finish_.assign(n, static_cast<int64_t>(Finish::length));  // not begun: nothing to run
     cycles_.assign(n, 0);
+    grown_cycles_.assign(n, 0);
+    ceilings_.assign(n, 0);
+    active_ = block_sizes_;
 }
 
 bool Controller::is_stop(size_t r, int64_t token) const {
@@ -95,7 +103,8 @@ void Controller::push(size_t r, int64_t token) {
 void Controller::begin(size_t r, int64_t token, int64_t start) {
     if (r >= requests()) throw std::out_of_range("no request " + std::to_string(r));
     std::fill_n(histograms_.begin() + r * width_, width_, 0);
-    counts_[r] = accepted_[r] = cycles_[r] = 0;
+    counts_[r] = accepted_[r] = cycles_[r] = grown_cycles_[r] = ceilings_[r] = 0;
+    active_[r] = block_sizes_[r];
     finish_[r] = static_cast<int64_t>(Finish::running);
     push(r, token);
     committed_[r] = 1;
@@ -104,15 +113,19 @@ void Controller::begin(size_t r, int64_t token, int64_t start) {
 }
 
 // Accept the longest prefix of drafts that the target agrees with (draft k against the target's
-// token for its position, posterior(k-1)), commit it and the bonus posterior(a), move on.
+// token for its position, posterior(k-1)), commit it and the bonus posterior(a), choose the next
+// cycle's block size, move on.
 template <typename Posterior>
 void Controller::cycle(size_t r, Posterior posterior) {
-    const int64_t b = block_sizes_[r];
+    const int64_t b = active_[r], base = block_sizes_[r];
     int64_t* block = &verify_blocks_[r * width_];
     int64_t a = 0, bonus = posterior(0);
     while (a < b - 1 && block[a + 1] == bonus) bonus = posterior(++a);
     histograms_[r * width_ + a] += 1;
     cycles_[r] += 1;
+    grown_cycles_[r] += b != base;
+    ceilings_[r] += a == b - 1;
+    active_[r] = a >= base - 1 ? grow_to_[r] : base;
     const int64_t before = counts_[r];
     for (int64_t k = 1; k <= a + 1 && finish_[r] == static_cast<int64_t>(Finish::running); ++k)
         push(r, k <= a ? block[k] : bonus);
@@ -128,7 +141,7 @@ size_t Controller::step(const Rows<int64_t>& posterior) {
                                     std::to_string(requests()) + " requests");
     for (size_t r = 0; r < requests(); ++r) {
         if (finish_[r] != static_cast<int64_t>(Finish::running)) continue;
-        if (posterior.cols < static_cast<size_t>(block_sizes_[r]))
+        if (posterior.cols < static_cast<size_t>(active_[r]))
             throw std::invalid_argument("posterior row " + std::to_string(r) + " is shorter than its block");
         cycle(r, [&](int64_t k) { return posterior.at(r, static_cast<size_t>(k)); });
     }
@@ -151,13 +164,13 @@ size_t Controller::running() const {
 double Controller::tau(size_t r) const {
     if (cycles_.at(r) == 0) return 0.0;
     int64_t tokens = 0;
-    for (int64_t a = 0; a < block_sizes_[r]; ++a) tokens += (a + 1) * histograms_[r * width_ + a];
+    for (size_t a = 0; a < width_; ++a) tokens += static_cast<int64_t>(a + 1) * histograms_[r * width_ + a];
     return static_cast<double>(tokens) / static_cast<double>(cycles_[r]);
 }
 
 double Controller::ceiling_fraction(size_t r) const {
     if (cycles_.at(r) == 0) return 0.0;
-    return static_cast<double>(histograms_[r * width_ + block_sizes_[r] - 1]) / static_cast<double>(cycles_[r]);
+    return static_cast<double>(ceilings_[r]) / static_cast<double>(cycles_[r]);
 }
 
 }  // namespace trtspec

@@ -58,8 +58,9 @@ NB_MODULE(_native, m) {
     m.doc() = "trtspec's native decode controller: accept, commit, stops and statistics per cycle";
     nb::class_<Controller>(m, "Controller")
         .def(nb::init<std::vector<int64_t>, std::vector<int64_t>, const std::vector<std::vector<int64_t>>&,
-                      int64_t>(),
-             nb::arg("block_sizes"), nb::arg("limits"), nb::arg("stop_ids"), nb::arg("mask_token_id"))
+                      int64_t, std::vector<int64_t>>(),
+             nb::arg("block_sizes"), nb::arg("limits"), nb::arg("stop_ids"), nb::arg("mask_token_id"),
+             nb::arg("grow_to") = std::vector<int64_t>())
         .def("begin", &Controller::begin, nb::arg("request"), nb::arg("token"), nb::arg("start"))
         .def("step", [](Controller& c, const Int64Array& posterior) { return c.step(rows(posterior)); },
              nb::arg("posterior"), nb::call_guard<nb::gil_scoped_release>())
@@ -67,6 +68,8 @@ NB_MODULE(_native, m) {
         .def_prop_ro("requests", &Controller::requests)
         .def_prop_ro("running", &Controller::running)
         .def("block_size", &Controller::block_size)
+        .def("grown_cycles", &Controller::grown_cycles)
+        .def("ceilings", &Controller::ceilings)
         .def("count", &Controller::count)
         .def("start", &Controller::start)
         .def("accepted", &Controller::accepted)

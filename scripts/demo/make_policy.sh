@@ -8,14 +8,15 @@ WORK=${WORK:-build/blockpilot}
 ENGINE=${ENGINE:-build/engine-small}
 THREADS=${THREADS:-1}
 TRAIN_PROMPTS=${TRAIN_PROMPTS:-240}
-SIZES=${SIZES:-6,8,12,16}  # spans the demo pair's sweet spot (B=12..24 has no per-prompt gap)
+ENGINE_SIZES=${ENGINE_SIZES:-6,8,12,16}  # spans the demo pair's sweet spot (B=12..24 has no per-prompt gap)
+SIZES=${SIZES:-$ENGINE_SIZES,6:12,6:16}   # the policy's candidates: fixed sizes and growing blocks
 mkdir -p "$WORK"
 
 # 1. Training prompts (a fixed choice, ordered by content hash).
 python scripts/demo/policy_prompts.py -o "$WORK/policy-prompts.jsonl"
 
 # 2. The compiled engine the labels are measured on (per-cycle costs are backend-specific).
-[ -f "$ENGINE/manifest.json" ] || trtspec --threads "$THREADS" build --block-sizes "$SIZES" -o "$ENGINE"
+[ -f "$ENGINE/manifest.json" ] || trtspec --threads "$THREADS" build --block-sizes "$ENGINE_SIZES" -o "$ENGINE"
 
 for T in 0 1; do
   # 3. Labels: every prompt at AR and every block size, fixed seeds; then held-out HumanEval labels.
@@ -26,6 +27,6 @@ for T in 0 1; do
   # 4. The policy (feature sets compared by cross-validation on the training labels only).
   trtspec train-policy "$WORK/labels-train-t$T.jsonl" --ablation -o "$WORK/policy-t$T"
   # 5. Held-out evaluation: each fixed B, BlockPilot, the per-prompt oracle (modelled and measured).
-  trtspec eval-policy --policy "$WORK/policy-t$T" --labels "$WORK/labels-humaneval-t$T.jsonl" \
+  trtspec --threads "$THREADS" eval-policy --policy "$WORK/policy-t$T" --labels "$WORK/labels-humaneval-t$T.jsonl" \
       --json "$WORK/eval-t$T.json"
 done

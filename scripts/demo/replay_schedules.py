@@ -4,8 +4,9 @@ At T=0 the output does not depend on the block size, and a cycle that starts at 
 block B accepts exactly what `trtspec preflight --teacher-forced --block-size B` recorded for p.
 So every schedule's cycles can be replayed without decoding: per-request fixed B, the per-prompt
 oracle, "probe the first k cycles at one B, then choose", and per-cycle switching ("grow the block
-after a long acceptance"). Times use the cycle costs stored in a `trtspec label-blocks` file of
-the same prompts; the replay is checked against that file's measured cycle counts.
+after a long acceptance"; the runtime's growing block B:G is the case "after B-1"). Times use the
+cycle costs stored in a `trtspec label-blocks` file of the same prompts; the replay is checked
+against that file's measured cycle counts, growing-block columns included.
 
     for B in 6 8 12 16; do trtspec preflight --block-size $B --teacher-forced --json build/tf/he-$B.json; done
     python scripts/demo/replay_schedules.py build/tf/he build/blockpilot/labels-humaneval-t0.jsonl --sizes 6,8,12,16
@@ -17,6 +18,8 @@ import argparse
 import itertools
 import json
 from typing import Callable
+
+from trtspec.labels import read_labels
 
 Schedule = Callable[[list[tuple[int, int]]], int]  # (block size, accepted) of past cycles -> next block size
 
@@ -34,6 +37,11 @@ def replay(accepted: dict[int, list[int]], new_tokens: int, schedule: Schedule) 
     return cycles
 
 
+def grow(low: int, high: int, after: int) -> Schedule:
+    """Block `high` for the cycle after one that accepted at least `after` drafts, else `low`."""
+    return lambda cycles: high if cycles and cycles[-1][1] >= after else low
+
+
 def seconds(cycles: list[tuple[int, int]], cost: dict[int, float]) -> float:
     return sum(cost[block_size] for block_size, _ in cycles)
 
@@ -46,8 +54,8 @@ def main() -> None:
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
     sizes = [int(b) for b in args.sizes.split(",")]
-    lines = open(args.labels).read().splitlines()
-    header, records = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+    labels = read_labels(args.labels)
+    header, records = labels.header, labels.records
     cost = {int(b): s for b, s in header["cycle_cost_s"].items()}
     new_tokens = header["max_new_tokens"]
     reports = {b: json.load(open(f"{args.prefix}-{b}.json"))["requests"] for b in sizes}
@@ -62,6 +70,11 @@ def main() -> None:
     fixed = {b: [seconds(cycles, cost) for cycles in replayed[b]] for b in sizes}
     matching = {b: sum(len(cycles) == r["runs"][str(b)]["cycles"] for cycles, r in zip(replayed[b], records))
                 for b in sizes}
+    for choice in labels.choices:  # growing blocks, as the native controller runs them
+        if choice.grow_to and set(choice.sizes) <= set(sizes):
+            rule = grow(choice.size, choice.grow_to, choice.size - 1)
+            matching[choice.name] = sum(len(replay(a, new_tokens, rule)) == r["runs"][choice.name]["cycles"]
+                                        for a, r in zip(requests, records))
     ar_total = (new_tokens - 1) * cost[1] * len(requests)
     results = {"replayed_cycles_match_labels": matching,
                "fixed": {b: ar_total / sum(times) for b, times in fixed.items()},
@@ -80,9 +93,6 @@ def main() -> None:
           "speedup": speedup(probe(p, k, t, lo, hi))}
          for p in (sizes[0], sizes[-1]) for k in (1, 2, 3) for t in thresholds
          for lo, hi in itertools.combinations(sizes, 2)), key=lambda row: row["speedup"])
-
-    def grow(low: int, high: int, after: int) -> Schedule:
-        return lambda cycles: high if cycles and cycles[-1][1] >= after else low
 
     results["per_cycle"] = [{"low": lo, "high": hi, "after": n, "speedup": speedup(grow(lo, hi, n))}
                             for lo, hi in itertools.combinations(sizes, 2) for n in range(1, lo)]

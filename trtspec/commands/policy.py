@@ -28,7 +28,9 @@ Example:
 @model_options
 @click.option("--prompts", "prompts_spec", required=True, metavar="humaneval|FILE",
               help='"humaneval" or a JSONL file of {"prompt": ...} lines.')
-@click.option("--block-sizes", default="12,16,20,24", show_default=True, metavar="B,B,...")
+@click.option("--block-sizes", default="12,16,20,24", show_default=True, metavar="B,B:G,...",
+              help="Candidates: fixed block sizes, and growing blocks B:G (cycles at B; at G after one that "
+                   "fills a block of B), whose B and G must be listed as fixed sizes too.")
 @sampling_options
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--limit", type=int, metavar="N", help="Use only the first N prompts.")
@@ -41,17 +43,18 @@ def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_siz
     The label is the block size with the highest modelled decode speed, tau over the backend's
     measured cost of one cycle at that block size (stored in the header); raw times are kept.
     """
-    from trtspec.bench import load_prompts, parse_block_sizes
+    from trtspec.bench import load_prompts
     from trtspec.labels import LabelConfig, label_blocks as run_labels
+    from trtspec.runtime.schedule import parse_block_choices
 
-    config = LabelConfig(block_sizes=parse_block_sizes(block_sizes), max_new_tokens=max_new_tokens,
+    config = LabelConfig(choices=parse_block_choices(block_sizes), max_new_tokens=max_new_tokens,
                          sampling=sampling_config(temperature, top_k, top_p, seed if seed is not None else 0))
     name, prompts = load_prompts(prompts_spec, limit)
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine)
     labels = run_labels(pipeline, prompts, config, prompts_name=name)
     path = labels.write(output)
-    counts = {b: labels.labels().count(b) for b in labels.block_sizes}
-    costs = ", ".join(f"B={b} {labels.cycle_cost(b) * 1e3:.2f} ms" for b in labels.block_sizes)
+    counts = {c.name: labels.labels().count(c) for c in labels.choices}
+    costs = ", ".join(f"B={c.size} {labels.cycle_cost(c.size) * 1e3:.2f} ms" for c in labels.fixed)
     click.echo(f"wrote {path}: {len(labels.records)} prompts; labels {counts}; cycle cost {costs}; "
                f"AR {labels.header['ar_token_s'] * 1e3:.2f} ms/token")
 
@@ -86,11 +89,11 @@ def train_policy(labels_path, output, features, hidden, steps, ablation) -> None
                        f"modelled speed-up {row['modelled_speedup']:.3f}x", err=True)
         kinds = _feature_kinds(min(table, key=lambda name: table[name]["mean_regret"]))
         info["ablation"] = table
-    policy = fit(labels.inputs(kinds), labels.speeds(), labels.block_sizes, kinds, hidden=hidden, steps=steps)
+    policy = fit(labels.inputs(kinds), labels.speeds(), labels.choices, kinds, hidden=hidden, steps=steps)
     policy.info.update(info, best_fixed_block_size=best_fixed_block_size(labels),
                        labels=labels.header["prompts"], backend=labels.header["backend"])
     policy.save(output)
-    click.echo(f"wrote {output}: BlockPilot over B={','.join(map(str, labels.block_sizes))}, features "
+    click.echo(f"wrote {output}: BlockPilot over B={','.join(c.name for c in labels.choices)}, features "
                f"{','.join(kinds)}, trained on {len(labels.records)} prompts (best fixed B there: "
                f"{policy.info['best_fixed_block_size']})")
 
@@ -111,12 +114,12 @@ def feature_ablation(labels, hidden: int, steps: int, folds: int = 5) -> dict[st
         for fold in range(folds):
             held = set(order[fold::folds])
             train = [i for i in range(n) if i not in held]
-            policy = fit(labels.inputs(kinds)[train], labels.speeds()[train], labels.block_sizes, kinds,
+            policy = fit(labels.inputs(kinds)[train], labels.speeds()[train], labels.choices, kinds,
                          hidden=hidden, steps=steps)
             with torch.inference_mode():
                 picks = policy.net(labels.inputs(kinds)[sorted(held)]).argmax(dim=1).tolist()
             for i, pick in zip(sorted(held), picks):
-                choices[i] = labels.block_sizes[pick]
+                choices[i] = labels.choices[pick]
         metrics = strategy_metrics(labels, choices)
         table[name] = {"mean_regret": metrics["mean_regret"], "modelled_speedup": metrics["modelled_speedup"]}
     return table
@@ -139,10 +142,11 @@ def eval_policy(policy_dir, labels_path, fixed_block_size, json_path) -> None:
     from trtspec.policy import load_policy
 
     labels = read_labels(labels_path)
-    policy = load_policy(policy_dir, labels.block_sizes)
+    sizes = tuple(c.size for c in labels.fixed)
+    policy = load_policy(policy_dir, sizes)
     fixed = fixed_block_size or policy.info.get("best_fixed_block_size")
-    if fixed not in labels.block_sizes:
-        raise TrtspecError(f"--fixed-block-size must be one of {', '.join(map(str, labels.block_sizes))}")
+    if fixed not in sizes:
+        raise TrtspecError(f"--fixed-block-size must be one of {', '.join(map(str, sizes))}")
     report = evaluate_policy(policy, labels, fixed)
     click.echo(format_evaluation(report))
     if json_path:

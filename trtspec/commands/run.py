@@ -9,9 +9,7 @@ import click
 
 from trtspec.commands.options import (BlockSizeType, load_pipeline, model_options, policy_option, sampling_config,
                                       sampling_options)
-from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
-from trtspec.policy import AUTO
 from trtspec.runtime.decode import GenerationConfig
 
 
@@ -46,8 +44,9 @@ Examples:
 @click.argument("prompt_file", metavar="PROMPT_FILE")
 @model_options
 @click.option("--block-size", type=BlockSizeType(),
-              help="Block size B in [2, 64] (proposes B-1 tokens per cycle), or auto: BlockPilot chooses once "
-                   "after prefill. [default: auto with a policy, else the drafter's]")
+              help="Block size B in [2, 64] (proposes B-1 tokens per cycle); B:G grows to G for the cycle after "
+                   "one that fills a block of B; auto: BlockPilot chooses once after prefill. "
+                   "[default: auto with a policy, else the drafter's]")
 @policy_option
 @sampling_options
 @click.option("--max-new-tokens", type=int, default=256, show_default=True)
@@ -66,9 +65,6 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy,
     """
     if ar and block_size is not None:
         raise TrtspecError("--ar decodes one token at a time; drop --block-size")
-    if block_size is not None and block_size != AUTO and not 2 <= block_size <= MAX_BLOCK_SIZE:
-        raise TrtspecError(f"block size must be in [2, {MAX_BLOCK_SIZE}], got {block_size} "
-                           "(use --ar for autoregressive decoding)")
     sampling = sampling_config(temperature, top_k, top_p, seed)
     prompt = read_prompt(prompt_file)
     pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context,
@@ -76,7 +72,8 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy,
     if not ar and not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
     config = GenerationConfig(
-        block_size=1 if ar else (block_size if block_size is not None else pipeline.default_block_size),
+        block_size=1 if ar else (block_size.size if block_size is not None else pipeline.default_block_size),
+        grow_to=block_size.grow_to if block_size is not None else 0,
         max_new_tokens=max_new_tokens,
         stop_ids=tuple(pipeline.codec.stop_id(s) for s in stop),
         sampling=sampling,

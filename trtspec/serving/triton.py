@@ -34,6 +34,7 @@ INPUTS = (  # name, Triton dtype, optional
     ("temperature", "TYPE_FP32", True),
     ("seed", "TYPE_INT64", True),
     ("block_size", "TYPE_INT32", True),
+    ("grow_to", "TYPE_INT32", True),
     ("stream", "TYPE_BOOL", True),
 )
 OUTPUTS = (("text_output", "TYPE_STRING"), ("stats", "TYPE_STRING"))

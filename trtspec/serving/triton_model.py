@@ -2,7 +2,8 @@
 
 Triton imports this through the generated `model.py` of a repository made by
 `trtspec triton-repo`. Requests carry `text_input` and optional `max_tokens`, `temperature`,
-`seed`, `block_size` (0 = auto) and `stream`; responses carry `text_output` and `stats` (JSON).
+`seed`, `block_size` (0 = auto), `grow_to` (a growing block B:G; 0 = none) and `stream`; responses
+carry `text_output` and `stats` (JSON).
 In the decoupled (streaming) model each cycle's committed text is sent as it is produced,
 followed by a final empty response with the statistics. A bad request gets its own error
 response; the instance keeps serving the others.
@@ -66,9 +67,10 @@ class TritonPythonModel:
         temperature = float(_scalar(request, "temperature", 0.0))
         seed = _scalar(request, "seed", None)
         block_size = int(_scalar(request, "block_size", self.pipeline.default_block_size))
+        grow_to = int(_scalar(request, "grow_to", 0))
         max_tokens = int(_scalar(request, "max_tokens", DEFAULT_MAX_TOKENS))
         sampling = self._sampling(temperature=temperature, seed=None if seed is None else int(seed))
-        return GenerationConfig(block_size=block_size, max_new_tokens=max_tokens, sampling=sampling)
+        return GenerationConfig(block_size=block_size, grow_to=grow_to, max_new_tokens=max_tokens, sampling=sampling)
 
     @staticmethod
     def _error(exc: Exception):
