@@ -38,11 +38,13 @@ class BlockChoice:
         return (self.size, self.grow_to) if self.grow_to else (self.size,)
 
     @classmethod
-    def parse(cls, text: str | int, allow_auto: bool = True) -> "BlockChoice":
-        """'12' -> 12; '6:16' -> 6 growing to 16; 'auto' -> AUTO (when allowed)."""
+    def parse(cls, text: str | int, allow_auto: bool = True, allow_ar: bool = False) -> "BlockChoice":
+        """'12' -> 12; '6:16' -> 6 growing to 16; 'auto' -> AUTO and 'AR' -> 1 (when allowed)."""
         text = str(text).strip()
         if allow_auto and text in ("auto", str(AUTO)):
             return cls(AUTO)
+        if allow_ar and text in ("AR", "1"):
+            return cls(1)
         base, _, grown = text.partition(":")
         try:
             size, grow_to = int(base), int(grown) if grown else 0

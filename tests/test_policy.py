@@ -78,7 +78,7 @@ def trained(target_dir, drafter_dir, tmp_path_factory):
     assert result.returncode == 0, result.stderr.decode()
     result = trtspec("train-policy", labels, "-o", work / "policy", "--steps", 50, "--ablation")
     assert result.returncode == 0, result.stderr.decode()
-    assert "cross-validated mean regret" in result.stderr.decode()
+    assert "cross-validated modelled speed-up" in result.stderr.decode()
     return work, prompts, labels
 
 
@@ -111,7 +111,7 @@ def test_eval_policy_reports_fixed_blockpilot_and_oracle(trained):
     assert result.returncode == 0, result.stderr.decode()
     report = json.loads(out.read_text())
     strategies = report["strategies"]
-    assert set(strategies) == {"B=4", "B=8", "B=4:8", "blockpilot", "oracle", "oracle (all)"}
+    assert set(strategies) == {"B=4", "B=8", "B=4:8", "AR", "blockpilot", "oracle", "oracle (all)"}
     oracle = strategies["oracle"]  # the per-prompt best fixed block size
     assert oracle["mean_regret"] == 0.0
     for name in ("B=4", "B=8"):  # no fixed size beats it (modelled)
@@ -133,6 +133,29 @@ def test_auto_picks_a_candidate_and_stays_lossless(trained, target_dir, drafter_
         auto = pipeline.generate(prompt, GenerationConfig(block_size=AUTO, max_new_tokens=20))
         assert auto.generation.stats.auto and auto.generation.stats.schedule in ("4", "8", "4:8")
         assert auto.tokens == baseline.generate(prompt, GenerationConfig(block_size=1, max_new_tokens=20)).tokens
+
+
+def test_a_policy_may_choose_not_to_speculate(target_dir, drafter_dir, tmp_path):
+    """AR as a candidate: a policy that always prefers it decodes those requests with the target
+    alone (the same tokens as AR), and an engine needs no block size for it."""
+    from trtspec.api import Pipeline
+
+    inputs = torch.randn(50, 1)
+    speeds = torch.tensor([[2.0, 1.0]]).expand(50, -1)  # AR twice as fast as B=4 for every prompt
+    policy = train_policy(inputs, speeds, (BlockChoice(1), BlockChoice(4)), ("length",), hidden=8, steps=50)
+    directory = policy.save(tmp_path / "ar-policy")
+    assert load_policy(directory, available_block_sizes=(4,)).block_sizes == (4,)
+    pipeline = Pipeline(target_dir, drafter_dir, policy=directory)
+    result = pipeline.generate(PROMPTS[0], GenerationConfig(block_size=AUTO, max_new_tokens=12))
+    assert result.generation.stats.auto and result.generation.stats.block_size == 1
+    assert result.tokens == pipeline.autoregressive().generate(PROMPTS[0], GenerationConfig(block_size=1,
+                                                                                            max_new_tokens=12)).tokens
+
+
+def test_train_policy_ar_auto_needs_the_ablation(trained):
+    work, _, labels = trained
+    assert_one_line_error(trtspec("train-policy", labels, "-o", work / "x", "--ar", "auto"), "add --ablation")
+    assert not (work / "x").exists()
 
 
 def test_engine_ships_the_policy_and_refuses_one_it_cannot_serve(trained, target_dir, drafter_dir, tmp_path):

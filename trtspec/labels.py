@@ -69,6 +69,15 @@ class LabelSet:
     def fixed(self) -> tuple[BlockChoice, ...]:
         return tuple(c for c in self.choices if not c.grow_to)
 
+    def candidates(self, ar: bool = False) -> tuple[BlockChoice, ...]:
+        """The columns a policy can choose from; with `ar`, also autoregressive decoding (always labelled)."""
+        return self.choices + ((BlockChoice(1),) if ar else ())
+
+    @staticmethod
+    def run(record: dict, choice: BlockChoice) -> dict:
+        """A prompt's run of `choice` (AR is stored under "1")."""
+        return record["runs"]["1" if choice.size == 1 else choice.name]
+
     def cycle_cost(self, block_size: int) -> float:
         return self.header["cycle_cost_s"][str(block_size)]
 
@@ -78,14 +87,15 @@ class LabelSet:
         grown_s = grown * self.cycle_cost(choice.grow_to) if grown else 0.0
         return (run["cycles"] - grown) * self.cycle_cost(choice.size) + grown_s
 
+    def speed(self, record: dict, choice: BlockChoice) -> float:
+        """A prompt's modelled decode tokens/s with `choice`."""
+        run = self.run(record, choice)
+        return run["tau"] * run["cycles"] / self.modelled_seconds(run, choice)
+
     def speeds(self, choices: tuple[BlockChoice, ...] | None = None) -> torch.Tensor:
         """Modelled decode tokens/s [N, K] of each of `choices` (default: every column)."""
         choices = self.choices if choices is None else choices
-        rows = []
-        for record in self.records:
-            runs = [record["runs"][c.name] for c in choices]
-            rows.append([run["tau"] * run["cycles"] / self.modelled_seconds(run, c) for run, c in zip(runs, choices)])
-        return torch.tensor(rows, dtype=torch.float32)
+        return torch.tensor([[self.speed(r, c) for c in choices] for r in self.records], dtype=torch.float32)
 
     def labels(self, choices: tuple[BlockChoice, ...] | None = None) -> list[BlockChoice]:
         """Per prompt, the fastest of `choices` (default: every column) by modelled speed."""
@@ -183,10 +193,9 @@ def strategy_metrics(labels: LabelSet, choices: list[BlockChoice]) -> dict:
     """Modelled and measured figures when prompt i runs with choices[i]; regret is against the
     per-prompt best fixed block size."""
     records = labels.records
-    runs = [r["runs"][c.name] for r, c in zip(records, choices)]
-    speeds = labels.speeds()
+    runs = [labels.run(r, c) for r, c in zip(records, choices)]
     oracle = labels.speeds(labels.fixed).max(dim=1).values
-    chosen = torch.tensor([speeds[i, labels.choices.index(c)] for i, c in enumerate(choices)])
+    chosen = torch.tensor([labels.speed(r, c) for r, c in zip(records, choices)])
     modelled_tokens = sum(run["tau"] * run["cycles"] for run in runs)
     modelled_s = sum(labels.modelled_seconds(run, c) for run, c in zip(runs, choices))
     measured_tokens = sum(max(run["new_tokens"] - 1, 0) for run in runs)
@@ -200,14 +209,15 @@ def strategy_metrics(labels: LabelSet, choices: list[BlockChoice]) -> dict:
         "measured_tokens_per_s": measured_tokens / measured_s,
         "measured_speedup": measured_tokens / measured_s / ar_measured,
         "mean_regret": float((1 - chosen / oracle).mean()),
-        "chosen": {c.name: choices.count(c) for c in labels.choices if c in choices},
+        "chosen": {c.name: choices.count(c) for c in labels.candidates(ar=True) if c in choices},
     }
 
 
 def evaluate_policy(policy: BlockPilot, labels: LabelSet, fixed_block_size: int) -> dict:
-    """Each column, BlockPilot and the per-prompt oracles on one (held-out) label set. The oracle
-    is the best fixed block size per prompt in hindsight; "oracle (all)" may also pick a growing block."""
-    missing = set(policy.choices) - set(labels.choices)
+    """Each column, AR, BlockPilot and the per-prompt oracles on one (held-out) label set. The oracle
+    is the best fixed block size per prompt in hindsight; "oracle (all)" may also pick a growing
+    block or AR."""
+    missing = set(policy.choices) - set(labels.candidates(ar=True))
     if missing:
         raise TrtspecError(f"the labels lack {', '.join(sorted(c.name for c in missing))}, which the policy "
                            "can choose (label-blocks --block-sizes must include every policy candidate)")
@@ -215,14 +225,14 @@ def evaluate_policy(policy: BlockPilot, labels: LabelSet, fixed_block_size: int)
     with torch.inference_mode():
         picks = policy.net(inputs).argmax(dim=1).tolist()
     pilot = [policy.choices[i] for i in picks]
-    strategies = {f"B={c.name}": strategy_metrics(labels, [c] * len(labels.records)) for c in labels.choices}
+    strategies = {"AR" if c.size == 1 else f"B={c.name}": strategy_metrics(labels, [c] * len(labels.records))
+                  for c in labels.candidates(ar=True)}
     strategies["blockpilot"] = strategy_metrics(labels, pilot)
     strategies["oracle"] = strategy_metrics(labels, labels.labels(labels.fixed))
-    if labels.fixed != labels.choices:
-        strategies["oracle (all)"] = strategy_metrics(labels, labels.labels())
+    strategies["oracle (all)"] = strategy_metrics(labels, labels.labels(labels.candidates(ar=True)))
     fixed, best, oracle = (strategies[f"B={fixed_block_size}"]["modelled_speedup"],
                            strategies["blockpilot"]["modelled_speedup"], strategies["oracle"]["modelled_speedup"])
-    decode_s = statistics.fmean(r["runs"][c.name]["decode_s"] for r, c in zip(labels.records, pilot))
+    decode_s = statistics.fmean(labels.run(r, c)["decode_s"] for r, c in zip(labels.records, pilot))
     # The policy's cost per request: summarising prefill's outputs plus the MLP, timed on
     # realistic prompt-sized features and tail logits.
     width, vocabulary = labels.features["last"].shape[1], labels.header["vocab_size"]

@@ -2,7 +2,8 @@
 
 The candidates are block sizes and growing blocks (`6:16`: cycles at 6, at 16 after one that
 fills a block of 6; see trtspec.runtime.schedule), so the one choice after prefill also decides
-whether the request may widen its block inside repetitive stretches.
+whether the request may widen its block inside repetitive stretches; and, optionally, AR: no
+speculation for a request where no block size would pay for its cycles.
 
 The prefill already produced the target's tapped-layer features of every prompt position (the
 drafter's context) and its next-token logits over the prompt's last positions; BlockPilot reads a
@@ -96,8 +97,8 @@ class BlockPilot:
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
-        """Every block size the policy's choices run (what the engine must have)."""
-        return tuple(sorted({size for choice in self.choices for size in choice.sizes}))
+        """Every block size the policy's choices run (what the engine must have; AR needs none)."""
+        return tuple(sorted({size for choice in self.choices for size in choice.sizes if size > 1}))
 
     def choose(self, features: torch.Tensor, logits: torch.Tensor) -> BlockChoice:
         """The schedule for a request whose prefill produced `features` [P, F] and tail `logits` [T, V]."""
@@ -128,7 +129,8 @@ def load_policy(directory: str | Path, available_block_sizes: tuple[int, ...] | 
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
         # "block_sizes": policies written before growing blocks were candidates
-        choices = tuple(BlockChoice.parse(c, allow_auto=False) for c in config.get("choices", config.get("block_sizes")))
+        choices = tuple(BlockChoice.parse(c, allow_auto=False, allow_ar=True)
+                        for c in config.get("choices", config.get("block_sizes")))
         kinds = tuple(config["features"])
         net = PolicyNet(config["inputs"], config["hidden"], len(choices))
         net.load_state_dict(load_file(str(weights_path)))

@@ -10,6 +10,7 @@ THREADS=${THREADS:-1}
 TRAIN_PROMPTS=${TRAIN_PROMPTS:-240}
 ENGINE_SIZES=${ENGINE_SIZES:-6,8,12,16}  # spans the demo pair's sweet spot (B=12..24 has no per-prompt gap)
 SIZES=${SIZES:-$ENGINE_SIZES,6:12,6:16}   # the policy's candidates: fixed sizes and growing blocks
+BENCH_SIZES=${BENCH_SIZES:-6,6:12,6:16,auto}
 mkdir -p "$WORK"
 
 # 1. Training prompts (a fixed choice, ordered by content hash).
@@ -24,9 +25,13 @@ for T in 0 1; do
       --limit "$TRAIN_PROMPTS" --block-sizes "$SIZES" --temperature "$T" --seed 0 -o "$WORK/labels-train-t$T.jsonl"
   trtspec --threads "$THREADS" label-blocks --engine "$ENGINE" --prompts humaneval \
       --block-sizes "$SIZES" --temperature "$T" --seed 0 -o "$WORK/labels-humaneval-t$T.jsonl"
-  # 4. The policy (feature sets compared by cross-validation on the training labels only).
-  trtspec train-policy "$WORK/labels-train-t$T.jsonl" --ablation -o "$WORK/policy-t$T"
+  # 4. The policy (feature sets, and AR as a candidate or not, compared by cross-validation on the
+  #    training labels only).
+  trtspec --threads "$THREADS" train-policy "$WORK/labels-train-t$T.jsonl" --ablation --ar auto -o "$WORK/policy-t$T"
   # 5. Held-out evaluation: each fixed B, BlockPilot, the per-prompt oracle (modelled and measured).
   trtspec --threads "$THREADS" eval-policy --policy "$WORK/policy-t$T" --labels "$WORK/labels-humaneval-t$T.jsonl" \
       --json "$WORK/eval-t$T.json"
+  # 6. Measured through the runtime, the policy (auto) beside fixed and growing blocks on 80 prompts.
+  trtspec --threads "$THREADS" bench --engine "$ENGINE" --policy "$WORK/policy-t$T" --block-sizes "$BENCH_SIZES" \
+      --temperature "$T" --limit 80 --repeats 2 --json "$WORK/bench-t$T.json"
 done

@@ -63,6 +63,7 @@ def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_siz
 Examples:
   trtspec train-policy build/labels-train.jsonl -o build/policy
   trtspec train-policy build/labels-train.jsonl -o build/policy --ablation   # compare feature sets first
+  trtspec train-policy build/labels-train.jsonl -o build/policy --ablation --ar auto   # ... and AR as a candidate
 """)
 @click.argument("labels_path", metavar="LABELS.jsonl")
 @click.option("-o", "--output", required=True, metavar="DIR", help="Policy directory to write.")
@@ -71,35 +72,43 @@ Examples:
                    "confidence (the target's entropy and top-1 probability over the prompt's tail).")
 @click.option("--hidden", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=600, show_default=True)
+@click.option("--ar", "with_ar", type=click.Choice(["no", "yes", "auto"]), default="no", show_default=True,
+              help="Also let the policy choose autoregressive decoding (no speculation) for a request; auto: "
+                   "decided with the features by --ablation.")
 @click.option("--ablation", is_flag=True,
-              help="Before training, compare feature sets by 5-fold cross-validation on these labels "
-                   "and train on the best one.")
-def train_policy(labels_path, output, features, hidden, steps, ablation) -> None:
+              help="Before training, compare feature sets (and, with --ar auto, AR as a candidate or not) by "
+                   "5-fold cross-validation on these labels and train on the fastest.")
+def train_policy(labels_path, output, features, hidden, steps, with_ar, ablation) -> None:
     """Train a BlockPilot policy (a small MLP, expected-regret loss) on label-blocks output."""
     from trtspec.labels import best_fixed_block_size, read_labels
     from trtspec.policy import train_policy as fit
 
+    if with_ar == "auto" and not ablation:
+        raise TrtspecError("--ar auto is decided by cross-validation; add --ablation (or choose --ar yes or no)")
     labels = read_labels(labels_path)
-    kinds = _feature_kinds(features)
+    kinds, ar = _feature_kinds(features), with_ar == "yes"
     info = {}
     if ablation:
-        table = feature_ablation(labels, hidden, steps)
-        for name, row in table.items():
-            click.echo(f"features {name:>16}: cross-validated mean regret {row['mean_regret']:.2%}, "
-                       f"modelled speed-up {row['modelled_speedup']:.3f}x", err=True)
-        kinds = _feature_kinds(min(table, key=lambda name: table[name]["mean_regret"]))
-        info["ablation"] = table
-    policy = fit(labels.inputs(kinds), labels.speeds(), labels.choices, kinds, hidden=hidden, steps=steps)
+        table = feature_ablation(labels, hidden, steps, ar_options=(False, True) if with_ar == "auto" else (ar,))
+        for (name, ar_option), row in table.items():
+            click.echo(f"features {name + (' + AR' if ar_option else ''):>33}: cross-validated modelled speed-up "
+                       f"{row['modelled_speedup']:.3f}x, mean regret {row['mean_regret']:.2%}", err=True)
+        name, ar = max(table, key=lambda key: table[key]["modelled_speedup"])
+        kinds = _feature_kinds(name)
+        info["ablation"] = [{"features": n, "ar": a, **row} for (n, a), row in table.items()]
+    candidates = labels.candidates(ar)
+    policy = fit(labels.inputs(kinds), labels.speeds(candidates), candidates, kinds, hidden=hidden, steps=steps)
     policy.info.update(info, best_fixed_block_size=best_fixed_block_size(labels),
                        labels=labels.header["prompts"], backend=labels.header["backend"])
     policy.save(output)
-    click.echo(f"wrote {output}: BlockPilot over B={','.join(c.name for c in labels.choices)}, features "
+    click.echo(f"wrote {output}: BlockPilot over B={','.join(c.name for c in candidates)}, features "
                f"{','.join(kinds)}, trained on {len(labels.records)} prompts (best fixed B there: "
                f"{policy.info['best_fixed_block_size']})")
 
 
-def feature_ablation(labels, hidden: int, steps: int, folds: int = 5) -> dict[str, dict]:
-    """Cross-validated regret and modelled speed-up of a policy per feature set."""
+def feature_ablation(labels, hidden: int, steps: int, folds: int = 5,
+                     ar_options: tuple[bool, ...] = (False,)) -> dict[tuple[str, bool], dict]:
+    """Cross-validated modelled speed-up and regret of a policy per (feature set, AR a candidate or not)."""
     import torch
 
     from trtspec.labels import strategy_metrics
@@ -108,20 +117,22 @@ def feature_ablation(labels, hidden: int, steps: int, folds: int = 5) -> dict[st
     n = len(labels.records)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
     table = {}
-    for name in FEATURE_SETS:
-        kinds = _feature_kinds(name)
-        choices = [0] * n
-        for fold in range(folds):
-            held = set(order[fold::folds])
-            train = [i for i in range(n) if i not in held]
-            policy = fit(labels.inputs(kinds)[train], labels.speeds()[train], labels.choices, kinds,
-                         hidden=hidden, steps=steps)
-            with torch.inference_mode():
-                picks = policy.net(labels.inputs(kinds)[sorted(held)]).argmax(dim=1).tolist()
-            for i, pick in zip(sorted(held), picks):
-                choices[i] = labels.choices[pick]
-        metrics = strategy_metrics(labels, choices)
-        table[name] = {"mean_regret": metrics["mean_regret"], "modelled_speedup": metrics["modelled_speedup"]}
+    for ar in ar_options:
+        candidates = labels.candidates(ar)
+        speeds = labels.speeds(candidates)
+        for name in FEATURE_SETS:
+            kinds = _feature_kinds(name)
+            choices = [candidates[0]] * n
+            for fold in range(folds):
+                held = sorted(order[fold::folds])
+                train = sorted(set(range(n)) - set(held))
+                policy = fit(labels.inputs(kinds)[train], speeds[train], candidates, kinds, hidden=hidden, steps=steps)
+                with torch.inference_mode():
+                    picks = policy.net(labels.inputs(kinds)[held]).argmax(dim=1).tolist()
+                for i, pick in zip(held, picks):
+                    choices[i] = candidates[pick]
+            metrics = strategy_metrics(labels, choices)
+            table[(name, ar)] = {"mean_regret": metrics["mean_regret"], "modelled_speedup": metrics["modelled_speedup"]}
     return table
 
 
