@@ -88,9 +88,10 @@ class LabelSet:
         return (run["cycles"] - grown) * self.cycle_cost(choice.size) + grown_s
 
     def speed(self, record: dict, choice: BlockChoice) -> float:
-        """A prompt's modelled decode tokens/s with `choice`."""
+        """A prompt's modelled decode tokens/s with `choice` (0 if it ran no cycle: it stopped at prefill's token)."""
         run = self.run(record, choice)
-        return run["tau"] * run["cycles"] / self.modelled_seconds(run, choice)
+        seconds = self.modelled_seconds(run, choice)
+        return run["tau"] * run["cycles"] / seconds if seconds > 0 else 0.0
 
     def speeds(self, choices: tuple[BlockChoice, ...] | None = None) -> torch.Tensor:
         """Modelled decode tokens/s [N, K] of each of `choices` (default: every column)."""
