@@ -138,9 +138,10 @@ class BenchRun:
 
     @property
     def ceiling_fraction(self) -> float:
-        """Fraction of cycles that accepted their request's whole block."""
-        cycles = sum(s.cycles for s in self.stats)
-        return sum(s.ceiling_fraction * s.cycles for s in self.stats) / cycles if cycles else 0.0
+        """Fraction of speculative cycles that accepted their whole block (auto's AR requests left out)."""
+        speculative = [s for s in self.stats if s.block_size > 1]
+        cycles = sum(s.cycles for s in speculative)
+        return sum(s.ceiling_fraction * s.cycles for s in speculative) / cycles if cycles else 0.0
 
     @property
     def grown_fraction(self) -> float:

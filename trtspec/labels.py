@@ -244,7 +244,7 @@ def evaluate_policy(policy: BlockPilot, labels: LabelSet, fixed_block_size: int)
         "prompts": labels.header["prompts"], "n_prompts": len(labels.records), "backend": labels.header["backend"],
         "temperature": labels.header["temperature"], "fixed_block_size": fixed_block_size,
         "strategies": strategies,
-        "gap_closed": (best - fixed) / (oracle - fixed) if oracle > fixed else float("nan"),
+        "gap_closed": (best - fixed) / (oracle - fixed) if oracle > fixed else None,  # None: no gap
         "policy_overhead_s": overhead_s, "mean_decode_s": decode_s,
         "policy_overhead_fraction": overhead_s / decode_s,
     }
@@ -259,8 +259,11 @@ def format_evaluation(report: dict) -> str:
         lines.append(f"{name:>12}  {m['mean_tau']:>5.2f}  {m['modelled_speedup']:>18.3f}x  "
                      f"{m['measured_speedup']:>18.3f}x  {m['mean_regret']:>6.1%}")
     chosen = report["strategies"]["blockpilot"]["chosen"]
-    lines.append(f"BlockPilot chose {', '.join(f'B={b}: {n}' for b, n in chosen.items())}; closes "
-                 f"{report['gap_closed']:.0%} of the gap from B={report['fixed_block_size']} to the oracle; "
-                 f"overhead {report['policy_overhead_s'] * 1e6:.0f} us per request "
+    fixed, closed = report["fixed_block_size"], report["gap_closed"]
+    gap = (f"closes {closed:.0%} of the gap from B={fixed} to the oracle" if closed is not None
+           else f"the oracle is no faster than B={fixed}")
+    picks = ", ".join(f"{'' if name == 'AR' else 'B='}{name}: {n}" for name, n in chosen.items())
+    lines.append(f"BlockPilot chose {picks}; "
+                 f"{gap}; overhead {report['policy_overhead_s'] * 1e6:.0f} us per request "
                  f"({report['policy_overhead_fraction']:.3%} of decode)")
     return "\n".join(lines)

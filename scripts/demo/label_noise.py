@@ -40,11 +40,12 @@ def main() -> None:
         report[args.labels[own]] = {
             "seed": labels.header["seed"], "best_fixed": best, "best_fixed_speedup": speed[best],
             "oracle_speedup": oracle, "other_seed_oracle_choices_speedup": transferred,
-            "gap_kept": (transferred - speed[best]) / (oracle - speed[best]) if oracle > speed[best] else float("nan"),
+            "gap_kept": (transferred - speed[best]) / (oracle - speed[best]) if oracle > speed[best] else None,
             "same_best_size": agreement}
+        kept = report[args.labels[own]]["gap_kept"]
         print(f"{args.labels[own]} (seed {labels.header['seed']}): best fixed B={best} {speed[best]:.4f}x, "
               f"own oracle {oracle:.4f}x, the other seed's per-prompt choices {transferred:.4f}x "
-              f"(keeps {report[args.labels[own]]['gap_kept']:.0%} of the gap); same best size for "
+              f"({'no gap' if kept is None else f'keeps {kept:.0%} of the gap'}); same best size for "
               f"{agreement:.0%} of prompts")
     if args.json_path:
         with open(args.json_path, "w") as out:

@@ -8,6 +8,8 @@ WORK=${WORK:-build/blockpilot}
 ENGINE=${ENGINE:-build/engine-small}
 THREADS=${THREADS:-1}
 TRAIN_PROMPTS=${TRAIN_PROMPTS:-240}
+EVAL_PROMPTS=${EVAL_PROMPTS:-164}  # HumanEval prompts labelled for the held-out evaluation (164 = all)
+BENCH_PROMPTS=${BENCH_PROMPTS:-80}
 ENGINE_SIZES=${ENGINE_SIZES:-6,8,12,16}  # spans the demo pair's sweet spot (B=12..24 has no per-prompt gap)
 SIZES=${SIZES:-$ENGINE_SIZES,6:12,6:16}   # the policy's candidates: fixed sizes and growing blocks
 BENCH_SIZES=${BENCH_SIZES:-6,6:12,6:16,auto}
@@ -23,7 +25,7 @@ for T in 0 1; do
   # 3. Labels: every prompt at AR and every block size, fixed seeds; then held-out HumanEval labels.
   trtspec --threads "$THREADS" label-blocks --engine "$ENGINE" --prompts "$WORK/policy-prompts.jsonl" \
       --limit "$TRAIN_PROMPTS" --block-sizes "$SIZES" --temperature "$T" --seed 0 -o "$WORK/labels-train-t$T.jsonl"
-  trtspec --threads "$THREADS" label-blocks --engine "$ENGINE" --prompts humaneval \
+  trtspec --threads "$THREADS" label-blocks --engine "$ENGINE" --prompts humaneval --limit "$EVAL_PROMPTS" \
       --block-sizes "$SIZES" --temperature "$T" --seed 0 -o "$WORK/labels-humaneval-t$T.jsonl"
   # 4. The policy (feature sets, and AR as a candidate or not, compared by cross-validation on the
   #    training labels only).
@@ -33,5 +35,12 @@ for T in 0 1; do
       --json "$WORK/eval-t$T.json"
   # 6. Measured through the runtime, the policy (auto) beside fixed and growing blocks on 80 prompts.
   trtspec --threads "$THREADS" bench --engine "$ENGINE" --policy "$WORK/policy-t$T" --block-sizes "$BENCH_SIZES" \
-      --temperature "$T" --limit 80 --repeats 2 --json "$WORK/bench-t$T.json"
+      --temperature "$T" --limit "$BENCH_PROMPTS" --repeats 2 --json "$WORK/bench-t$T.json"
 done
+
+# 7. Is the T=1 oracle gap a property of the prompts, or of the seeds? The same prompts with other
+#    seeds: each run's per-prompt best sizes applied to the other run.
+trtspec --threads "$THREADS" label-blocks --engine "$ENGINE" --prompts humaneval --limit "$EVAL_PROMPTS" \
+    --block-sizes "$ENGINE_SIZES" --temperature 1 --seed 1000 -o "$WORK/labels-humaneval-t1-seed1000.jsonl"
+python scripts/demo/label_noise.py "$WORK/labels-humaneval-t1.jsonl" "$WORK/labels-humaneval-t1-seed1000.jsonl" \
+    --json "$WORK/noise-t1.json"
