@@ -5,7 +5,8 @@
 1. builds engines of the demo pair for every backend this machine has (torch always; ONNX Runtime
    when onnxruntime-gpu's CUDA provider is present; TensorRT when it is installed),
 2. checks each against eager PyTorch on the GPU: greedy outputs on HumanEval prompts must be
-   identical at every block size (float32), run by run and replayed from captured CUDA graphs
+   identical at every block size and for the growing block smallest:largest, which switches
+   graphs inside a request (float32), run by run and replayed from captured CUDA graphs
    (`Pipeline(..., cuda_graphs=True)`),
 3. times one speculative cycle (draft(B) + verify(B)) per block size: eager step modules, the same
    modules replayed as CUDA graphs over static buffers, and each built engine,
@@ -105,6 +106,7 @@ def main() -> int:
     from trtspec.engines import tensorrt as trt_engine
     from trtspec.errors import TrtspecError
     from trtspec.runtime.decode import GenerationConfig
+    from trtspec.runtime.schedule import BlockChoice
 
     block_sizes = parse_block_sizes(args.block_sizes)
     out = Path(args.out)
@@ -123,6 +125,9 @@ def main() -> int:
     if trt_engine.available():
         backends.append("tensorrt")
     _, prompts = load_prompts("humaneval", args.prompts)
+    choices = [BlockChoice(b) for b in block_sizes]
+    if len(block_sizes) > 1:
+        choices.append(BlockChoice(min(block_sizes), max(block_sizes)))
     failed = False
     for backend in backends:
         began = time.perf_counter()
@@ -138,18 +143,19 @@ def main() -> int:
                 print(f"{name}: {error}", flush=True)
                 continue
             rows = []
-            for block_size in block_sizes:
-                config = GenerationConfig(block_size=block_size, max_new_tokens=args.max_new_tokens)
+            for choice in choices:
+                config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
+                                          max_new_tokens=args.max_new_tokens)
                 same, seconds, tokens = 0, 0.0, 0
                 for prompt in prompts:
                     a, b = engine.generate(prompt, config), eager.generate(prompt, config)
                     same += a.tokens == b.tokens
                     seconds += a.generation.stats.decode_s
                     tokens += a.generation.stats.new_tokens - 1
-                rows.append({"block_size": block_size, "identical": same, "requests": len(prompts),
+                rows.append({"block_size": choice.name, "identical": same, "requests": len(prompts),
                              "decode_tokens_per_s": tokens / seconds if seconds else 0.0})
                 failed |= same != len(prompts)
-                print(f"{name} B={block_size}: identical {same}/{len(prompts)}", flush=True)
+                print(f"{name} B={choice.name}: identical {same}/{len(prompts)}", flush=True)
             report["engines"][name] = {"build_s": built_s, "checks": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
