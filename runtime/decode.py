@@ -144,9 +144,10 @@ def _cycles(engine: DecodeEngine, core: Controller, context: torch.Tensor | None
     start = core.start(0)
     while core.running:
         size = core.block_size(0)
-        if size not in views:
-            views[size] = verify_row[:size], draft_row[:size], verify_row[1:size]
-        block, draft_block, proposals = views[size]
+        view = views.get(size)
+        if view is None:
+            view = views[size] = verify_row[:size], draft_row[:size], verify_row[1:size]
+        block, draft_block, proposals = view
         if size > 1:
             engine.draft(context, draft_block, start, out=proposals)
         logits, features = engine.verify(block, start)

@@ -7,9 +7,9 @@ import torch
 from helpers import assert_one_line_error, trtspec
 
 from trtspec.errors import TrtspecError
-from trtspec.policy import AUTO, expected_regret, load_policy, summarize_prefill, train_policy
+from trtspec.policy import expected_regret, load_policy, summarize_prefill, train_policy
 from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.schedule import AUTO, BlockChoice
 
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n", "import os\nimport sys\n",
            "Speculative decoding drafts", "def f(x):\n    return"]

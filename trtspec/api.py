@@ -16,9 +16,10 @@ from trtspec.engines.eager import EagerEngine
 from trtspec.errors import TrtspecError
 from trtspec.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
-from trtspec.policy import AUTO, drafter_policy, load_policy
+from trtspec.policy import drafter_policy, load_policy
 from trtspec.runtime.decode import Generation, GenerationConfig, generate
 from trtspec.runtime.graphs import open_engine
+from trtspec.runtime.schedule import AUTO
 from trtspec.tokenizer import TextCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

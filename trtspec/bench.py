@@ -60,7 +60,8 @@ def parse_block_sizes(text: str) -> tuple[int, ...]:
     """'8,12,16' -> (8, 12, 16): plain block sizes (what an engine is built for), duplicates dropped."""
     choices = parse_block_choices(text)
     if any(c.grow_to for c in choices):
-        raise TrtspecError(f"give plain block sizes here (a growing block B:G runs the graphs of B and G); got {text!r}")
+        raise TrtspecError(f"give plain block sizes here (a growing block B:G runs the graphs of B and G); "
+                           f"got {text!r}")
     return tuple(c.size for c in choices)
 
 
@@ -153,7 +154,8 @@ class BenchRun:
     def chosen_block_sizes(self) -> dict[str, int]:
         """How often each schedule ran (the distribution BlockPilot chose, for auto)."""
         names = [s.schedule for s in self.stats]
-        return {name: names.count(name) for name in sorted(set(names), key=lambda n: [int(x) for x in n.split(":")])}
+        ordered = sorted(set(names), key=lambda name: [int(size) for size in name.split(":")])
+        return {name: names.count(name) for name in ordered}
 
     @property
     def tokens_per_s_repeats(self) -> list[float]:

@@ -131,8 +131,8 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             artifacts=record_artifacts(staging),
             graphs={name: {"file": files[name], **specs[name].to_dict()} for name in modules},
             tensorrt_profiles=table, trtspec_version=__version__,
-            policy={"dir": POLICY_DIR, "block_sizes": list(policy.block_sizes), "choices": [c.name for c in policy.choices],
-                    "features": list(policy.kinds)}
+            policy={"dir": POLICY_DIR, "block_sizes": list(policy.block_sizes),
+                    "choices": [c.name for c in policy.choices], "features": list(policy.kinds)}
             if policy is not None else None)
         manifest.write(staging)
         bar.set_postfix_str("self-check")

@@ -169,8 +169,9 @@ class HostProfile:
                          f"{row['identical_outputs']:>4}/{row['requests']}")
         for block_size in (1, *(b.size for b in c.block_sizes)):
             python, native = (self.runs[(block_size, name)] for name in CONTROLLERS)
-            lines.append(f"B={BlockChoice(block_size).name}: native host time is {native.host_us / python.host_us:.2f}x "
-                         f"the Python loop's; speed-up {self.speedup(python):.2f}x -> {self.speedup(native):.2f}x")
+            lines.append(f"B={BlockChoice(block_size).name}: native host time is "
+                         f"{native.host_us / python.host_us:.2f}x the Python loop's; "
+                         f"speed-up {self.speedup(python):.2f}x -> {self.speedup(native):.2f}x")
         return "\n".join(lines)
 
 

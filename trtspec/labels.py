@@ -50,6 +50,11 @@ class LabelConfig:
                                    f"{choice.size} and B={choice.grow_to}; add both as fixed block sizes")
 
 
+def run_key(choice: BlockChoice) -> str:
+    """Where a prompt's run of `choice` is stored in its record: its name, AR under "1"."""
+    return "1" if choice.size == 1 else choice.name
+
+
 def features_path(path: Path) -> Path:
     return path.with_name(path.name.removesuffix(".jsonl") + ".features.safetensors")
 
@@ -75,8 +80,7 @@ class LabelSet:
 
     @staticmethod
     def run(record: dict, choice: BlockChoice) -> dict:
-        """A prompt's run of `choice` (AR is stored under "1")."""
-        return record["runs"]["1" if choice.size == 1 else choice.name]
+        return record["runs"][run_key(choice)]
 
     def cycle_cost(self, block_size: int) -> float:
         return self.header["cycle_cost_s"][str(block_size)]
@@ -154,8 +158,9 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
                 generation_config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
                                                      max_new_tokens=config.max_new_tokens,
                                                      sampling=replace(config.sampling, seed=seed + index))
-                stats = (baseline if choice.size == 1 else pipeline).generate(prompt, generation_config).generation.stats
-                runs["1" if choice.size == 1 else choice.name] = {
+                source = baseline if choice.size == 1 else pipeline
+                stats = source.generate(prompt, generation_config).generation.stats
+                runs[run_key(choice)] = {
                     "tau": stats.tau, "cycles": stats.cycles, "grown_cycles": stats.grown_cycles,
                     "new_tokens": stats.new_tokens, "decode_s": stats.decode_s}
                 bar.update()
@@ -182,12 +187,8 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
 
 def best_fixed_block_size(labels: LabelSet) -> int:
     """The single fixed block size with the highest modelled decode speed over the whole set."""
-    return strategy_best(labels, labels.fixed).size
-
-
-def strategy_best(labels: LabelSet, choices: tuple[BlockChoice, ...]) -> BlockChoice:
-    """The one column of `choices` that is fastest over the whole set (modelled)."""
-    return max(choices, key=lambda c: strategy_metrics(labels, [c] * len(labels.records))["modelled_speedup"])
+    every = len(labels.records)
+    return max(labels.fixed, key=lambda c: strategy_metrics(labels, [c] * every)["modelled_speedup"]).size
 
 
 def strategy_metrics(labels: LabelSet, choices: list[BlockChoice]) -> dict:

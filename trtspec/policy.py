@@ -33,7 +33,8 @@ from torch import nn
 
 from trtspec.errors import TrtspecError
 from trtspec.fileio import staged_directory
-from trtspec.runtime.schedule import AUTO, BlockChoice  # noqa: F401 (AUTO: re-exported)
+from trtspec.runtime.schedule import BlockChoice
+
 FEATURE_KINDS = ("last", "mean", "length", "confidence")
 POLICY_CONFIG, POLICY_WEIGHTS = "policy.json", "policy.safetensors"
 DRAFTER_POLICY_DIR = "blockpilot"  # a drafter directory may ship its policy here
@@ -171,8 +172,8 @@ def train_policy(inputs: torch.Tensor, speeds: torch.Tensor, choices: tuple[Bloc
         loss = expected_regret(net(inputs), speeds)
         loss.backward()
         optimizer.step()
-    return BlockPilot(tuple(choices), tuple(kinds), net.eval(), {"train_prompts": inputs.shape[0],
-                                                                     "train_regret": float(loss.detach())})
+    return BlockPilot(choices, tuple(kinds), net.eval(), {"train_prompts": inputs.shape[0],
+                                                           "train_regret": float(loss.detach())})
 
 
 def time_choice(policy: BlockPilot, features: torch.Tensor, logits: torch.Tensor, repeats: int = 200) -> float:

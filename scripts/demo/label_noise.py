@@ -27,16 +27,17 @@ def main() -> None:
     runs = [read_labels(path) for path in args.labels]
     if len(runs[0].records) != len(runs[1].records) or runs[0].header["prompts"] != runs[1].header["prompts"]:
         raise SystemExit("the two label sets must cover the same prompts")
-    fixed = [c for c in runs[0].fixed if c in runs[1].fixed]
+    fixed = tuple(c for c in runs[0].fixed if c in runs[1].fixed)
     n = len(runs[0].records)
+    best_per_prompt = [labels.labels(fixed) for labels in runs]
     report = {}
     for own, other in ((0, 1), (1, 0)):
         labels = runs[own]
         speed = {c.name: strategy_metrics(labels, [c] * n)["modelled_speedup"] for c in fixed}
         best = max(speed, key=speed.get)
-        oracle = strategy_metrics(labels, labels.labels(tuple(fixed)))["modelled_speedup"]
-        transferred = strategy_metrics(labels, runs[other].labels(tuple(fixed)))["modelled_speedup"]
-        agreement = sum(a == b for a, b in zip(labels.labels(tuple(fixed)), runs[other].labels(tuple(fixed)))) / n
+        oracle = strategy_metrics(labels, best_per_prompt[own])["modelled_speedup"]
+        transferred = strategy_metrics(labels, best_per_prompt[other])["modelled_speedup"]
+        agreement = sum(a == b for a, b in zip(*best_per_prompt)) / n
         report[args.labels[own]] = {
             "seed": labels.header["seed"], "best_fixed": best, "best_fixed_speedup": speed[best],
             "oracle_speedup": oracle, "other_seed_oracle_choices_speedup": transferred,

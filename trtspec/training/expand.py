@@ -78,13 +78,14 @@ def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tu
         if not (stage_dir / "config.json").is_file():
             drafter.config = replace(drafter.config, block_size=block_size, lineage=lineage)
             # Positions below B0 keep the decay the drafter was trained with; new ones restart it.
+            distilling = teacher is not None and block_size > source.block_size  # every stage past B0
             train_config = TrainConfig(block_size=block_size, steps=steps, batch_size=config.batch_size,
                                        gamma=default_gamma(source.block_size),
                                        anchors_per_sequence=config.anchors_per_sequence, lr=config.lr,
                                        seed=config.seed + number, checkpoint_every=config.checkpoint_every,
                                        position_weight_shift=emphasis, lineage=lineage,
                                        mask_token_id=source.mask_token_id,
-                                       distill_below=source.block_size if teacher is not None and block_size > source.block_size else 0,
+                                       distill_below=source.block_size if distilling else 0,
                                        distill_weight=config.distill_weight)
             train_drafter(target, sequences, train_config, stage_dir, work / f"stage{number}.work", drafter=drafter,
                           teacher=teacher, progress=progress)
