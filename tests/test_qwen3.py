@@ -21,7 +21,7 @@ def test_prefill_and_cached_steps_match_transformers(tmp_path, tie):
     hf, ours = _oracle(directory), load_target(directory)
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie  # tied weights stay shared
     prompts = torch.randint(0, ours.config.vocab_size, (4, 23), generator=torch.Generator().manual_seed(0))
-    layers = tuple(range(ours.config.num_hidden_layers - 1))  # HF normalises the last entry
+    layers = tuple(range(ours.config.num_hidden_layers))  # every layer, the last (post-norm) too
     with torch.no_grad():
         expected = hf(prompts, output_hidden_states=True)
         logits, features = ours(prompts, 0, ours.new_cache(4, 64), feature_layers=layers)

@@ -2,7 +2,10 @@
 
 One `forward` serves prefill (many tokens from position 0), verify (B tokens at `start`) and the
 autoregressive step (one token). It also returns the hidden states that DFlash drafters read:
-the output of decoder layer i for each requested i (HF `hidden_states[i + 1]`).
+for each requested layer i, exactly transformers' `output_hidden_states[i + 1]` — the raw output of
+decoder layer i, except for the last layer, where transformers (and z-lab's reference drafters)
+hold the output of the final RMSNorm. `decode` is the one place that convention lives; every
+backend, the training loop, labels and preflight take their features from it.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class Qwen3Target(nn.Module):
         """Run `tokens` [b, T] at positions start..start+T-1, causally over the cache.
 
         Returns logits [b, T, V] (or only the last `last_logits` positions') and the requested
-        layers' outputs concatenated on the feature axis, [b, T, len(feature_layers) * hidden] (None when none requested).
+        layers' features (HF `hidden_states[i + 1]`) concatenated on the feature axis, [b, T, len(feature_layers) * hidden] (None when none requested).
         Afterwards the cache holds start+T valid positions. Without a cache (training) the
         tokens attend causally among themselves and start must be 0.
         """
@@ -91,7 +94,8 @@ class Qwen3Target(nn.Module):
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attend_kv: KVHook, mask: torch.Tensor | None,
                feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder stack: final hidden states [b, T, H] and the tapped layers' outputs.
+        """The decoder stack: final hidden states [b, T, H] (before the final norm) and the
+        tapped layers' features (HF `hidden_states[i + 1]`, see the module docstring).
 
         `attend_kv(layer, k, v)` turns the new tokens' keys/values into the keys/values they attend
         to (a KV cache in eager mode, graph inputs and outputs in an exported step); `mask` is
@@ -99,6 +103,7 @@ class Qwen3Target(nn.Module):
         """
         cos, sin = self.rotary(positions, self.dtype)
         wanted = set(feature_layers)
+        last = len(self.model.layers) - 1
         taps: dict[int, torch.Tensor] = {}
         h = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
@@ -108,8 +113,8 @@ class Qwen3Target(nn.Module):
             k, v = attend_kv(i, *attn.project_kv(x, cos, sin))
             h = h + attn.attend(q, k, v, mask)
             h = layer.feed_forward(h)
-            if i in wanted:
-                taps[i] = h
+            if i in wanted:  # HF's hidden_states[i + 1]: the last entry is already normalised
+                taps[i] = self.model.norm(h) if i == last else h
         features = torch.cat([taps[i] for i in feature_layers], dim=-1) if feature_layers else None
         return h, features
 
