@@ -26,7 +26,7 @@ from trtspec.bench import load_prompts
 from trtspec.fileio import atomic_write_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import corpus_files, read_text, stdlib_root  # noqa: E402
+from corpus import all_corpus_files, corpus_files, read_text, stdlib_root  # noqa: E402
 
 PROMPT_TOKENS = 64
 DEF_LINE = re.compile(r"^[ \t]*def [^\n]*:[ \t]*\n", re.MULTILINE)
@@ -63,7 +63,7 @@ def make_prompts(tokenizer: Tokenizer, count: int) -> list[dict]:
 def check_disjoint(prompts: list[dict]) -> dict:
     """Raise if the drafter prompts, the target corpus and HumanEval overlap; return the counts."""
     root = stdlib_root()
-    corpus = "\n".join(read_text(p) for p in corpus_files(root))
+    corpus = "\n".join(read_text(p) for p in all_corpus_files())  # stdlib and package files
     in_corpus = set(corpus_files(root))
     from_corpus = [r["source"] for r in prompts if root / r["source"].rsplit(":", 1)[0] in in_corpus]
     if from_corpus:

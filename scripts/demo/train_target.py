@@ -36,7 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import corpus_manifest, read_text, split_files  # noqa: E402
 
-from trtspec.models import Qwen3Config, Qwen3Target  # noqa: E402
+from trtspec.models import Qwen3Config, Qwen3Target, load_target  # noqa: E402
 from trtspec.models.checkpoint import save_checkpoint  # noqa: E402
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
@@ -231,6 +231,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--stdlib-only", action="store_true", help="the first demo target's corpus (no packages)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this target directory's weights (continued pre-training; same config)")
     p.add_argument("--reuse-tokenizer", type=Path, default=None,
                    help="copy this tokenizer.json instead of training one (keeps the vocabulary)")
     # model
@@ -263,6 +265,12 @@ def main(argv=None) -> None:
     config = model_config(a)
     model = Qwen3Target(config)
     init_weights(model)
+    if a.init_from is not None:  # continued pre-training: start from an earlier demo target's weights
+        earlier = load_target(a.init_from, dtype=torch.float32)
+        if earlier.config.to_dict() != config.to_dict():
+            raise SystemExit(f"{a.init_from} has another model config; pass matching --hidden/--layers/...")
+        model.load_state_dict(earlier.state_dict())
+        print(f"initialised from {a.init_from}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
@@ -354,6 +362,8 @@ def main(argv=None) -> None:
                        + ("" if a.stdlib_only else " and well-kept Python packages") + " (scripts/demo/train_target.py)",
         "mask_token_id": 1,
         "corpus_sha256": manifest["sha256"],
+        "initialised_from": (json.loads((a.init_from / "config.json").read_text()).get("trtspec_demo")
+                             if a.init_from is not None else None),
         "seed": a.seed, "steps": state["step"], "train_tokens": state["tokens"],
         "train_minutes": round(state["elapsed"] / 60, 2), "batch": a.batch, "seq_len": a.seq, "lr": a.lr,
         "validation_loss": round(val, 4), "validation_loss_fp32": round(val_fp32, 4),
