@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtspec.errors import TrtspecError
-from trtspec.fileio import staged_directory
+from trtspec.fileio import TRITON_REPOSITORY, check_output_dir, staged_directory
 from trtspec.manifest import read_manifest
 
 INPUTS = (  # name, Triton dtype, optional
@@ -67,10 +67,11 @@ def write_repository(engine_dir: Path, output: Path, name: str = "trtspec", inst
         raise TrtspecError(f"--instances must be >= 1, got {instances}")
     if not name.replace("_", "").replace("-", "").isalnum():
         raise TrtspecError(f"--name must be letters, digits, '-' or '_', got {name!r}")
+    check_output_dir(output, TRITON_REPOSITORY, [engine_dir])  # before anything else: never replace foreign data
     engine_dir = engine_dir.resolve()
     read_manifest(engine_dir)  # refuse a missing or damaged engine now, not when Triton loads it
     models = {name: False, f"{name}_stream": True}
-    with staged_directory(output) as staging:
+    with staged_directory(output, TRITON_REPOSITORY, [engine_dir]) as staging:
         for model, decoupled in models.items():
             (staging / model / "1").mkdir(parents=True)
             (staging / model / "config.pbtxt").write_text(
