@@ -24,11 +24,10 @@ from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BLOCK_SIZE, graph_specs
 from trtspec.export.graphs import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
 from trtspec.fileio import ENGINE, check_output_dir, staged_directory
-from trtspec.manifest import TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
+from trtspec.manifest import BACKENDS, TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
 from trtspec.models import load_drafter, load_target
 from trtspec.policy import drafter_policy, load_policy
 
-BACKENDS = ("onnxruntime", "tensorrt", "torch")
 POLICY_DIR = "policy"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")
