@@ -139,6 +139,20 @@ def trtspec(*args, stdin: bytes | None = None, timeout: int = 300) -> subprocess
                           capture_output=True, timeout=timeout)
 
 
+def trtspec_in_process(*args) -> subprocess.CompletedProcess:
+    """Invoke the real `trtspec` command through click's CliRunner (no interpreter start-up: for
+    commands that refuse before any work). An exception other than click's exit is a bug (it
+    would have been a traceback) and is raised."""
+    from click.testing import CliRunner
+
+    from trtspec.cli import cli
+
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout_bytes, result.stderr_bytes)
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
     """A user error: exit 1, one `Error: ...` line naming every fragment, no traceback, empty stdout."""
     err = result.stderr.decode()

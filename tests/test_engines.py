@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_one_line_error, save_random_drafter, trtspec
+from helpers import assert_one_line_error, save_random_drafter, trtspec, trtspec_in_process
 
 from trtspec.build import BuildConfig, build_engine
 from trtspec.engines import tensorrt as trt_engine
@@ -189,6 +189,57 @@ def test_a_failed_build_leaves_nothing_that_looks_complete(target_dir, drafter_d
     assert not (tmp_path / "fresh").exists()
     read_manifest(existing)  # the previous engine is untouched and still verifies
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]  # no staging directories left behind
+
+
+def _edit_manifest(engine, edit) -> None:
+    data = json.loads((engine / MANIFEST_FILE).read_text())
+    edit(data)
+    (engine / MANIFEST_FILE).write_text(json.dumps(data))
+
+
+def test_a_graph_dropped_from_the_manifest_and_corrupted_is_refused(ort_engine, tmp_path):
+    """Before, only listed files were hashed: this engine ran, exit 0, with a garbage drafter."""
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine, engine)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n")
+    _edit_manifest(engine, lambda data: data["artifacts"].pop("draft.onnx"))
+    graph = bytearray((engine / "draft.onnx").read_bytes())
+    graph[len(graph) // 2] ^= 0xFF
+    (engine / "draft.onnx").write_bytes(bytes(graph))
+    assert_one_line_error(trtspec_in_process("run", prompt, "--engine", engine, "--max-new-tokens", 8),
+                          "draft.onnx", "not listed in artifacts")
+
+
+def test_a_file_the_manifest_does_not_list_is_refused(ort_engine, tmp_path):
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine, engine)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n")
+    (engine / "tokenizer" / "added_tokens.json").write_text("{}")  # the tokenizer loader would read it
+    assert_one_line_error(trtspec_in_process("run", prompt, "--engine", engine, "--max-new-tokens", 8),
+                          "tokenizer/added_tokens.json", "does not list")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("backend", 3, "field backend must be one of"),
+    ("dtype", "float8", "field dtype must be one of"),
+    ("max_context", "512", "field max_context must be an integer"),
+    ("block_sizes", [8, 4], "field block_sizes must be a sorted list"),
+    ("block_sizes", [4, 8, 16], "field profiles.target must list"),
+    ("artifacts", {"../target.onnx": {"bytes": 1, "sha256": "0" * 64}}, "not a path inside"),
+    ("graphs", {"target": {"file": "/etc/passwd"}, "draft": {"file": "draft.onnx"}}, "graphs.target.file"),
+    ("target_config", {"vocab_size": "many"}, "field target_config is not a valid model config"),
+    ("policy", {"dir": "../elsewhere", "block_sizes": [4]}, "field policy"),
+    ("sources", [], "field sources must be a JSON object"),
+])
+def test_manifest_fields_are_validated_one_line_naming_file_and_field(ort_engine, tmp_path, field, value, message):
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine, engine)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n")
+    _edit_manifest(engine, lambda data: data.__setitem__(field, value))
+    assert_one_line_error(trtspec_in_process("run", prompt, "--engine", engine), MANIFEST_FILE, message)
 
 
 def test_tensorrt_profile_table(pair):

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import trtspec
+from helpers import assert_one_line_error, trtspec, trtspec_in_process
 
 pytest.importorskip("pytriton", reason="the Triton tests need the [triton] extra (nvidia-pytriton)")
 http = pytest.importorskip("tritonclient.http", reason="the Triton tests need tritonclient[http,grpc]")
@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # n
 
 PROMPT = "def add(a, b):\n"
 MAX_TOKENS = 24
+LONG_CONTEXT = 4096  # the served engine's: one request can decode for many seconds (the cancellation test)
 
 
 def _alive(group: int, grace: float = 20.0) -> bool:
@@ -48,9 +49,25 @@ def _free_ports(count: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server(ort_engine_dir, tmp_path_factory):
+def long_engine_dir(tmp_path_factory):
+    """The tiny random pair (conftest's weights) with a LONG_CONTEXT-position context, built for ONNX Runtime."""
+    from helpers import save_hf_target, save_random_drafter
+
+    from trtspec.build import BuildConfig, build_engine
+    from trtspec.models import load_target
+
+    root = tmp_path_factory.mktemp("long")
+    target = save_hf_target(root / "target", max_positions=LONG_CONTEXT)
+    drafter = save_random_drafter(root / "drafter", load_target(target))
+    build_engine(target, drafter, root / "engine", BuildConfig(block_sizes=(4, 8), backend="onnxruntime"),
+                 progress=False)
+    return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def server(long_engine_dir, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton") / "repo"
-    made = trtspec("triton-repo", "--engine", ort_engine_dir, "-o", repo, "--threads", 1)
+    made = trtspec("triton-repo", "--engine", long_engine_dir, "-o", repo, "--threads", 1)
     assert made.returncode == 0, made.stderr.decode()
     http_port, grpc_port, metrics_port = _free_ports(3)
     log = open(repo.parent / "server.log", "wb")
@@ -71,7 +88,7 @@ def server(ort_engine_dir, tmp_path_factory):
                                      (repo.parent / "server.log").read_text(errors="replace")[-3000:])
             time.sleep(0.5)
         yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "process": process,
-               "engine": ort_engine_dir}
+               "engine": long_engine_dir}
     finally:
         process.send_signal(signal.SIGINT)  # as Ctrl-C: triton-serve stops its server cleanly
         try:
@@ -187,7 +204,7 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cas
         if case == "empty prompt":
             prompt = ""
         elif case == "prompt longer than the context":
-            prompt = "def add(a, b):\n" * 400
+            prompt = "def add(a, b):\n" * (LONG_CONTEXT * 2)
         elif case == "negative temperature":
             scalars = {"temperature": np.float32(-0.5)}
         else:
@@ -197,6 +214,37 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cas
         client.infer("trtspec", tensors)
     assert _ask(client)[0]  # the next request is served as usual
     assert server["process"].poll() is None
+
+
+@pytest.mark.parametrize("model", ["trtspec", "trtspec_stream"])
+def test_a_cancelled_request_frees_its_instance_at_once(server, model):
+    """Each model has one instance. A request that would decode the whole context (many seconds)
+    is cancelled once it is running; the next request must not wait for it to finish."""
+    client, results = grpc.InferenceServerClient(server["grpc"]), queue.Queue()
+    long = _inputs(grpc, PROMPT, max_tokens=np.int32(LONG_CONTEXT), block_size=np.int32(4))
+    if model == "trtspec_stream":
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer(model, long)
+        assert results.get(timeout=120)[1] is None  # the first piece: decoding is under way
+        client.stop_stream(cancel_requests=True)
+    else:
+        call = client.async_infer(model, long, callback=lambda result, error: results.put((result, error)))
+        time.sleep(1.0)  # let it start decoding
+        call.cancel()
+    began = time.monotonic()
+    short = _inputs(grpc, PROMPT, max_tokens=np.int32(4), block_size=np.int32(4), stream=np.bool_(False))
+    fresh = grpc.InferenceServerClient(server["grpc"])
+    if model == "trtspec_stream":
+        done = queue.Queue()
+        fresh.start_stream(callback=lambda result, error: done.put((result, error)))
+        fresh.async_stream_infer(model, short)
+        result, error = done.get(timeout=120)
+        fresh.stop_stream()
+    else:
+        result, error = fresh.infer(model, short), None
+    waited = time.monotonic() - began
+    assert error is None and json.loads(result.as_numpy("stats")[0])["new_tokens"] == 4
+    assert waited < 5.0, f"the next request waited {waited:.1f} s: the cancelled one kept decoding"
 
 
 def test_triton_repo_refuses_a_damaged_engine(tmp_path, ort_engine_dir):
@@ -219,3 +267,12 @@ def test_dockerfile_lints_clean():
     dockerfile = Path(__file__).resolve().parents[1] / "Dockerfile"
     result = subprocess.run([hadolint, "--no-color", str(dockerfile)], capture_output=True, timeout=60)
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--http-port", 99999), "--http-port must be a port in 1..65535, got 99999"),
+    (("--grpc-port", 0), "--grpc-port must be a port in 1..65535, got 0"),
+    (("--http-port", 8001), "must differ"),
+])
+def test_triton_serve_refuses_ports_it_cannot_listen_on(tmp_path, flags, message):
+    assert_one_line_error(trtspec_in_process("triton-serve", tmp_path, *flags), message)

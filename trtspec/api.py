@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from trtspec.engines.eager import EagerEngine
-from trtspec.errors import TrtspecError
+from trtspec.errors import Cancelled, TrtspecError
 from trtspec.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
 from trtspec.policy import drafter_policy, load_policy
@@ -115,17 +115,23 @@ class Pipeline:
         return baseline
 
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
-                 on_text: Callable[[str], None] | None = None) -> TextResult:
+                 on_text: Callable[[str], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> TextResult:
         """Decode `prompt`; `on_text` receives text pieces as tokens are committed, and together
-        they are exactly the result's text."""
+        they are exactly the result's text. `cancelled` is asked after every cycle; when it says
+        so, decoding stops there with `Cancelled` (a server frees its instance at once)."""
         ids = self.codec.encode(prompt, chat=chat)
         if not ids:
             raise TrtspecError("the prompt is empty")
         on_commit, streamed = None, []
-        if on_text is not None:
+        if on_text is not None or cancelled is not None:
             stream = self.codec.streamer()
 
             def on_commit(tokens: list[int]) -> None:
+                if cancelled is not None and cancelled():
+                    raise Cancelled("the request was cancelled")
+                if on_text is None:
+                    return
                 for token in tokens:
                     piece = stream.step(self.codec.tokenizer, token)
                     if piece:

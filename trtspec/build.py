@@ -23,12 +23,11 @@ from trtspec.engines.executor import TORCH_DTYPES
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BLOCK_SIZE, graph_specs
 from trtspec.export.graphs import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
-from trtspec.fileio import staged_directory
-from trtspec.manifest import TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
+from trtspec.fileio import ENGINE, check_output_dir, staged_directory
+from trtspec.manifest import BACKENDS, TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
 from trtspec.models import load_drafter, load_target
 from trtspec.policy import drafter_policy, load_policy
 
-BACKENDS = ("onnxruntime", "tensorrt", "torch")
 POLICY_DIR = "policy"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")
@@ -80,6 +79,8 @@ def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
 
 def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: BuildConfig,
                  progress: bool = True) -> Manifest:
+    inputs = (target_dir, drafter_dir, config.policy)
+    check_output_dir(output, ENGINE, inputs)  # before any work: never replace what is not an old engine
     backend, device, dtype = _resolve(config)
     policy = None
     if config.policy is not None:
@@ -101,8 +102,9 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     table = trt_engine.profile_table(specs, block_sizes, max_context)
     steps = [(name, stage) for name in modules for stage in
              (("export",) if backend != "tensorrt" else ("export", "compile"))] + [("engine", "self-check")]
-    with staged_directory(output) as staging, tqdm(total=len(steps), desc="build", unit="step", file=sys.stderr,
-                                                   disable=not progress, dynamic_ncols=True) as bar:
+    with staged_directory(output, ENGINE, inputs) as staging, tqdm(
+            total=len(steps), desc="build", unit="step", file=sys.stderr, disable=not progress,
+            dynamic_ncols=True) as bar:
         files = {}
         for name, stage in steps[:-1]:
             bar.set_postfix_str(f"{stage} {name}")

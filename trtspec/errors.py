@@ -16,3 +16,8 @@ class CheckpointError(TrtspecError):
 
 class MismatchError(CheckpointError):
     """A drafter does not fit its target."""
+
+
+class Cancelled(Exception):
+    """The caller withdrew a request (a Triton client cancelled it); decoding stopped after the
+    cycle in which that was noticed. Not an error of the input."""

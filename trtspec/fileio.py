@@ -1,46 +1,299 @@
-"""Writing files so that a reader never sees half of one: temporary sibling, then rename."""
+"""Writing outputs so that a reader never sees half of one and nothing the user did not ask to
+replace is ever removed.
+
+Every command that writes goes through this module:
+
+* `check_output_dir` / `check_output_file` run before any work (and again at the moment of
+  replacing): an existing output is replaced only when it is a previous trtspec output of the
+  same kind (its marker file `.trtspec-output` says so; an engine directory's manifest.json too).
+  Never the current directory or one of its parents, an input or a directory holding one, a
+  directory that is not a trtspec output of that kind, a path inside another trtspec output
+  (which its next rebuild would delete), a directory where a file belongs, a device or pipe,
+  or a place that cannot be written. Each refusal is one `TrtspecError` line.
+* `staged_directory` / `staged_file` fill a uniquely named hidden sibling (in the destination's
+  own directory, so the final rename is atomic) and rename it into place. The sibling is removed
+  on every exit path: errors, Ctrl-C and SIGTERM (turned into an exception while it exists).
+  Siblings left by runs killed outright (SIGKILL, power loss) carry the host and process id in
+  their names and are removed by the next run once that process is gone.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
 import shutil
+import signal
+import socket
+import stat
 import tempfile
+import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
+
+from trtspec.errors import TrtspecError
+
+MARKER = ".trtspec-output"            # inside every directory written by staged_directory: {"kind": ...}
+ENGINE = "engine directory"           # the kinds of directory outputs
+TRITON_REPOSITORY = "Triton model repository"
+POLICY = "BlockPilot policy"
+CHECKPOINT = "checkpoint"
+STAGING, TEMPORARY, REPLACED = "trtspec-staging", "trtspec-tmp", "trtspec-old"
+
+PathLike = str | os.PathLike
+# OSErrors that mean "this place cannot take the output", reported as one line, not a traceback
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp")
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, target)
+def _resolved(path: PathLike) -> Path:
+    return Path(os.path.abspath(os.path.realpath(os.path.expanduser(os.fspath(path)))))
+
+
+def _inputs(inputs: Iterable[PathLike | None]) -> list[tuple[Path, Path]]:
+    """(as given, resolved) for every input that names something on disk."""
+    return [(Path(p), _resolved(p)) for p in inputs if p is not None and os.path.lexists(p)]
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def output_kind(directory: Path) -> str | None:
+    """The kind of trtspec output `directory` is, from its marker; an engine directory written
+    before markers existed is recognised by its manifest. None for anything else."""
+    kind = _json_object(directory / MARKER).get("kind")
+    if isinstance(kind, str):
+        return kind
+    manifest = _json_object(directory / "manifest.json")
+    return ENGINE if {"manifest_version", "backend", "artifacts"} <= manifest.keys() else None
+
+
+def _check_common(path: PathLike, target: Path, inputs: Iterable[PathLike | None]) -> None:
+    """Rules shared by file and directory outputs: not an input, not inside another trtspec
+    output, and a parent that exists (or can be created) and is writable."""
+    for given, source in _inputs(inputs):
+        if target == source:
+            raise TrtspecError(f"refusing to write {path}: it is also an input ({given}); choose another output path")
+        if source.is_relative_to(target):
+            raise TrtspecError(f"refusing to replace {path}: it holds the input {given}; choose another output path")
+    for parent in target.parents:
+        kind = output_kind(parent) if parent.is_dir() else None
+        if kind is not None:
+            raise TrtspecError(f"refusing to write {path}: it is inside the {kind} {parent}, which trtspec "
+                               "replaces as a whole; choose a path outside it")
+    existing = next(p for p in (target.parent, *target.parent.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        raise TrtspecError(f"cannot write {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise TrtspecError(f"cannot write {path}: {existing} is not writable")
+
+
+def check_output_dir(path: PathLike, kind: str, inputs: Iterable[PathLike | None] = ()) -> Path:
+    """Refuse, before any work, a directory output that would destroy something (module docstring);
+    returns the resolved path."""
+    target = _resolved(path)
+    cwd = _resolved(os.getcwd())
+    if target == cwd or cwd.is_relative_to(target):
+        raise TrtspecError(f"refusing to replace {path}: it is the current directory or one of its parents; "
+                           "choose a new directory")
+    _check_common(path, target, inputs)
+    if os.path.lexists(target):
+        if not target.is_dir():
+            raise TrtspecError(f"refusing to replace {path}: it exists and is not a directory")
+        found = output_kind(target)
+        if found is not None and found != kind:
+            raise TrtspecError(f"refusing to replace {path}: it is a trtspec {found}, not a {kind}; "
+                               "choose another path")
+        if found is None and any(target.iterdir()):
+            raise TrtspecError(f"refusing to replace {path}: it is a non-empty directory that is not a previous "
+                               f"trtspec {kind}; remove it yourself or choose another path")
+        if not os.access(target.parent, os.W_OK | os.X_OK):
+            raise TrtspecError(f"cannot replace {path}: {target.parent} is not writable")
     return target
 
 
-@contextlib.contextmanager
-def staged_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a hidden sibling directory to fill; on success it replaces `path`, on any error
-    (or Ctrl-C) it is deleted, so `path` is either the old directory or the complete new one."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+def check_output_file(path: PathLike, inputs: Iterable[PathLike | None] = (), suffix: str | None = None,
+                      what: str = "output") -> Path:
+    """Refuse, before any work, a file output that cannot or must not be written; returns the
+    resolved path (a symlink's target, so the link itself stays)."""
+    if suffix is not None and Path(path).suffix != suffix:
+        raise TrtspecError(f"{what} is written as {suffix}; name it *{suffix}, not {Path(path).name}")
+    target = _resolved(path)
+    if os.path.lexists(target):
+        if target.is_dir():
+            raise TrtspecError(f"cannot write {path}: it is a directory; give a file path")
+        if not stat.S_ISREG(target.stat().st_mode):
+            raise TrtspecError(f"cannot write {path}: it is not a regular file (a device, pipe or socket); "
+                               "give a file path")
+        if not os.access(target, os.W_OK):
+            raise TrtspecError(f"cannot write {path}: the file is not writable")
+    _check_common(path, target, inputs)
+    return target
+
+
+def _sibling_prefix(target: Path, tag: str) -> str:
+    return f".{target.name}.{tag}."
+
+
+def _owner_tag() -> str:
+    """Host and process id, so a later run can tell whether the writer of a sibling is gone."""
+    return f"{socket.gethostname().replace('.', '_')}.{os.getpid()}."
+
+
+def remove_stale(target: Path) -> list[Path]:
+    """Remove hidden siblings of `target` left by runs on this host whose process no longer exists."""
+    removed, host = [], socket.gethostname().replace(".", "_")
+    if not target.parent.is_dir():
+        return removed
+    prefixes = tuple(_sibling_prefix(target, tag) for tag in (STAGING, TEMPORARY, REPLACED))
+    for sibling in target.parent.iterdir():
+        if not sibling.name.startswith(prefixes):
+            continue
+        fields = sibling.name.split(".")  # "", name parts..., tag, host, pid, random
+        try:
+            owner_host, pid = fields[-3], int(fields[-2])
+        except (IndexError, ValueError):
+            continue
+        if owner_host != host or _alive(pid):
+            continue
+        if sibling.is_dir() and not sibling.is_symlink():
+            shutil.rmtree(sibling, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                sibling.unlink()
+        removed.append(sibling)
+    return removed
+
+
+def _alive(pid: int) -> bool:
     try:
-        yield staging
-        _make_shareable(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
-def _make_shareable(directory: Path) -> None:
-    """mkdtemp creates a private (0700) directory; give it and its files the usual umask modes."""
+class Terminated(SystemExit):
+    """SIGTERM (or SIGHUP) arrived while an output was being staged; exit status 128 + signal."""
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While staging, turn SIGTERM/SIGHUP (whose default is to die on the spot) into an exception,
+    so the cleanup of the `except` below runs; handlers someone else installed are kept."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def terminate(number, frame):
+        raise Terminated(128 + number)
+
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(number) is signal.SIG_DFL:
+            previous[number] = signal.signal(number, terminate)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _write_marker(directory: Path, kind: str) -> None:
+    from trtspec import __version__
+
+    (directory / MARKER).write_text(json.dumps({"kind": kind, "trtspec_version": __version__}) + "\n",
+                                    encoding="utf-8")
+
+
+@contextlib.contextmanager
+def staged_directory(path: PathLike, kind: str, inputs: Iterable[PathLike | None] = ()) -> Iterator[Path]:
+    """Yield a hidden sibling directory to fill; on success it replaces `path` (checked with
+    `check_output_dir`, at the start and again just before), on any error or signal it is deleted:
+    `path` is either the old output or the complete new one."""
+    inputs = list(inputs)
+    target = check_output_dir(path, kind, inputs)
+    with _signals_raise(), _write_errors(path):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(target)
+        staging = Path(tempfile.mkdtemp(prefix=_sibling_prefix(target, STAGING) + _owner_tag(), dir=target.parent))
+        old = None
+        try:
+            yield staging
+            _write_marker(staging, kind)
+            _make_shareable(staging)
+            check_output_dir(path, kind, inputs)
+            if os.path.lexists(target):  # moved aside, not deleted, until the new output is in place
+                old = Path(tempfile.mkdtemp(prefix=_sibling_prefix(target, REPLACED) + _owner_tag(),
+                                            dir=target.parent))
+                os.replace(target, old / "old")
+            os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            if old is not None and (old / "old").exists() and not os.path.lexists(target):
+                os.replace(old / "old", target)  # interrupted between the two renames: put the old one back
+            raise
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_file(path: PathLike, inputs: Iterable[PathLike | None] = (), suffix: str | None = None,
+                what: str = "output") -> Iterator[Path]:
+    """Yield a uniquely named temporary sibling to write; on success it is renamed onto `path`
+    (checked with `check_output_file`), on any error or signal it is deleted."""
+    inputs = list(inputs)
+    target = check_output_file(path, inputs, suffix, what)
+    with _signals_raise(), _write_errors(path):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(target)
+        handle, name = tempfile.mkstemp(prefix=_sibling_prefix(target, TEMPORARY) + _owner_tag(), dir=target.parent)
+        os.close(handle)
+        temporary = Path(name)
+        try:
+            yield temporary
+            _make_shareable(temporary)
+            check_output_file(path, inputs, suffix, what)
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                temporary.unlink()
+            raise
+
+
+@contextlib.contextmanager
+def _write_errors(path: PathLike) -> Iterator[None]:
+    """A full disk, a quota, a read-only place: one line naming the output, not a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRORS:
+            raise
+        raise TrtspecError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def atomic_write_text(path: PathLike, text: str, inputs: Iterable[PathLike | None] = ()) -> Path:
+    """Write `text` to `path` through `staged_file`; returns `path`."""
+    with staged_file(path, inputs) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def _make_shareable(path: Path) -> None:
+    """mkdtemp/mkstemp create private (0700/0600) entries; give them and their files the usual umask modes."""
     umask = os.umask(0)
     os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+    if path.is_file():
+        path.chmod(0o666 & ~umask)
+        return
+    path.chmod(0o777 & ~umask)
+    for entry in path.rglob("*"):
+        entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)

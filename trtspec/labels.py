@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
-from trtspec.fileio import atomic_write_text
+from trtspec.fileio import check_output_file, staged_file
 from trtspec.policy import FEATURE_KINDS, BlockPilot, summarize_prefill, time_choice
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
@@ -57,6 +57,13 @@ def run_key(choice: BlockChoice) -> str:
 
 def features_path(path: Path) -> Path:
     return path.with_name(path.name.removesuffix(".jsonl") + ".features.safetensors")
+
+
+def check_labels_output(path: str | Path, inputs=()) -> None:
+    """Refuse, before any labelling, an output that is not *.jsonl or where either file of the
+    label set cannot or must not be written (`trtspec.fileio.check_output_file`)."""
+    check_output_file(path, inputs, suffix=".jsonl", what="labels")
+    check_output_file(features_path(Path(path)), inputs)
 
 
 @dataclass
@@ -111,15 +118,15 @@ class LabelSet:
         return torch.cat([self.features[k] for k in kinds], dim=1)
 
     def write(self, path: str | Path) -> Path:
+        """The features file first, then the JSONL that names the set: each one atomically."""
         path = Path(path)
-        if path.suffix != ".jsonl":
-            raise TrtspecError(f"labels are written as JSONL; name the output *.jsonl, not {path.name}")
+        check_labels_output(path)
         lines = [json.dumps(self.header)] + [json.dumps(r) for r in self.records]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = features_path(path).with_name("." + features_path(path).name + ".tmp")
-        save_file({k: v.contiguous() for k, v in self.features.items()}, str(temporary))
-        temporary.replace(features_path(path))
-        return atomic_write_text(path, "\n".join(lines) + "\n")
+        with staged_file(features_path(path)) as temporary:
+            save_file({k: v.contiguous() for k, v in self.features.items()}, str(temporary))
+        with staged_file(path, suffix=".jsonl", what="labels") as temporary:
+            temporary.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
 
 
 def read_labels(path: str | Path) -> LabelSet:

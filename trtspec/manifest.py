@@ -1,9 +1,12 @@
 """The engine directory's `manifest.json`: what was built, from what, and how to check it.
 
-An engine directory is self-contained (graphs or plans, tokenizer, manifest). Loading one checks,
-with a one-line error for each failure, that this trtspec reads its manifest version, that every
-artifact is present with the size and SHA-256 recorded at build time (a truncated or edited file
-is refused), and, when checkpoints are named too, that they are the ones it was built from.
+An engine directory is self-contained (graphs or plans, tokenizer, policy, manifest). Loading one
+checks, with a one-line error naming the file and field for each failure, that this trtspec reads
+its manifest version, that every field has its type and range, that the manifest accounts for
+every file in the directory (a file it does not list, such as a graph whose entry was removed, is
+refused: nothing unhashed is ever loaded), that every artifact is present with the size and
+SHA-256 recorded at build time (a truncated or edited file is refused), and, when checkpoints are
+named too, that they are the ones it was built from.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import GraphSpec, graph_specs
+from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec, graph_specs
+from trtspec.fileio import MARKER
 from trtspec.models.config import DFlashConfig, Qwen3Config
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")
+BACKENDS = ("onnxruntime", "tensorrt", "torch")
+DTYPES = ("float32", "float16", "bfloat16")
+UNLISTED = (MANIFEST_FILE, MARKER)  # the only files of an engine directory that are not artifacts
 
 
 def file_sha256(path: Path) -> str:
@@ -86,9 +93,86 @@ class Manifest:
         (directory / MANIFEST_FILE).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
 
 
+def _files(directory: Path) -> list[str]:
+    """Every file below `directory` (relative, POSIX), except the manifest and the output marker."""
+    return [p.relative_to(directory).as_posix() for p in sorted(directory.rglob("*"))
+            if not p.is_dir() and p.relative_to(directory).as_posix() not in UNLISTED]
+
+
 def record_artifacts(directory: Path) -> dict[str, dict]:
-    return {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
+    return {name: {"bytes": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)}
+            for name in _files(directory)}
+
+
+def _is_int(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _relative(value) -> bool:
+    """A path that stays inside the engine directory."""
+    if not isinstance(value, str) or not value or "\\" in value:
+        return False
+    parts = Path(value).parts
+    return not Path(value).is_absolute() and ".." not in parts and "." not in value.split("/")
+
+
+def validate_fields(data: dict, path: Path) -> None:
+    """Check every field of a manifest dict (types and ranges) before anything uses it; one line
+    naming the file and the field for the first that is wrong."""
+    def bad(field_name: str, expected: str):
+        return TrtspecError(f"{path}: field {field_name} must be {expected}, got {data.get(field_name)!r:.80}; "
+                            "the manifest is damaged or edited: rebuild the engine")
+
+    for name in ("backend", "dtype", "max_context", "block_sizes", "profiles", "target_config", "drafter_config",
+                 "sources", "artifacts", "graphs"):
+        if name not in data:
+            raise TrtspecError(f"{path}: field {name} is missing; rebuild the engine")
+    if data["backend"] not in BACKENDS:
+        raise bad("backend", "one of " + ", ".join(BACKENDS))
+    if data["dtype"] not in DTYPES:
+        raise bad("dtype", "one of " + ", ".join(DTYPES))
+    if not _is_int(data["max_context"], 2):
+        raise bad("max_context", "an integer >= 2")
+    sizes = data["block_sizes"]
+    if (not isinstance(sizes, list) or not sizes or not all(_is_int(b, 2) and b <= MAX_BLOCK_SIZE for b in sizes)
+            or sorted(set(sizes)) != sizes):
+        raise bad("block_sizes", f"a sorted list of distinct integers in [2, {MAX_BLOCK_SIZE}]")
+    for name in ("target_config", "drafter_config", "sources", "artifacts", "graphs", "profiles"):
+        if not isinstance(data[name], dict):
+            raise bad(name, "a JSON object")
+    for name in ("tensorrt_profiles", "check", "policy"):
+        if data.get(name) is not None and not isinstance(data[name], dict):
+            raise bad(name, "a JSON object or null")
+    if not isinstance(data.get("trtspec_version", ""), str):
+        raise bad("trtspec_version", "a string")
+    for role, digest in data["sources"].items():
+        if not isinstance(digest, str):
+            raise TrtspecError(f"{path}: field sources.{role} must be a string; rebuild the engine")
+    for name, record in data["artifacts"].items():
+        if not _relative(name):
+            raise TrtspecError(f"{path}: artifacts entry {name!r} is not a path inside the engine directory; "
+                               "rebuild the engine")
+        if (not isinstance(record, dict) or not _is_int(record.get("bytes"))
+                or not isinstance(record.get("sha256"), str) or len(record["sha256"]) != 64):
+            raise TrtspecError(f"{path}: field artifacts.{name} must be {{\"bytes\": size, "
+                               "\"sha256\": 64 hex digits}; rebuild the engine")
+    for graph in (TARGET, DRAFT):
+        info = data["graphs"].get(graph)
+        if not isinstance(info, dict) or not _relative(info.get("file")):
+            raise TrtspecError(f"{path}: field graphs.{graph}.file must name a file inside the engine directory; "
+                               "rebuild the engine")
+        if info["file"] not in data["artifacts"]:
+            raise TrtspecError(f"{path}: graph file {info['file']} (graphs.{graph}.file) is not listed in artifacts, "
+                               "so it cannot be verified; rebuild the engine")
+        keys = data["profiles"].get(graph)
+        needed = (["prefill", 1] if graph == TARGET else []) + sizes
+        if not isinstance(keys, list) or any(k not in keys for k in needed):
+            raise TrtspecError(f"{path}: field profiles.{graph} must list the profiles "
+                               f"{', '.join(map(str, needed))}; rebuild the engine")
+    policy = data.get("policy")
+    if policy is not None and (not _relative(policy.get("dir")) or not isinstance(policy.get("block_sizes"), list)):
+        raise TrtspecError(f"{path}: field policy must have a dir inside the engine directory and block_sizes; "
+                           "rebuild the engine")
 
 
 def read_manifest(directory: str | Path) -> Manifest:
@@ -110,10 +194,23 @@ def read_manifest(directory: str | Path) -> Manifest:
                            f"{data.get('trtspec_version', '?') if isinstance(data, dict) else '?'}); this trtspec "
                            f"reads version {MANIFEST_VERSION}: rebuild the engine with `trtspec build`")
     data.pop("block_size_profiles", None)
+    validate_fields(data, path)
     try:
         manifest = Manifest(**data)
     except TypeError as exc:
-        raise TrtspecError(f"{path} does not have the fields of a version {MANIFEST_VERSION} manifest ({exc})") from None
+        raise TrtspecError(f"{path} does not have the fields of a version {MANIFEST_VERSION} manifest "
+                           f"({exc})") from None
+    for name, parse in (("target_config", lambda: manifest.target), ("drafter_config", lambda: manifest.drafter)):
+        try:
+            parse()
+        except (TrtspecError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise TrtspecError(f"{path}: field {name} is not a valid model config ({exc}); "
+                               "rebuild the engine") from None
+    unlisted = [name for name in _files(directory) if name not in manifest.artifacts]
+    if unlisted:
+        raise TrtspecError(f"engine {directory} holds {unlisted[0]}, which {MANIFEST_FILE} does not list among its "
+                           "artifacts (its entry was removed or the file added after the build): refusing to load "
+                           "an unverified file; rebuild the engine")
     for name, recorded in manifest.artifacts.items():
         artifact = directory / name
         if not artifact.is_file():

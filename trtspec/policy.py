@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from trtspec.errors import TrtspecError
-from trtspec.fileio import staged_directory
+from trtspec.fileio import POLICY, staged_directory
 from trtspec.runtime.schedule import BlockChoice
 
 FEATURE_KINDS = ("last", "mean", "length", "confidence")
@@ -114,7 +114,7 @@ class BlockPilot:
     def save(self, directory: str | Path) -> Path:
         config = {"kind": "blockpilot", "choices": [c.name for c in self.choices], "features": list(self.kinds),
                   "inputs": self.net.mean.numel(), "hidden": self.net.layers[0].out_features, **self.info}
-        with staged_directory(directory) as staging:
+        with staged_directory(directory, POLICY) as staging:
             (staging / POLICY_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
             save_file({k: v.contiguous() for k, v in self.net.state_dict().items()}, str(staging / POLICY_WEIGHTS))
         return Path(directory)

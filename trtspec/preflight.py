@@ -10,7 +10,6 @@ cycles would have reached had the block continued ("stranded" speed-up).
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import sys
 from dataclasses import dataclass, field, replace
@@ -21,9 +20,11 @@ from tqdm import tqdm
 
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BLOCK_SIZE
+from trtspec.fileio import staged_file
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.schedule import BlockChoice
 
+PLOT_SUFFIX = ".png"
 CEILING_THRESHOLD = 0.10   # a ceiling bin above this is worth a look
 MIN_STRANDED_GAIN = 0.25   # tokens per cycle an expansion must promise to be recommended
 TAIL_POSITIONS = 4         # last positions whose acceptance is extrapolated past the block
@@ -124,11 +125,11 @@ def plot(preflight: Preflight, path: str) -> None:
     right.set(xlabel="block position k", ylabel="P(accept k | accepted k-1)", ylim=(0, 1.02),
               title=f"tau {preflight.tau:.2f} -> stranded estimate {preflight.stranded_tau_estimate:.2f}")
     figure.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    temporary = f"{path}.tmp.png"
-    figure.savefig(temporary, dpi=120)
-    plt.close(figure)
-    os.replace(temporary, path)
+    try:
+        with staged_file(path, suffix=PLOT_SUFFIX, what="--plot") as temporary:
+            figure.savefig(temporary, dpi=120, format="png")
+    finally:
+        plt.close(figure)
 
 
 def run_preflight(pipeline, prompts: list[str], block_size: int, max_new_tokens: int, sampling,

@@ -50,8 +50,11 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
     decode phase only, after prefill). A table goes to stdout, progress to stderr. At T > 0
     each (prompt, repeat) uses a fixed seed (from --seed, default 0), so runs reproduce.
     """
+    from trtspec.fileio import check_output_file
     from trtspec.runtime.schedule import parse_block_choices
 
+    if json_path:
+        check_output_file(json_path, (prompts_spec, engine, target, drafter, policy))
     config = BenchConfig(block_sizes=parse_block_choices(block_sizes, allow_auto=True), max_new_tokens=max_new_tokens,
                          repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
     name, prompts = load_prompts(prompts_spec, limit)

@@ -27,7 +27,8 @@ Examples:
 @click.option("--max-context", type=int, metavar="N", help="Positions a request may fill. [default: the model's]")
 @click.option("--policy", metavar="DIR", help="BlockPilot policy (trtspec train-policy) to ship in the engine; "
               "its block sizes must all be built. Runs then default to --block-size auto.")
-@click.option("-o", "--output", required=True, metavar="DIR", help="Engine directory to write (replaced if it exists).")
+@click.option("-o", "--output", required=True, metavar="DIR",
+              help="Engine directory to write (replaces only a previous engine directory or an empty one).")
 def build(target, drafter, block_sizes, backend, dtype, device, max_context, policy, output) -> None:
     """Export the step graphs and compile them into an engine directory.
 

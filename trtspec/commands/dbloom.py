@@ -30,8 +30,14 @@ def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, 
               max_new_tokens, limit, json_path, plot_path, teacher_forced) -> None:
     """Acceptance histogram, per-position acceptance and stranded speed-up, with a recommendation."""
     from trtspec.bench import load_prompts, write_json
-    from trtspec.preflight import plot, run_preflight, run_teacher_forced
+    from trtspec.fileio import check_output_file
+    from trtspec.preflight import PLOT_SUFFIX, plot, run_preflight, run_teacher_forced
 
+    inputs = (prompts_spec, engine, target, drafter)
+    if json_path:
+        check_output_file(json_path, inputs)
+    if plot_path:
+        check_output_file(plot_path, inputs, suffix=PLOT_SUFFIX, what="--plot")
     if teacher_forced and temperature > 0:
         raise TrtspecError("--teacher-forced measures greedy acceptance; drop --temperature")
     if teacher_forced and engine is not None:
@@ -87,9 +93,11 @@ def expand_block(target, drafter, engine, dtype, device, to_block_size, data_fil
     The result is an ordinary drafter directory; its config records the lineage (source block
     size, stages, steps) under trtspec_lineage.
     """
+    from trtspec.fileio import CHECKPOINT, check_output_dir
     from trtspec.training.data import read_training_data
     from trtspec.training.expand import ExpandConfig, expand_block as expand
 
+    check_output_dir(output, CHECKPOINT, (target, drafter, data_file, work_dir))
     if engine is not None:
         raise TrtspecError("expand-block trains checkpoints; give --target/--drafter, not --engine")
     if steps < 1 or stages < 1 or continue_steps < 0 or settle_steps < 0:

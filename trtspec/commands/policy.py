@@ -44,9 +44,10 @@ def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_siz
     measured cost of one cycle at that block size (stored in the header); raw times are kept.
     """
     from trtspec.bench import load_prompts
-    from trtspec.labels import LabelConfig, label_blocks as run_labels
+    from trtspec.labels import LabelConfig, check_labels_output, label_blocks as run_labels
     from trtspec.runtime.schedule import parse_block_choices
 
+    check_labels_output(output, (prompts_spec, engine, target, drafter))
     config = LabelConfig(choices=parse_block_choices(block_sizes), max_new_tokens=max_new_tokens,
                          sampling=sampling_config(temperature, top_k, top_p, seed if seed is not None else 0))
     name, prompts = load_prompts(prompts_spec, limit)
@@ -80,9 +81,11 @@ Examples:
                    "5-fold cross-validation on these labels and train on the fastest.")
 def train_policy(labels_path, output, features, hidden, steps, with_ar, ablation) -> None:
     """Train a BlockPilot policy (a small MLP, expected-regret loss) on label-blocks output."""
+    from trtspec.fileio import POLICY, check_output_dir
     from trtspec.labels import best_fixed_block_size, read_labels
     from trtspec.policy import train_policy as fit
 
+    check_output_dir(output, POLICY, [labels_path])
     if with_ar == "auto" and not ablation:
         raise TrtspecError("--ar auto is decided by cross-validation; add --ablation (or choose --ar yes or no)")
     labels = read_labels(labels_path)
@@ -149,9 +152,12 @@ Example:
 def eval_policy(policy_dir, labels_path, fixed_block_size, json_path) -> None:
     """Compare every fixed block size, BlockPilot and the per-prompt oracle on held-out labels."""
     from trtspec.bench import write_json
+    from trtspec.fileio import check_output_file
     from trtspec.labels import evaluate_policy, format_evaluation, read_labels
     from trtspec.policy import load_policy
 
+    if json_path:
+        check_output_file(json_path, (policy_dir, labels_path))
     labels = read_labels(labels_path)
     sizes = tuple(c.size for c in labels.fixed)
     policy = load_policy(policy_dir, sizes)

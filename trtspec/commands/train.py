@@ -34,8 +34,10 @@ Example:
 def generate_data(target, prompts_file, output, max_new_tokens, limit, batch_size, temperature, top_k, top_p,
                   seed, dtype, device) -> None:
     """Continue each prompt with the target alone: the training set the recipe asks for."""
+    from trtspec.fileio import check_output_file
     from trtspec.training.data import generate_data as generate, read_jsonl
 
+    check_output_file(output, (prompts_file, target))
     prompts = read_jsonl(prompts_file, ("prompt",))[:limit]
     config = GenerationConfig(block_size=1, max_new_tokens=max_new_tokens,
                               sampling=sampling_config(temperature, top_k, top_p, seed))
@@ -76,9 +78,11 @@ def train_drafter(target, data_file, block_size, output, layers, num_features, t
                   batch_size, anchors, max_length, lr, gamma, mask_token_id, seed, checkpoint_every, work_dir,
                   dtype, device) -> None:
     """Train a DFlash drafter for a frozen target (resumes from --work when restarted)."""
+    from trtspec.fileio import CHECKPOINT, check_output_dir
     from trtspec.training.data import read_training_data
     from trtspec.training.trainer import TrainConfig, train_drafter as train
 
+    check_output_dir(output, CHECKPOINT, (target, data_file, work_dir))
     pipeline = load_pipeline(target, None, "float32" if dtype == "auto" else dtype, device, with_drafter=False)
     if mask_token_id is None:
         mask_token_id = pipeline.codec.tokenizer.token_to_id("<|mask|>")

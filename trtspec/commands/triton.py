@@ -14,7 +14,8 @@ Example:
   trtspec triton-serve build/triton-repo
 """)
 @click.option("--engine", "engine", required=True, metavar="DIR", help="Engine directory (trtspec build).")
-@click.option("-o", "--output", required=True, metavar="REPO", help="Model repository to write (replaced).")
+@click.option("-o", "--output", required=True, metavar="REPO",
+              help="Model repository to write (replaces only a previous one or an empty directory).")
 @click.option("--name", default="trtspec", show_default=True, help="Model name (NAME and NAME_stream).")
 @click.option("--instances", type=int, default=1, show_default=True, help="Model instances (each loads the engine).")
 @click.option("--threads", type=int, default=0, show_default=True, help="CPU threads per instance (0 = torch's choice).")

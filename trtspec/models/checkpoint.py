@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from trtspec.errors import CheckpointError
-from trtspec.fileio import staged_directory
+from trtspec.fileio import CHECKPOINT, staged_directory
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,7 +82,7 @@ def load_state_dict(directory: Path, what: str) -> dict[str, torch.Tensor]:
 def save_checkpoint(directory: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor],
                     extra_files: dict[str, str] | None = None) -> Path:
     """Write config.json + model.safetensors atomically (temp dir, then rename)."""
-    with staged_directory(directory) as staging:
+    with staged_directory(directory, CHECKPOINT) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
         save_file(contiguous, str(staging / SINGLE_FILE), metadata={"format": "pt"})

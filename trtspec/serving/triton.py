@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trtspec.errors import TrtspecError
-from trtspec.fileio import staged_directory
+from trtspec.fileio import TRITON_REPOSITORY, check_output_dir, staged_directory
 from trtspec.manifest import read_manifest
 
 INPUTS = (  # name, Triton dtype, optional
@@ -67,10 +67,11 @@ def write_repository(engine_dir: Path, output: Path, name: str = "trtspec", inst
         raise TrtspecError(f"--instances must be >= 1, got {instances}")
     if not name.replace("_", "").replace("-", "").isalnum():
         raise TrtspecError(f"--name must be letters, digits, '-' or '_', got {name!r}")
+    check_output_dir(output, TRITON_REPOSITORY, [engine_dir])  # before anything else: never replace foreign data
     engine_dir = engine_dir.resolve()
     read_manifest(engine_dir)  # refuse a missing or damaged engine now, not when Triton loads it
     models = {name: False, f"{name}_stream": True}
-    with staged_directory(output) as staging:
+    with staged_directory(output, TRITON_REPOSITORY, [engine_dir]) as staging:
         for model, decoupled in models.items():
             (staging / model / "1").mkdir(parents=True)
             (staging / model / "config.pbtxt").write_text(
@@ -128,10 +129,22 @@ def server_command(repository: Path, http_port: int, grpc_port: int, metrics_por
             "--log-verbose=0", "--exit-on-error=true", "--strict-readiness=true"]
 
 
+def check_ports(**ports: int) -> None:
+    """Refuse a port outside 1..65535 (tritonserver would silently listen elsewhere) or one given
+    to two services."""
+    for name, port in ports.items():
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise TrtspecError(f"--{name.replace('_', '-')} must be a port in 1..65535, got {port}")
+    if len(set(ports.values())) < len(ports):
+        raise TrtspecError("--http-port, --grpc-port and --metrics-port must differ, got "
+                           + ", ".join(map(str, ports.values())))
+
+
 def start_server(repository: Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                  address: str = "127.0.0.1", **popen) -> tuple[subprocess.Popen, Path]:
     """Start tritonserver over `repository`; returns the process and its scratch directory (the
     python backend with this interpreter's stub), which the caller removes after stopping it."""
+    check_ports(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
     repository = Path(repository).resolve()
     if not repository.is_dir() or not any(repository.glob("*/config.pbtxt")):
         raise TrtspecError(f"{repository} is not a model repository (make one with `trtspec triton-repo`)")

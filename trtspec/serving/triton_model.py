@@ -6,12 +6,16 @@ Triton imports this through the generated `model.py` of a repository made by
 carry `text_output` and `stats` (JSON).
 In the decoupled (streaming) model each cycle's committed text is sent as it is produced,
 followed by a final empty response with the statistics. A bad request gets its own error
-response; the instance keeps serving the others.
+response; the instance keeps serving the others. A request the client cancels (a closed stream,
+a dropped call) stops decoding within a cycle or `CANCEL_POLL_S`, so the instance is free for the
+next one instead of finishing work nobody will read.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -20,9 +24,26 @@ try:  # only importable inside Triton's python backend stub
 except ImportError:  # pragma: no cover - imported for documentation or tests outside Triton
     pb_utils = None
 
-from trtspec.errors import TrtspecError
+from trtspec.errors import Cancelled, TrtspecError
 
 DEFAULT_MAX_TOKENS = 256
+CANCEL_POLL_S = 0.05  # asking Triton is a round trip to the server process: at most this often
+
+
+def cancel_probe(is_cancelled: Callable[[], bool] | None) -> Callable[[], bool] | None:
+    """A `cancelled` callable for `Pipeline.generate` that asks Triton at most every CANCEL_POLL_S."""
+    if is_cancelled is None:  # a python backend older than request cancellation
+        return None
+    last = time.monotonic()
+
+    def cancelled() -> bool:
+        nonlocal last
+        now = time.monotonic()
+        if now - last < CANCEL_POLL_S:
+            return False
+        last = now
+        return bool(is_cancelled())
+    return cancelled
 
 
 def _scalar(request, name: str, default):
@@ -85,10 +106,18 @@ class TritonPythonModel:
         tensors.append(pb_utils.Tensor("stats", np.array([json.dumps(stats or {}).encode()], dtype=np.object_)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
-    def _generate(self, request, on_text=None) -> tuple[str, dict]:
-        result = self.pipeline.generate(_text(request), self._config(request), on_text=on_text)
+    def _generate(self, request, on_text=None, is_cancelled=None) -> tuple[str, dict]:
+        result = self.pipeline.generate(_text(request), self._config(request), on_text=on_text,
+                                        cancelled=cancel_probe(is_cancelled))
         stats = result.generation.stats.to_dict()
         return result.text, stats
+
+    @staticmethod
+    def _cancelled_response():
+        code = getattr(pb_utils.TritonError, "CANCELLED", None)
+        message = "the request was cancelled"
+        error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+        return pb_utils.InferenceResponse(error=error)
 
     def execute(self, requests):
         if self.decoupled:
@@ -98,20 +127,27 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                responses.append(self._response(*self._generate(request)))
+                responses.append(self._response(*self._generate(request, is_cancelled=getattr(
+                    request, "is_cancelled", None))))
             except TrtspecError as exc:
                 responses.append(self._error(exc))
+            except Cancelled:
+                responses.append(self._cancelled_response())
         return responses
 
     def _stream(self, request) -> None:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        is_cancelled = getattr(sender, "is_cancelled", None)
         try:
             stream = bool(_scalar(request, "stream", True))
             if stream:
-                text, stats = self._generate(request, on_text=lambda piece: sender.send(self._response(piece, None)))
+                text, stats = self._generate(request, on_text=lambda piece: sender.send(self._response(piece, None)),
+                                             is_cancelled=is_cancelled)
                 sender.send(self._response("", stats), flags=final)
             else:
-                sender.send(self._response(*self._generate(request)), flags=final)
+                sender.send(self._response(*self._generate(request, is_cancelled=is_cancelled)), flags=final)
         except TrtspecError as exc:
             sender.send(self._error(exc), flags=final)
+        except Cancelled:
+            sender.send(flags=final)  # nobody reads a response any more; only close the stream

@@ -19,6 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from trtspec.errors import TrtspecError
+from trtspec.fileio import staged_file
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Target, default_target_layer_ids, save_drafter
 from trtspec.training.blocks import IGNORE, PackedBatch, cosine_with_warmup, default_gamma, pack
 
@@ -127,9 +128,8 @@ def _distributed() -> tuple[int, int]:
 
 
 def _atomic_save(state: dict, path: Path) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    torch.save(state, temporary)
-    os.replace(temporary, path)
+    with staged_file(path) as temporary:
+        torch.save(state, temporary)
 
 
 def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], config: TrainConfig,
