@@ -33,14 +33,15 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def wheel_names(wheelhouse: Path) -> set[str]:
-    return {canonical(wheel.name.split("-")[0]) for wheel in wheelhouse.glob("*.whl")}
+def wheels(wheelhouse: Path) -> dict[str, str]:
+    """name -> version of the wheels in a folder."""
+    return {canonical(wheel.name.split("-")[0]): wheel.name.split("-")[1] for wheel in wheelhouse.glob("*.whl")}
 
 
-def listed_names() -> set[str]:
-    lines = (SCRIPTS / "wheelhouse.txt").read_text().splitlines()
-    return {canonical(re.split(r"[=<>!~ ]", line.split("#")[0].strip())[0]) for line in lines
-            if line.split("#")[0].strip()}
+def pinned() -> dict[str, str]:
+    """name -> version of scripts/gpu/wheelhouse.txt."""
+    lines = [line.split("#")[0].strip() for line in (SCRIPTS / "wheelhouse.txt").read_text().splitlines()]
+    return {canonical(name): version for name, version in (line.split("==") for line in lines if line)}
 
 
 def host_site(directory: Path, hidden: set[str]) -> Path:
@@ -61,7 +62,7 @@ def host_site(directory: Path, hidden: set[str]) -> Path:
 def wheelhouse(tmp_path_factory) -> Path:
     """The repository's prepared .wheelhouse, or one prepare.sh downloads now."""
     prepared = ROOT / ".wheelhouse"
-    if wheel_names(prepared) == listed_names():
+    if wheels(prepared) == pinned():
         return prepared
     target = tmp_path_factory.mktemp("prep") / "wheelhouse"
     result = subprocess.run(["bash", str(SCRIPTS / "prepare.sh"), str(target)], capture_output=True, text=True,
@@ -75,10 +76,32 @@ def wheelhouse(tmp_path_factory) -> Path:
     return target
 
 
-def test_prepare_lists_every_wheel_the_host_lacks(wheelhouse):
-    assert wheel_names(wheelhouse) == listed_names()
+def test_the_wheelhouse_holds_exactly_the_pinned_wheels(wheelhouse):
+    assert wheels(wheelhouse) == pinned()
     assert all(w.name.endswith("-py3-none-any.whl") for w in wheelhouse.glob("*.whl"))  # fit CPython 3.12 too
     assert sum(w.stat().st_size for w in wheelhouse.glob("*.whl")) < 50 * 2**20
+
+
+@pytest.mark.parametrize("content", ["notes.txt", "sub", "many"])
+def test_prepare_refuses_to_replace_a_folder_that_is_not_a_wheelhouse(tmp_path, content):
+    """Also a folder as big as /tmp: a listing longer than a pipe must not slip past the check."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "kept.whl").write_text("")
+    if content == "sub":
+        (folder / content).mkdir()
+    elif content == "many":
+        (folder / content).mkdir()
+        for index in range(2000):
+            (folder / content / f"a-file-with-a-long-name-so-the-listing-outgrows-a-pipe-{index:05}").touch()
+    else:
+        (folder / content).write_text("keep me")
+    result = subprocess.run(["bash", str(SCRIPTS / "prepare.sh"), str(folder)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"Error: {folder} exists and is not a folder of wheels; give a new folder or a wheelhouse"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["kept.whl", content])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no staging folder left beside it
 
 
 def test_run_refuses_a_missing_output_directory_in_one_line():
@@ -95,7 +118,7 @@ def test_dry_run_installs_from_the_wheelhouse_alone_in_a_fresh_venv(wheelhouse, 
     python = environment / "bin" / "python"
     purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    hidden = wheel_names(wheelhouse) | {"trtspec", "pip", "setuptools", "wheel"}
+    hidden = set(wheels(wheelhouse)) | {"trtspec", "pip", "setuptools", "wheel"}
     (Path(purelib) / "host-packages.pth").write_text(f"{host_site(tmp_path / 'host-site', hidden)}\n")
     out = tmp_path / "out"
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}

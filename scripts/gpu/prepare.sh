@@ -17,8 +17,10 @@ version="${PYTHON_VERSION:-3.12}"
 platform="${PLATFORM:-manylinux_2_28_x86_64}"
 list="$root/scripts/gpu/wheelhouse.txt"
 
-if [[ -e "$wheelhouse" ]] && find "$wheelhouse" -mindepth 1 ! -name '*.whl' | grep -q .; then
-  echo "Error: $wheelhouse exists and holds more than wheels; give an empty or a wheelhouse folder" >&2
+# Replace only a folder of wheels: anything else in it (a subfolder, another file) means it is not ours.
+if [[ -e "$wheelhouse" ]] && { [[ ! -d "$wheelhouse" ]] ||
+    [[ -n "$(find "$wheelhouse" -mindepth 1 \( ! -type f -o ! -name '*.whl' \) -print -quit)" ]]; }; then
+  echo "Error: $wheelhouse exists and is not a folder of wheels; give a new folder or a wheelhouse" >&2
   exit 1
 fi
 mkdir -p "$(dirname "$wheelhouse")"
@@ -41,7 +43,10 @@ if [[ "$count" -ne "${#requirements[@]}" ]]; then
   echo "Error: expected ${#requirements[@]} wheels from $list, got $count" >&2
   exit 1
 fi
-rm -rf "$wheelhouse"
+if [[ -d "$wheelhouse" ]]; then  # the old wheels, then the folder, which must be empty by now
+  find "$wheelhouse" -mindepth 1 -maxdepth 1 -type f -name '*.whl' -delete
+  rmdir "$wheelhouse"
+fi
 mv "$staging" "$wheelhouse"
 trap - EXIT
 ls -1 "$wheelhouse"
