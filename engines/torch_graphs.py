@@ -9,7 +9,7 @@ once as a CUDA graph and replayed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -21,13 +21,22 @@ from trtspec.export.bindings import GraphSpec
 class TorchExecutor:
     backend = "torch"
 
-    def __init__(self, graphs: Mapping[str, Path], device: torch.device, specs: Mapping[str, GraphSpec],
-                 cuda_graphs: bool = False):
+    def __init__(self, modules: Mapping[str, Callable[..., tuple]], device: torch.device,
+                 specs: Mapping[str, GraphSpec], cuda_graphs: bool = False):
+        """Run `modules` (graph name -> callable with the graph's inputs and outputs, in spec order):
+        the loaded programs, or the eager step modules they were exported from."""
         self.device = device
-        self.modules = {name: torch.export.load(str(path)).module().to(device) for name, path in graphs.items()}
+        self.modules = dict(modules)
         self.specs = specs
         # Decode-cycle runs over fixed bindings are captured once and replayed (CUDA only).
         self.cuda_graphs = CudaGraphs(device) if cuda_graphs and device.type == "cuda" else None
+
+    @classmethod
+    def load(cls, graphs: Mapping[str, Path], device: torch.device, specs: Mapping[str, GraphSpec],
+             cuda_graphs: bool = False) -> "TorchExecutor":
+        """The programs that `trtspec build --backend torch` saved, on `device`."""
+        modules = {name: torch.export.load(str(path)).module().to(device) for name, path in graphs.items()}
+        return cls(modules, device, specs, cuda_graphs=cuda_graphs)
 
     def run(self, graph: str, profile: ProfileKey, inputs: Mapping[str, torch.Tensor],
             outputs: Mapping[str, torch.Tensor]) -> None:

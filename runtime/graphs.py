@@ -175,7 +175,7 @@ def open_engine(directory: str | Path, device: torch.device, threads: int | None
         executor = TensorRTExecutor(graphs, device, manifest.profiles, cuda_graphs=cuda_graphs)
     elif manifest.backend == "torch":
         from trtspec.engines.torch_graphs import TorchExecutor
-        executor = TorchExecutor(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs)
+        executor = TorchExecutor.load(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs)
     else:
         raise TrtspecError(f"engine {directory}: unknown backend {manifest.backend!r}")
     return GraphEngine(executor, manifest, static=cuda_graphs)

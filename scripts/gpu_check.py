@@ -1,6 +1,7 @@
 """The GPU check: one command on a machine with a CUDA GPU (TensorRT optional).
 
     python scripts/gpu_check.py [--block-sizes 12,16,20,24] [--prompts 20] [--out build/gpu-check]
+    python scripts/gpu_check.py --device cpu ...   # the same flow on a CPU (torch backend, no CUDA graphs)
 
 1. builds engines of the demo pair for every backend this machine has (torch always; ONNX Runtime
    when onnxruntime-gpu's CUDA provider is present; TensorRT when it is installed),
@@ -10,7 +11,8 @@
    (`Pipeline(..., cuda_graphs=True)`),
 3. times one speculative cycle (draft(B) + verify(B)) per block size: eager step modules, the same
    modules replayed as CUDA graphs over static buffers, and each built engine,
-and writes everything to OUT/gpu-check.json. Exit status 1 if any check fails.
+and writes everything to OUT/gpu-check.json (after every section, so a run cut short keeps what it
+checked; "passed" appears once every check has run). Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -24,43 +26,9 @@ from pathlib import Path
 import torch
 
 
-def cycle_inputs(target, drafter, block_size: int, past: int, device):
-    """Static buffers for one cycle over a whole fixed-size cache with `past` valid positions
-    (the shapes CUDA-graph replay needs: nothing depends on how much is cached)."""
-    t, d = target.config, drafter.config
-    capacity, dtype = past + 64, target.dtype
-
-    def cache(layers: int, heads: int, dim: int) -> torch.Tensor:
-        return torch.randn(capacity, layers, heads, dim, device=device, dtype=dtype)
-
-    target_in = (torch.randint(2, t.vocab_size, (block_size,), device=device), torch.tensor([past], device=device),
-                 cache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim),
-                 cache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim))
-    draft_in = (torch.randn(block_size, d.num_features * d.hidden_size, device=device, dtype=dtype),
-                torch.full((block_size,), d.mask_token_id, device=device),
-                torch.tensor([past + block_size], device=device),
-                cache(d.num_hidden_layers, d.num_key_value_heads, d.head_dim),
-                cache(d.num_hidden_layers, d.num_key_value_heads, d.head_dim))
-    return target_in, draft_in
-
-
-def time_cuda(fn, repeats: int = 50) -> float:
-    """Median milliseconds per call, timed with CUDA events."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def cycle_timings(target, drafter, block_size: int, past: int) -> dict:
+    """One draft(B) + verify(B) cycle of the step modules, eager and replayed as a CUDA graph."""
+    from trtspec.cycle_costs import Timer, cycle_inputs, replayed_ms
     from trtspec.export.steps import DraftStep, TargetStep
 
     device = target.device
@@ -71,18 +39,9 @@ def cycle_timings(target, drafter, block_size: int, past: int) -> dict:
         draft(*draft_in)
         verify(*target_in)
 
+    timer = Timer(device, repeats=50, warmup=5)
     with torch.inference_mode():
-        eager_ms = time_cuda(eager_cycle)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up on a side stream before capture
-            for _ in range(3):
-                eager_cycle()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            eager_cycle()
-        graph_ms = time_cuda(graph.replay)
+        eager_ms, graph_ms = timer(eager_cycle), replayed_ms(eager_cycle, timer)
     return {"block_size": block_size, "past": past, "eager_ms": eager_ms, "cuda_graph_ms": graph_ms}
 
 
@@ -93,10 +52,13 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--past", type=int, default=512, help="cached positions for the cycle timing")
     parser.add_argument("--out", default="build/gpu-check")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: the same checks without CUDA graphs or other backends (a dry run)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible", file=sys.stderr)
         return 1
+    cuda = args.device == "cuda"
 
     from trtspec.api import Pipeline
     from trtspec.assets import resolve_drafter, resolve_target
@@ -105,24 +67,31 @@ def main() -> int:
     from trtspec.engines import onnxruntime as ort_engine
     from trtspec.engines import tensorrt as trt_engine
     from trtspec.errors import TrtspecError
+    from trtspec.fileio import atomic_write_text
     from trtspec.runtime.decode import GenerationConfig
     from trtspec.runtime.schedule import BlockChoice
 
     block_sizes = parse_block_sizes(args.block_sizes)
     out = Path(args.out)
     target_dir, drafter_dir = resolve_target(None), resolve_drafter(None, None)
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "engines": {}, "cycles": []}
-    eager = Pipeline(target_dir, drafter_dir, dtype="float32", device="cuda")
+    report = {"gpu": torch.cuda.get_device_name() if cuda else None, "device": args.device,
+              "torch": torch.__version__, "engines": {}, "cycles": []}
+
+    def save() -> None:  # after every section: a run cut short keeps what it checked
+        atomic_write_text(out / "gpu-check.json", json.dumps(report, indent=2) + "\n")
+
+    eager = Pipeline(target_dir, drafter_dir, dtype="float32", device=args.device)
     for block_size in block_sizes:
         report["cycles"].append(cycle_timings(eager.target, eager.drafter, block_size, args.past))
         print(f"cycle B={block_size}: {report['cycles'][-1]}", flush=True)
+        save()
 
     backends = ["torch"]
-    if ort_engine.available():
+    if cuda and ort_engine.available():
         import onnxruntime
         if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
             backends.append("onnxruntime")
-    if trt_engine.available():
+    if cuda and trt_engine.available():
         backends.append("tensorrt")
     _, prompts = load_prompts("humaneval", args.prompts)
     choices = [BlockChoice(b) for b in block_sizes]
@@ -131,16 +100,23 @@ def main() -> int:
     failed = False
     for backend in backends:
         began = time.perf_counter()
-        build_engine(target_dir, drafter_dir, out / backend,
-                     BuildConfig(block_sizes=block_sizes, backend=backend, dtype="float32", device="cuda"))
+        try:  # a backend that fails to build is reported, and the other backends are still checked
+            build_engine(target_dir, drafter_dir, out / backend,
+                         BuildConfig(block_sizes=block_sizes, backend=backend, dtype="float32", device=args.device))
+        except Exception as error:  # noqa: BLE001 - one GPU session checks every backend it can
+            report["engines"][backend], failed = {"error": f"build: {type(error).__name__}: {error}"}, True
+            print(f"{backend}: build failed: {error}", flush=True)
+            save()
+            continue
         built_s = time.perf_counter() - began
-        for cuda_graphs in (False, True):  # launched run by run, then replayed from captured CUDA graphs
+        for cuda_graphs in (False, True) if cuda else (False,):  # run by run, then replayed from CUDA graphs
             name = backend + ("+cuda-graphs" if cuda_graphs else "")
             try:
-                engine = Pipeline(engine=out / backend, device="cuda", cuda_graphs=cuda_graphs)
+                engine = Pipeline(engine=out / backend, device=args.device, cuda_graphs=cuda_graphs)
             except TrtspecError as error:  # e.g. ONNX Runtime refusing to capture a graph with CPU nodes
                 report["engines"][name], failed = {"error": str(error)}, True
                 print(f"{name}: {error}", flush=True)
+                save()
                 continue
             rows = []
             for choice in choices:
@@ -156,9 +132,10 @@ def main() -> int:
                              "decode_tokens_per_s": tokens / seconds if seconds else 0.0})
                 failed |= same != len(prompts)
                 print(f"{name} B={choice.name}: identical {same}/{len(prompts)}", flush=True)
-            report["engines"][name] = {"build_s": built_s, "checks": rows}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
+                report["engines"][name] = {"build_s": built_s, "checks": rows}
+                save()
+    report["passed"] = not failed
+    save()
     print(json.dumps(report, indent=2))
     return 1 if failed else 0
 

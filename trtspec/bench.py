@@ -256,7 +256,11 @@ class BenchReport:
 
 
 def machine_info(pipeline) -> dict:
-    device = pipeline.engine.device
+    return describe_machine(pipeline.engine.device, pipeline.dtype, pipeline.backend)
+
+
+def describe_machine(device: torch.device, dtype: torch.dtype, backend: str) -> dict:
+    """What a measurement ran on: recorded beside every timing so figures from two runs can be compared."""
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -264,13 +268,13 @@ def machine_info(pipeline) -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
-        "dtype": str(pipeline.dtype).removeprefix("torch."),
-        "backend": pipeline.backend,
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": backend,
         "python": platform.python_version(),
         "trtspec": __version__,
     }
     if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu"], info["cuda"] = torch.cuda.get_device_name(device), torch.version.cuda
     return info
 
 

@@ -91,11 +91,16 @@ def save_checkpoint(directory: str | os.PathLike, config: dict, tensors: dict[st
     return Path(directory)
 
 
-def build_empty(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """Construct a module without running its random initialisation (weights come next)."""
+def build_empty(factory: Callable[[], torch.nn.Module], device: str | torch.device = "cpu",
+                dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Construct a module without running its random initialisation (weights come next), its
+    storage allocated once, directly on `device` in `dtype` (a 4B model never passes through the
+    CPU or float32 on its way to a GPU)."""
     with torch.device("meta"):
         module = factory()
-    return module.to_empty(device="cpu")
+    if dtype is not None:
+        module = module.to(dtype)
+    return module.to_empty(device=device)
 
 
 def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str,
