@@ -29,7 +29,7 @@ from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.fileio import atomic_write_text
 from trtspec.policy import FEATURE_KINDS, BlockPilot, summarize_prefill, time_choice
 from trtspec.runtime.decode import GenerationConfig
-from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.sampling import SamplingConfig, derive_seed
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.training.data import read_jsonl
 
@@ -157,7 +157,7 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
             for choice in sizes:
                 generation_config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
                                                      max_new_tokens=config.max_new_tokens,
-                                                     sampling=replace(config.sampling, seed=seed + index))
+                                                     sampling=replace(config.sampling, seed=derive_seed(seed, index)))
                 source = baseline if choice.size == 1 else pipeline
                 stats = source.generate(prompt, generation_config).generation.stats
                 runs[run_key(choice)] = {

@@ -19,6 +19,7 @@ from torch import nn
 from tqdm import tqdm
 
 from trtspec.errors import TrtspecError
+from trtspec.limits import SEED, check_block_size
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Target, default_target_layer_ids, save_drafter
 from trtspec.training.blocks import IGNORE, PackedBatch, cosine_with_warmup, default_gamma, pack
 
@@ -47,8 +48,8 @@ class TrainConfig:
     lineage: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 2 <= self.block_size <= 64:
-            raise TrtspecError(f"block size must be in [2, 64], got {self.block_size}")
+        check_block_size(self.block_size)
+        SEED.check(self.seed)
         for name in ("num_layers", "steps", "batch_size", "anchors_per_sequence", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise TrtspecError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
