@@ -21,9 +21,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
+from trtspec import validate
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.fileio import atomic_write_text
@@ -31,7 +32,6 @@ from trtspec.policy import FEATURE_KINDS, BlockPilot, summarize_prefill, time_ch
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig, derive_seed
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.training.data import read_jsonl
 
 LABELS_VERSION = 2  # 2: confidence features, vocab_size
 
@@ -123,16 +123,13 @@ class LabelSet:
 
 
 def read_labels(path: str | Path) -> LabelSet:
+    """A label set and its features, checked field by field (trtspec.validate) as they are read."""
     path = Path(path)
-    rows = read_jsonl(path, ())
-    if not rows or rows[0].get("labels_version") != LABELS_VERSION:
-        raise TrtspecError(f"{path} is not a label set from `trtspec label-blocks` (version {LABELS_VERSION})")
+    header, records = validate.label_set(path, validate.jsonl_records(path), LABELS_VERSION)
     if not features_path(path).is_file():
         raise TrtspecError(f"{path}: its features file {features_path(path).name} is missing")
-    features = load_file(str(features_path(path)))
-    if any(t.shape[0] != len(rows) - 1 for t in features.values()):
-        raise TrtspecError(f"{features_path(path).name} does not match {path.name} (different prompt counts)")
-    return LabelSet(rows[0], rows[1:], features)
+    features = validate.label_features(features_path(path), len(records), FEATURE_KINDS)
+    return LabelSet(header, records, features)
 
 
 def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_name: str = "prompts",

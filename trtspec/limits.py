@@ -83,9 +83,10 @@ def check_device(device, label: str = "device") -> str:
 
 
 def parse_int(text: str) -> int | None:
-    """An integer written in ASCII digits, else None (`str.isdigit` also accepts '²', which `int` refuses)."""
+    """A non-negative integer written in ASCII digits, else None (`str.isdigit` also accepts '²',
+    which `int` refuses, and `int` accepts '1_000' and '٣')."""
     text = text.strip()
-    return int(text) if _ASCII_INT.fullmatch(text) else None
+    return int(text) if re.fullmatch(r"[0-9]+", text) else None
 
 
 # Sampling. Any T > 0 is numerically safe: logits are shifted by their maximum before dividing by
