@@ -59,12 +59,14 @@ class Qwen3Config:
     @classmethod
     def _fields_of(cls, f: Fields) -> dict:
         # transformers >= 5 nests RoPE settings under rope_parameters; older configs use rope_scaling.
-        key = "rope_parameters" if f.has("rope_parameters") else "rope_scaling"
-        rope = f.obj(key, None)
-        if rope is not None and rope.data:
-            kind = rope.text("rope_type", None) or rope.text("type", "default")
-            if kind != "default":
-                raise CheckpointError(f"{f.source}: RoPE scaling {rope.data!r} is not supported")
+        rope = None
+        for key in ("rope_parameters", "rope_scaling"):
+            settings = f.obj(key, None)
+            if settings is not None and settings.data:
+                kind = settings.text("rope_type", None) or settings.text("type", "default")
+                if kind != "default":
+                    raise CheckpointError(f"{f.source}: RoPE scaling {settings.data!r} is not supported")
+                rope = rope or settings
         if f.boolean("use_sliding_window", False) or "sliding_attention" in f.strings("layer_types", []):
             raise CheckpointError(f"{f.source}: sliding-window attention is not supported")
         values = {name: f.integer(name, POSITIVE_INT) for name in (
@@ -109,7 +111,7 @@ class DFlashConfig(Qwen3Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_block_size(self.block_size)
+        check_block_size(self.block_size, "block_size")
         POSITIVE_INT.check(self.num_target_layers, "num_target_layers")
         if not self.target_layer_ids:
             raise CheckpointError("dflash_config.target_layer_ids is empty")
