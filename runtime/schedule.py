@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trtspec.errors import TrtspecError
-from trtspec.limits import MAX_BLOCK_SIZE, check_block_size, parse_int
+from trtspec.limits import MAX_BLOCK_SIZE, parse_int
 
 AUTO = 0  # block size value meaning "let BlockPilot choose"
 
