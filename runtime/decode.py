@@ -35,8 +35,8 @@ class GenerationConfig:
     grow_to: int = 0
 
     def __post_init__(self) -> None:
-        if self.block_size not in (AUTO, 1):  # ranges: trtspec.limits
-            check_block_size(self.block_size, "block size (or 1 for autoregressive, or 0 for auto)")
+        if self.block_size not in (AUTO, 1):  # 1: autoregressive, AUTO: the policy's; ranges: trtspec.limits
+            check_block_size(self.block_size)
         if self.grow_to:
             check_block_size(self.grow_to, "grow_to")
         if self.grow_to and self.block_size == AUTO:
