@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trtspec.limits import MAX_BLOCK_SIZE  # noqa: F401 - the largest block any engine or decode call accepts
 from trtspec.models.config import DFlashConfig, Qwen3Config
 
 Dim = int | str
-MAX_BLOCK_SIZE = 64  # the largest block any engine or decode call accepts
 PREFILL_LOGITS = 64  # prefill returns the logits of the prompt's last this-many positions (BlockPilot reads them)
 
 

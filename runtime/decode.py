@@ -13,9 +13,9 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from trtspec.export.bindings import MAX_BLOCK_SIZE
-from trtspec.policy import BlockPilot
 from trtspec.errors import TrtspecError
+from trtspec.limits import MAX_NEW_TOKENS, check_block_size
+from trtspec.policy import BlockPilot
 from trtspec.runtime.controller import Controller, Stepper, native_controller
 from trtspec.runtime.sampling import Sampler, SamplingConfig
 from trtspec.runtime.schedule import AUTO, BlockChoice
@@ -35,14 +35,14 @@ class GenerationConfig:
     grow_to: int = 0
 
     def __post_init__(self) -> None:
-        if not (self.block_size == AUTO or 1 <= self.block_size <= MAX_BLOCK_SIZE):
-            raise TrtspecError(f"block size must be in [2, {MAX_BLOCK_SIZE}] (or 1 for autoregressive, "
-                               f"or auto), got {self.block_size}")
+        if self.block_size not in (AUTO, 1):  # 1: autoregressive, AUTO: the policy's; ranges: trtspec.limits
+            check_block_size(self.block_size)
+        if self.grow_to:
+            check_block_size(self.grow_to, "grow_to")
         if self.grow_to and self.block_size == AUTO:
             raise TrtspecError("with block size auto the BlockPilot policy chooses the growth too; drop grow_to")
         BlockChoice(self.block_size, self.grow_to)  # validates the growth
-        if self.max_new_tokens < 1:
-            raise TrtspecError(f"max new tokens must be >= 1, got {self.max_new_tokens}")
+        MAX_NEW_TOKENS.check(self.max_new_tokens)
 
     def with_stop_ids(self, extra: tuple[int, ...]) -> "GenerationConfig":
         """This config with `extra` stop ids added (e.g. the tokenizer's EOS ids)."""

@@ -7,23 +7,24 @@ from dataclasses import dataclass
 
 import torch
 
-from trtspec.errors import TrtspecError
+from trtspec.limits import SEED, SEED_MAX, TEMPERATURE, TOP_K, TOP_P
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """Ranges: trtspec.limits (T >= 0 and finite, top-k >= 0, top-p in (0, 1], seed in [0, 2**63-1])."""
+
     temperature: float = 0.0   # 0 = greedy
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise TrtspecError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise TrtspecError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise TrtspecError(f"top-p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "temperature", TEMPERATURE.check(self.temperature))
+        object.__setattr__(self, "top_k", TOP_K.check(self.top_k))
+        object.__setattr__(self, "top_p", TOP_P.check(self.top_p))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", SEED.check(self.seed))
 
     @property
     def greedy(self) -> bool:
@@ -44,7 +45,10 @@ class Sampler:
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution sampled from at T > 0 (temperature, then top-k, then top-p), [N, V]."""
         c = self.config
-        scaled = logits.float() / c.temperature
+        # Shift by the maximum before dividing: every entry is <= 0, so a tiny T sends the others to
+        # -inf (probability 0) instead of overflowing to inf/inf = NaN.
+        logits = logits.float()
+        scaled = (logits - logits.max(dim=-1, keepdim=True).values) / c.temperature
         if c.top_k and c.top_k < scaled.shape[-1]:
             kth = torch.topk(scaled, c.top_k, dim=-1).values[..., -1:]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -63,3 +67,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         return torch.multinomial(self.probabilities(logits), 1, generator=self.generator)[:, 0]
 
+
+def derive_seed(base: int | None, offset: int) -> int:
+    """The seed of the `offset`-th request of a run seeded with `base` (default 0), kept in [0, 2**63-1]."""
+    return ((base or 0) + offset) % (SEED_MAX + 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import MAX_BLOCK_SIZE
+from trtspec.limits import MAX_BLOCK_SIZE, parse_int
 
 AUTO = 0  # block size value meaning "let BlockPilot choose"
 
@@ -38,25 +38,41 @@ class BlockChoice:
         return (self.size, self.grow_to) if self.grow_to else (self.size,)
 
     @classmethod
-    def parse(cls, text: str | int, allow_auto: bool = True, allow_ar: bool = False) -> "BlockChoice":
-        """'12' -> 12; '6:16' -> 6 growing to 16; 'auto' -> AUTO and 'AR' -> 1 (when allowed)."""
+    def parse(cls, text: str | int, allow_auto: bool = True, allow_ar: bool = False, allow_growth: bool = True,
+              label: str = "block size") -> "BlockChoice":
+        """'12' -> 12; '6:16' -> 6 growing to 16; 'auto' -> AUTO and 'AR' -> 1 (when allowed).
+
+        The one parser of block sizes: flags, label columns, policy files and requests all use it.
+        """
+        if isinstance(text, bool) or not isinstance(text, (str, int)):
+            raise TrtspecError(f"{label} must be an integer B or B:G, got {text!r}")
         text = str(text).strip()
         if allow_auto and text in ("auto", str(AUTO)):
             return cls(AUTO)
         if allow_ar and text in ("AR", "1"):
             return cls(1)
-        base, _, grown = text.partition(":")
-        try:
-            size, grow_to = int(base), int(grown) if grown else 0
-        except ValueError:
-            also = ", or auto" if allow_auto else ""
-            raise TrtspecError(f"a block size is an integer B or B:G (B growing to G){also}; got {text!r}") from None
+        base, colon, grown = text.partition(":")
+        size, grow_to = parse_int(base), parse_int(grown) if colon else 0
+        if colon and not allow_growth:
+            raise TrtspecError(f"give plain block sizes here (a growing block B:G runs the graphs of B and G); "
+                               f"got {text!r}")
+        if size is None or grow_to is None:
+            forms = "an integer B" + (" or B:G (B growing to G)" if allow_growth else "") + (", or auto" if allow_auto else "")
+            raise TrtspecError(f"{label} must be {forms}; got {text!r}")
         if not 2 <= size <= MAX_BLOCK_SIZE:
-            raise TrtspecError(f"block size must be in [2, {MAX_BLOCK_SIZE}], got {size} "
+            raise TrtspecError(f"{label} must be in [2, {MAX_BLOCK_SIZE}], got {size} "
                                "(autoregressive decoding is --ar, and bench's baseline)")
         return cls(size, grow_to)
 
 
-def parse_block_choices(text: str, allow_auto: bool = False) -> tuple[BlockChoice, ...]:
+def parse_block_choices(text: str, allow_auto: bool = False, allow_growth: bool = True,
+                        label: str = "block sizes") -> tuple[BlockChoice, ...]:
     """'6,12,6:16,auto' -> one BlockChoice each, duplicates dropped."""
-    return tuple(dict.fromkeys(BlockChoice.parse(part, allow_auto) for part in text.split(",")))
+    parts = str(text).split(",")
+    return tuple(dict.fromkeys(BlockChoice.parse(part, allow_auto, allow_growth=allow_growth, label=label)
+                               for part in parts))
+
+
+def parse_block_sizes(text: str, label: str = "block sizes") -> tuple[int, ...]:
+    """'8,12,16' -> (8, 12, 16): plain block sizes (what an engine is built for), duplicates dropped."""
+    return tuple(c.size for c in parse_block_choices(text, allow_growth=False, label=label))

@@ -62,7 +62,8 @@ def main() -> int:
 
     from trtspec.api import Pipeline
     from trtspec.assets import resolve_drafter, resolve_target
-    from trtspec.bench import load_prompts, parse_block_sizes
+    from trtspec.bench import load_prompts
+    from trtspec.runtime.schedule import parse_block_sizes
     from trtspec.build import BuildConfig, build_engine
     from trtspec.engines import onnxruntime as ort_engine
     from trtspec.engines import tensorrt as trt_engine

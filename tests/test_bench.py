@@ -5,12 +5,12 @@ import json
 import pytest
 from helpers import trtspec
 
-from trtspec.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, parse_block_sizes, run_bench,
+from trtspec.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, run_bench,
                            speedups)
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import Generation
 from trtspec.runtime.sampling import SamplingConfig
-from trtspec.runtime.schedule import AUTO, BlockChoice, parse_block_choices
+from trtspec.runtime.schedule import AUTO, BlockChoice, parse_block_choices, parse_block_sizes
 from trtspec.runtime.stats import DecodeStats
 
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n"]
@@ -45,15 +45,15 @@ def test_jsonl_prompts(prompts_file, tmp_path):
     assert load_prompts(str(prompts_file), limit=2)[1] == PROMPTS[:2]
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"prompt": "  "}) + "\n")
-    with pytest.raises(TrtspecError, match="prompt 1 is empty"):
+    with pytest.raises(TrtspecError, match="empty.jsonl:1: prompt is empty"):
         load_prompts(str(empty))
-    with pytest.raises(TrtspecError, match="--limit must be >= 1"):
+    with pytest.raises(TrtspecError, match=r"--limit must be an integer in \[1, 2\*\*31-1\], got 0"):
         load_prompts("humaneval", limit=0)
 
 
 def test_block_sizes_are_parsed_and_checked():
     assert parse_block_sizes("8,12,8, 16") == (8, 12, 16)
-    for bad, message in [("8,x", "an integer B or B:G"), ("8,,12", "an integer B or B:G"),
+    for bad, message in [("8,x", "an integer B"), ("8,,12", "an integer B"), ("²", "an integer B"),
                          ("1", r"in \[2, 64\], got 1"), ("65", "got 65"), ("6:16", "plain block sizes")]:
         with pytest.raises(TrtspecError, match=message):
             parse_block_sizes(bad)
@@ -140,12 +140,15 @@ def test_cli_end_to_end(target_dir, drafter_dir, prompts_file, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("--prompts", "nope.jsonl"), "not found: nope.jsonl"),
-    (("--block-sizes", "8,x"), "a block size is an integer B or B:G (B growing to G), or auto; got 'x'"),
+    (("--block-sizes", "8,x"), "--block-sizes must be an integer B or B:G (B growing to G), or auto; got 'x'"),
     (("--block-sizes", "8:4"), "a block grows from B >= 2 to a larger size up to 64; got 8:4"),
-    (("--block-sizes", "1"), "block size must be in [2, 64], got 1"),
-    (("--block-sizes", "65"), "block size must be in [2, 64], got 65"),
-    (("--repeats", 0), "--repeats must be >= 1"),
-    (("--limit", 0), "--limit must be >= 1"),
+    (("--block-sizes", "1"), "--block-sizes must be in [2, 64], got 1"),
+    (("--block-sizes", "65"), "--block-sizes must be in [2, 64], got 65"),
+    (("--repeats", 0), "--repeats must be an integer in [1, 2**31-1], got 0"),
+    (("--limit", 0), "--limit must be an integer in [1, 2**31-1], got 0"),
+    (("--limit", -1), "--limit must be an integer in [1, 2**31-1], got -1"),
+    (("--temperature", "inf"), "--temperature must be a number >= 0, got inf"),
+    (("--seed", 2**64), "--seed must be an integer in [0, 2**63-1]"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, target_dir, drafter_dir):
     result = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, *args)

@@ -109,8 +109,9 @@ def test_statistics(predictable):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"block_size": -1}, "block size must be in"),
-    ({"block_size": 65}, "block size must be in"),
+    ({"block_size": -1}, r"block size must be an integer in \[2, 64\], got -1"),
+    ({"block_size": 65}, r"block size must be an integer in \[2, 64\], got 65"),
+    ({"block_size": 4, "grow_to": 65}, r"grow_to must be an integer in \[2, 64\], got 65"),
     ({"max_new_tokens": 0}, "max new tokens"),
     ({"block_size": 8, "grow_to": 8}, "grows from B >= 2 to a larger size"),
     ({"block_size": 1, "grow_to": 8}, "grows from B >= 2"),

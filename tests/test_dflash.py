@@ -112,7 +112,7 @@ def _edit_config(directory, **changes):
 @pytest.mark.parametrize("changes, message", [
     ({"hidden_size": 48, "head_dim": 12}, "hidden_size 48 != target hidden_size 64"),
     ({"target_layer_ids": [0, 7]}, r"target_layer_ids \[7\] are out of range"),
-    ({"mask_token_id": 320}, "mask_token_id 320 is outside the target vocabulary"),
+    ({"mask_token_id": 320}, r"config.json: dflash_config.mask_token_id must be a token id in \[0, 320\), got 320"),
     ({"num_target_layers": 36}, "made for a 36-layer target"),
     ({"vocab_size": 1000}, "vocab_size 1000 != target vocab_size 320"),
     ({"intermediate_size": 100}, r"tensor layers.0.mlp.\w+_proj.weight has shape"),

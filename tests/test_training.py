@@ -118,7 +118,7 @@ def test_a_trained_drafter_beats_an_untrained_one(tiny_data, tmp_path):
     assert trained_tau > 1.5 and trained_tau > untrained_tau + 0.4, (trained_tau, untrained_tau)
 
 
-def test_interrupted_training_resumes_to_the_same_weights(tiny_data, tmp_path, monkeypatch):
+def test_interrupted_training_resumes_to_the_same_weights(tiny_data, target_dir, tmp_path, monkeypatch):
     pipeline, sequences, _ = tiny_data
     config = TrainConfig(block_size=4, num_features=2, mask_token_id=1, steps=12, batch_size=4,
                          anchors_per_sequence=4, checkpoint_every=4)
@@ -142,9 +142,20 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_data, tmp_path, m
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), name
 
-    with pytest.raises(TrtspecError, match="different training run"):
+    with pytest.raises(TrtspecError, match=r"another training run: steps \(checkpoint 12, now 13\); batch_size"):
         train_drafter(pipeline.target, sequences, TrainConfig(block_size=4, num_features=2, mask_token_id=1,
                                                               steps=13), tmp_path / "resumed", progress=False)
+    with pytest.raises(TrtspecError, match=r"another training run: the training data \(--data\) differ"):
+        train_drafter(pipeline.target, sequences[1:], config, tmp_path / "resumed", progress=False)
+    other_target = load_target(target_dir)
+    with torch.no_grad():
+        other_target.model.norm.weight.add_(1.0)
+    with pytest.raises(TrtspecError, match=r"another training run: the target \(--target\) differ"):
+        train_drafter(other_target, sequences, config, tmp_path / "resumed", progress=False)
+    checkpoint = tmp_path / "resumed.work" / "checkpoint.pt"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:5000])  # a checkpoint cut short (disk full, killed copy)
+    with pytest.raises(TrtspecError, match="cannot read the training checkpoint .*truncated"):
+        train_drafter(pipeline.target, sequences, config, tmp_path / "resumed", progress=False)
 
 
 def test_generate_data_and_train_drafter_commands(target_dir, tmp_path):

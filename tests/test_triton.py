@@ -131,6 +131,10 @@ def test_http_greedy_output_equals_trtspec_run(server, tmp_path):
     assert {"ceiling_fraction", "decode_tokens_per_s", "block_size_auto"} <= set(stats)
     grown_text, grown = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(4), grow_to=np.int32(8))
     assert grown_text == text and grown["block_size"] == 4 and grown["grow_to"] == 8 and len(grown["histogram"]) == 8
+    # the smallest positive FP32 temperature samples without overflowing the softmax: it is greedy decoding
+    tiny, _ = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(8),
+                   temperature=np.float32(1e-45), seed=np.int64(2**63 - 1))
+    assert tiny == text
 
 
 def test_grpc_streaming_delivers_the_same_text_in_pieces(server):
@@ -191,6 +195,11 @@ def test_concurrent_clients_with_mixed_temperatures(server):
     ("prompt longer than the context", "the context holds"),
     ("negative temperature", "temperature"),
     ("block size the engine lacks", "block size 16 is not among them"),
+    ("NaN temperature", "temperature must be a number >= 0, got nan"),
+    ("negative seed", r"seed must be an integer in \[0, 2\*\*63-1\], got -1"),
+    ("zero max_tokens", r"max new tokens must be an integer in \[1, 2\*\*31-1\], got 0"),
+    ("negative block size", r"must be an integer in \[2, 64\], got -3"),
+    ("grow_to below block_size", "a block grows from B >= 2 to a larger size"),
 ])
 def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, case, message):
     client = http.InferenceServerClient(server["http"])
@@ -207,11 +216,24 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cas
             prompt = "def add(a, b):\n" * (LONG_CONTEXT * 2)
         elif case == "negative temperature":
             scalars = {"temperature": np.float32(-0.5)}
+        elif case == "NaN temperature":
+            scalars = {"temperature": np.float32("nan")}
+        elif case == "negative seed":
+            scalars = {"temperature": np.float32(1.0), "seed": np.int64(-1)}
+        elif case == "zero max_tokens":
+            scalars = {"max_tokens": np.int32(0)}
+        elif case == "negative block size":
+            scalars = {"block_size": np.int32(-3)}
+        elif case == "grow_to below block_size":
+            scalars = {"block_size": np.int32(8), "grow_to": np.int32(4)}
         else:
             scalars = {"block_size": np.int32(16)}
         tensors = _inputs(http, prompt, **scalars)
-    with pytest.raises(InferenceServerException, match=message):
+    with pytest.raises(InferenceServerException, match=message) as raised:
         client.infer("trtspec", tensors)
+    # a client error: HTTP 400 and one line, no Python stack
+    assert raised.value.status() == "400", raised.value
+    assert "\n" not in raised.value.message() and "Traceback" not in raised.value.message()
     assert _ask(client)[0]  # the next request is served as usual
     assert server["process"].poll() is None
 

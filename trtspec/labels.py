@@ -21,17 +21,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
+from trtspec import validate
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.fileio import check_output_file, staged_file
 from trtspec.policy import FEATURE_KINDS, BlockPilot, summarize_prefill, time_choice
 from trtspec.runtime.decode import GenerationConfig
-from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.sampling import SamplingConfig, derive_seed
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.training.data import read_jsonl
 
 LABELS_VERSION = 2  # 2: confidence features, vocab_size
 
@@ -130,16 +130,13 @@ class LabelSet:
 
 
 def read_labels(path: str | Path) -> LabelSet:
+    """A label set and its features, checked field by field (trtspec.validate) as they are read."""
     path = Path(path)
-    rows = read_jsonl(path, ())
-    if not rows or rows[0].get("labels_version") != LABELS_VERSION:
-        raise TrtspecError(f"{path} is not a label set from `trtspec label-blocks` (version {LABELS_VERSION})")
+    header, records = validate.label_set(path, validate.jsonl_records(path), LABELS_VERSION)
     if not features_path(path).is_file():
         raise TrtspecError(f"{path}: its features file {features_path(path).name} is missing")
-    features = load_file(str(features_path(path)))
-    if any(t.shape[0] != len(rows) - 1 for t in features.values()):
-        raise TrtspecError(f"{features_path(path).name} does not match {path.name} (different prompt counts)")
-    return LabelSet(rows[0], rows[1:], features)
+    features = validate.label_features(features_path(path), len(records), FEATURE_KINDS)
+    return LabelSet(header, records, features)
 
 
 def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_name: str = "prompts",
@@ -164,7 +161,7 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
             for choice in sizes:
                 generation_config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
                                                      max_new_tokens=config.max_new_tokens,
-                                                     sampling=replace(config.sampling, seed=seed + index))
+                                                     sampling=replace(config.sampling, seed=derive_seed(seed, index)))
                 source = baseline if choice.size == 1 else pipeline
                 stats = source.generate(prompt, generation_config).generation.stats
                 runs[run_key(choice)] = {

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
+from trtspec import validate
 from trtspec.errors import TrtspecError
 from trtspec.fileio import POLICY, staged_directory
 from trtspec.runtime.schedule import BlockChoice
@@ -127,19 +128,17 @@ def load_policy(directory: str | Path, available_block_sizes: tuple[int, ...] | 
     if not config_path.is_file() or not weights_path.is_file():
         raise TrtspecError(f"{directory} is not a BlockPilot policy (needs {POLICY_CONFIG} and {POLICY_WEIGHTS}; "
                            "make one with `trtspec train-policy`)")
+    config = validate.policy_config(config_path, FEATURE_KINDS)
+    choices, kinds = config["choices"], config["features"]
+    net = PolicyNet(config["inputs"], config["hidden"], len(choices))
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        # "block_sizes": policies written before growing blocks were candidates
-        choices = tuple(BlockChoice.parse(c, allow_auto=False, allow_ar=True)
-                        for c in config.get("choices", config.get("block_sizes")))
-        kinds = tuple(config["features"])
-        net = PolicyNet(config["inputs"], config["hidden"], len(choices))
-        net.load_state_dict(load_file(str(weights_path)))
-    except (KeyError, ValueError, TypeError, RuntimeError, OSError, TrtspecError) as exc:
-        raise TrtspecError(f"cannot load the BlockPilot policy in {directory} ({exc})") from None
-    policy = BlockPilot(choices, kinds, net.eval(),
-                        {k: v for k, v in config.items() if k not in ("choices", "block_sizes", "features",
-                                                                      "inputs", "hidden")})
+        net.load_state_dict(validate.load_tensors(weights_path, "BlockPilot policy"))
+    except RuntimeError as exc:  # missing, unexpected or misshaped tensors
+        reason = " ".join(str(exc).split())[:200]
+        raise TrtspecError(f"{weights_path} does not fit {config_path.name} ({reason})") from None
+    if not all(bool(torch.isfinite(t).all()) for t in net.state_dict().values()):
+        raise TrtspecError(f"{weights_path} holds NaN or infinite values")
+    policy = BlockPilot(choices, kinds, net.eval(), config["info"])
     if available_block_sizes is not None:
         missing = sorted(set(policy.block_sizes) - set(available_block_sizes))
         if missing:

@@ -22,6 +22,7 @@ from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.fileio import staged_file
 from trtspec.runtime.decode import GenerationConfig
+from trtspec.runtime.sampling import derive_seed
 from trtspec.runtime.schedule import BlockChoice
 
 PLOT_SUFFIX = ".png"
@@ -140,7 +141,7 @@ def run_preflight(pipeline, prompts: list[str], block_size: int, max_new_tokens:
     for index, prompt in enumerate(tqdm(prompts, desc="preflight", unit="req", file=sys.stderr,
                                         disable=not progress, dynamic_ncols=True)):
         config = GenerationConfig(block_size=block_size, max_new_tokens=max_new_tokens,
-                                  sampling=replace(sampling, seed=seed + index))
+                                  sampling=replace(sampling, seed=derive_seed(seed, index)))
         stats.append(pipeline.generate(prompt, config).generation.stats)
     measured = [s for s in stats if s.cycles]
     histogram = [sum(s.histogram[a] for s in measured) for a in range(block_size)]

@@ -10,7 +10,9 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from trtspec.errors import CheckpointError, TrtspecError
+from trtspec.limits import parse_int
 from trtspec.models.checkpoint import checkpoint_dir, read_optional_json
+from trtspec.validate import Fields, token_ids
 
 
 def _token_text(value) -> str | None:
@@ -20,10 +22,18 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _as_ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, list) else [value])]
+def _chat_template(fields: Fields) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or Hugging Face's list of {name, template}
+    (the one named "default" is used)."""
+    value = fields.raw("chat_template", None)
+    if value is None or isinstance(value, str):
+        return value
+    named = fields.items("chat_template", dict, "{name, template} objects")
+    templates = {t.get("name"): t.get("template") for t in named}
+    if not isinstance(templates.get("default"), str):
+        fields.fail("chat_template", f"lists templates {sorted(map(str, templates))} but no \"default\" one "
+                                     "with a string template")
+    return templates["default"]
 
 
 class TextCodec:
@@ -36,17 +46,22 @@ class TextCodec:
             self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
             raise CheckpointError(f"target: cannot read {tokenizer_file} ({exc})") from None
-        settings = read_optional_json(directory / "tokenizer_config.json", "target tokenizer")
-        self.chat_template = settings.get("chat_template")
+        settings_file = directory / "tokenizer_config.json"
+        settings = Fields(read_optional_json(settings_file, "target tokenizer"), settings_file)
+        self.chat_template = _chat_template(settings)
         template_file = directory / "chat_template.jinja"
         if self.chat_template is None and template_file.is_file():
-            self.chat_template = template_file.read_text(encoding="utf-8")
-        self.bos_token = _token_text(settings.get("bos_token"))
-        self.eos_token = _token_text(settings.get("eos_token"))
-        generation = read_optional_json(directory / "generation_config.json", "target generation config")
-        model = read_optional_json(directory / "config.json", "target")
-        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(
-            _as_ids(generation.get("eos_token_id")) + _as_ids(model.get("eos_token_id"))))
+            try:
+                self.chat_template = template_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise CheckpointError(f"target: {template_file} is not valid UTF-8") from None
+        self.bos_token = _token_text(settings.data.get("bos_token"))
+        self.eos_token = _token_text(settings.data.get("eos_token"))
+        ids = []
+        for name in ("generation_config.json", "config.json"):
+            path = directory / name
+            ids += token_ids(Fields(read_optional_json(path, "target"), path), "eos_token_id")
+        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
@@ -62,16 +77,20 @@ class TextCodec:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         try:
-            return env.from_string(self.chat_template).render(
+            text = env.from_string(self.chat_template).render(
                 messages=[{"role": "user", "content": user_message}], add_generation_prompt=True,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as exc:
-            raise TrtspecError(f"--chat: the chat template failed: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a template is user code: it may raise anything while rendering
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            raise TrtspecError(f"--chat: the target's chat template failed ({type(exc).__name__}: {message})") from None
+        if not isinstance(text, str):
+            raise TrtspecError("--chat: the target's chat template did not render text")
+        return text
 
     def stop_id(self, value: str) -> int:
         """A `--stop` value: a token id, or text that is exactly one token."""
-        if value.isdigit():
-            token = int(value)
+        token = parse_int(value)  # ASCII digits only: '²'.isdigit() is True, but it is text, not an id
+        if token is not None:
             if token >= self.tokenizer.get_vocab_size(with_added_tokens=True):
                 raise TrtspecError(f"--stop {value}: no such token id")
             return token

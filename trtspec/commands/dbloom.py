@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from trtspec.commands.options import load_pipeline, model_options, sampling_config, sampling_options
+from trtspec import limits
+from trtspec.commands.options import (BlockSizeType, Ranged, limit_option, load_pipeline, max_new_tokens_option,
+                                      model_options, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
 
@@ -16,10 +18,10 @@ Examples:
 """)
 @model_options
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE")
-@click.option("--block-size", type=int, help="Block size to inspect. [default: the drafter's]")
+@click.option("--block-size", type=BlockSizeType(plain=True), help="Block size to inspect. [default: the drafter's]")
 @sampling_options
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--limit", type=int, metavar="N", help="Use only the first N prompts.")
+@max_new_tokens_option(128)
+@limit_option
 @click.option("--json", "json_path", metavar="OUT", help="Also write the report as JSON.")
 @click.option("--plot", "plot_path", metavar="OUT.png", help="Also draw the histogram and per-position acceptance.")
 @click.option("--teacher-forced", is_flag=True,
@@ -46,9 +48,8 @@ def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, 
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine)
     if not pipeline.has_drafter:
         raise TrtspecError("preflight inspects a drafter's acceptance; give --drafter DIR")
-    block_size = block_size or pipeline.drafter_block_size
-    if not 2 <= block_size <= 64:
-        raise TrtspecError(f"--block-size must be in [2, 64], got {block_size}")
+    if block_size is None:
+        block_size = pipeline.drafter_block_size
     if teacher_forced:
         report = run_teacher_forced(pipeline, prompts, block_size, max_new_tokens)
     else:
@@ -68,23 +69,23 @@ Example:
   trtspec expand-block --drafter demo-b16 --to 24 --data build/demo/drafter-data.jsonl -o build/demo-b24
 """)
 @model_options
-@click.option("--to", "to_block_size", type=int, required=True, metavar="B1", help="The longer block size.")
+@click.option("--to", "to_block_size", type=BlockSizeType(plain=True), required=True, metavar="B1", help="The longer block size.")
 @click.option("--data", "data_file", required=True, metavar="FILE", help='JSONL of {"prompt", "response"}.')
 @click.option("-o", "--output", required=True, metavar="DIR", help="Drafter directory to write (z-lab layout).")
-@click.option("--steps", type=int, default=300, show_default=True, help="Steps of the growth curriculum.")
-@click.option("--stages", type=int, default=2, show_default=True, help="Block grown from B0 to B1 in this many stages.")
-@click.option("--continue-steps", type=int, default=0, show_default=True,
+@click.option("--steps", type=Ranged(limits.COUNT), default=300, show_default=True, help="Steps of the growth curriculum.")
+@click.option("--stages", type=Ranged(limits.COUNT), default=2, show_default=True, help="Block grown from B0 to B1 in this many stages.")
+@click.option("--continue-steps", type=Ranged(limits.NON_NEGATIVE), default=0, show_default=True,
               help="Continuation fine-tuning at the original block size first.")
-@click.option("--lr", type=float, default=3e-4, show_default=True)
-@click.option("--distill", "distill_weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--lr", type=Ranged(limits.POSITIVE_REAL), default=3e-4, show_default=True)
+@click.option("--distill", "distill_weight", type=Ranged(limits.NON_NEGATIVE_REAL), default=0.0, show_default=True,
               help="In every stage past B0 (growth and settle), keep positions below B0 close to the "
                    "original drafter (weight of that KL term against the cross-entropy; 0 = off).")
-@click.option("--settle-steps", type=int, default=0, show_default=True,
+@click.option("--settle-steps", type=Ranged(limits.NON_NEGATIVE), default=0, show_default=True,
               help="Finally train at B1 with the source's plain position decay, so the early positions, "
                    "which carry most of the acceptance, have the last word.")
-@click.option("--batch-size", type=int, default=8, show_default=True)
-@click.option("--anchors", type=int, default=16, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--batch-size", type=Ranged(limits.COUNT), default=8, show_default=True)
+@click.option("--anchors", type=Ranged(limits.COUNT), default=16, show_default=True)
+@click.option("--seed", type=Ranged(limits.SEED), default=0, show_default=True)
 @click.option("--work", "work_dir", metavar="DIR", help="Stage checkpoints. [default: OUTPUT.work]")
 def expand_block(target, drafter, engine, dtype, device, to_block_size, data_file, output, steps, stages,
                  continue_steps, lr, distill_weight, settle_steps, batch_size, anchors, seed, work_dir) -> None:
@@ -100,14 +101,12 @@ def expand_block(target, drafter, engine, dtype, device, to_block_size, data_fil
     check_output_dir(output, CHECKPOINT, (target, drafter, data_file, work_dir))
     if engine is not None:
         raise TrtspecError("expand-block trains checkpoints; give --target/--drafter, not --engine")
-    if steps < 1 or stages < 1 or continue_steps < 0 or settle_steps < 0:
-        raise TrtspecError("--steps and --stages must be >= 1, --continue-steps and --settle-steps >= 0")
     pipeline = load_pipeline(target, drafter, "float32" if dtype == "auto" else dtype, device)
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: the drafter to expand")
     config = ExpandConfig(to_block_size=to_block_size, steps=steps, stages=stages, continue_steps=continue_steps,
                           lr=lr, batch_size=batch_size, anchors_per_sequence=anchors, seed=seed,
                           distill_weight=distill_weight, settle_steps=settle_steps)
-    sequences = read_training_data(data_file, pipeline.codec)
+    sequences = read_training_data(data_file, pipeline.codec, pipeline.target.config.vocab_size)
     path = expand(pipeline.target, pipeline.drafter, sequences, config, output, work_dir)
     click.echo(f"wrote drafter to {path} (block size {to_block_size}, from {pipeline.drafter_block_size})", err=True)

@@ -6,6 +6,7 @@ import functools
 
 import click
 
+from trtspec import limits
 from trtspec.errors import TrtspecError
 from trtspec.runtime.sampling import SamplingConfig
 
@@ -28,7 +29,8 @@ drafter_option = click.option(
 device_options = _stack(
     click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
                  show_default=True, help="auto = float32 on CPU, bfloat16 on CUDA."),
-    click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+    click.option("--device", default="auto", show_default=True, callback=lambda ctx, param, value:
+                 limits.check_device(value, "--device"), help="auto, cpu, cuda or cuda:N."),
 )
 engine_option = click.option(
     "--engine", "engine", metavar="DIR",
@@ -40,22 +42,74 @@ policy_option = click.option(
     help="BlockPilot policy (trtspec train-policy) for --block-size auto. [default: the engine's, if it has one]")
 
 
-class BlockSizeType(click.ParamType):
-    """A block size B, a growing block B:G, or "auto" (BlockPilot chooses per request): a BlockChoice."""
+class Ranged(click.ParamType):
+    """A number checked against its `trtspec.limits` range as it is parsed, before any work.
 
-    name = "B|B:G|auto"
+    Out-of-range values raise TrtspecError, not click's usage error: one line and exit 1, like
+    every other bad input."""
+
+    def __init__(self, limit: limits.Limit):
+        self.limit = limit
+        self.name = "integer" if limit.integer else "float"
+
+    def convert(self, value, param, ctx):
+        label = param.opts[0] if param is not None and param.opts else self.limit.name
+        return self.limit.parse(value, label) if isinstance(value, str) else self.limit.check(value, label)
+
+
+class BlockSizeType(click.ParamType):
+    """A block size B, a growing block B:G, or "auto" (BlockPilot chooses per request): a BlockChoice.
+    With `plain`, only B, as an int."""
+
+    def __init__(self, plain: bool = False):
+        self.plain = plain
+        self.name = "B" if plain else "B|B:G|auto"
 
     def convert(self, value, param, ctx):
         from trtspec.runtime.schedule import BlockChoice
 
-        # a TrtspecError, not click's usage error: one line and exit 1, like every other bad input
-        return value if isinstance(value, BlockChoice) else BlockChoice.parse(value)
+        if isinstance(value, BlockChoice):
+            return value
+        label = param.opts[0] if param is not None and param.opts else "block size"
+        choice = BlockChoice.parse(value, allow_auto=not self.plain, allow_growth=not self.plain, label=label)
+        return choice.size if self.plain else choice
+
+
+class BlockSizesType(click.ParamType):
+    """A comma-separated list of block sizes: BlockChoices, or with `plain` ints (what engines are built for)."""
+
+    def __init__(self, plain: bool = False, allow_auto: bool = False):
+        self.plain, self.allow_auto = plain, allow_auto
+        self.name = "B,B,..." if plain else "B,B:G,..."
+
+    def convert(self, value, param, ctx):
+        from trtspec.runtime.schedule import parse_block_choices, parse_block_sizes
+
+        if isinstance(value, tuple):
+            return value
+        label = param.opts[0] if param is not None and param.opts else "block sizes"
+        if self.plain:
+            return parse_block_sizes(value, label)
+        return parse_block_choices(value, self.allow_auto, label=label)
+
+
 sampling_options = _stack(
-    click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
-    click.option("--top-k", type=int, default=0, show_default=True, help="Sample from the k likeliest (0 = off)."),
-    click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass (1 = off)."),
-    click.option("--seed", type=int, help="Seed for sampling at T > 0. [default: random]"),
+    click.option("--temperature", type=Ranged(limits.TEMPERATURE), default=0.0, show_default=True,
+                 help="0 = greedy; any T > 0 is numerically safe (a tiny T approaches greedy)."),
+    click.option("--top-k", type=Ranged(limits.TOP_K), default=0, show_default=True,
+                 help="Sample from the k likeliest (0 = off)."),
+    click.option("--top-p", type=Ranged(limits.TOP_P), default=1.0, show_default=True,
+                 help="Nucleus sampling mass in (0, 1] (1 = off)."),
+    click.option("--seed", type=Ranged(limits.SEED), help="Seed in [0, 2**63-1] for sampling at T > 0. [default: random]"),
 )
+
+
+def max_new_tokens_option(default: int):
+    """--max-new-tokens, declared once; each command has its own default."""
+    return click.option("--max-new-tokens", type=Ranged(limits.MAX_NEW_TOKENS), default=default, show_default=True)
+
+
+limit_option = click.option("--limit", type=Ranged(limits.LIMIT), metavar="N", help="Use only the first N prompts.")
 
 
 def sampling_config(temperature: float, top_k: int, top_p: float, seed: int | None) -> SamplingConfig:

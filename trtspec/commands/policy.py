@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from trtspec.commands.options import load_pipeline, model_options, sampling_config, sampling_options
+from trtspec import limits
+from trtspec.commands.options import (BlockSizeType, BlockSizesType, Ranged, limit_option, load_pipeline,
+                                      max_new_tokens_option, model_options, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
 FEATURE_SETS = ("last", "mean", "length", "confidence", "confidence,length", "mean,confidence",
@@ -28,12 +30,12 @@ Example:
 @model_options
 @click.option("--prompts", "prompts_spec", required=True, metavar="humaneval|FILE",
               help='"humaneval" or a JSONL file of {"prompt": ...} lines.')
-@click.option("--block-sizes", default="12,16,20,24", show_default=True, metavar="B,B:G,...",
+@click.option("--block-sizes", type=BlockSizesType(), default="12,16,20,24", show_default=True, metavar="B,B:G,...",
               help="Candidates: fixed block sizes, and growing blocks B:G (cycles at B; at G after one that "
                    "fills a block of B), whose B and G must be listed as fixed sizes too.")
 @sampling_options
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--limit", type=int, metavar="N", help="Use only the first N prompts.")
+@max_new_tokens_option(128)
+@limit_option
 @click.option("-o", "--output", required=True, metavar="OUT.jsonl",
               help="Labels (JSONL) to write; prefill summaries go to OUT.features.safetensors.")
 def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_sizes, temperature, top_k, top_p, seed,
@@ -45,10 +47,9 @@ def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_siz
     """
     from trtspec.bench import load_prompts
     from trtspec.labels import LabelConfig, check_labels_output, label_blocks as run_labels
-    from trtspec.runtime.schedule import parse_block_choices
 
     check_labels_output(output, (prompts_spec, engine, target, drafter))
-    config = LabelConfig(choices=parse_block_choices(block_sizes), max_new_tokens=max_new_tokens,
+    config = LabelConfig(choices=block_sizes, max_new_tokens=max_new_tokens,
                          sampling=sampling_config(temperature, top_k, top_p, seed if seed is not None else 0))
     name, prompts = load_prompts(prompts_spec, limit)
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine)
@@ -71,8 +72,8 @@ Examples:
 @click.option("--features", default="last,mean,length", show_default=True,
               help="Prefill summaries to use: last (last position's features), mean (over the prompt), length, "
                    "confidence (the target's entropy and top-1 probability over the prompt's tail).")
-@click.option("--hidden", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--steps", type=click.IntRange(min=1), default=600, show_default=True)
+@click.option("--hidden", type=Ranged(limits.COUNT), default=64, show_default=True)
+@click.option("--steps", type=Ranged(limits.COUNT), default=600, show_default=True)
 @click.option("--ar", "with_ar", type=click.Choice(["no", "yes", "auto"]), default="no", show_default=True,
               help="Also let the policy choose autoregressive decoding (no speculation) for a request; auto: "
                    "decided with the features by --ablation.")
@@ -146,7 +147,7 @@ Example:
 @click.option("--policy", "policy_dir", required=True, metavar="DIR")
 @click.option("--labels", "labels_path", required=True, metavar="LABELS.jsonl",
               help="Held-out labels (label-blocks on prompts the policy was not trained on).")
-@click.option("--fixed-block-size", type=int, metavar="B",
+@click.option("--fixed-block-size", type=BlockSizeType(plain=True), metavar="B",
               help="The fixed block size to beat. [default: the best one on the policy's training labels]")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the report as JSON.")
 def eval_policy(policy_dir, labels_path, fixed_block_size, json_path) -> None:

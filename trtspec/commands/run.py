@@ -7,8 +7,9 @@ import sys
 
 import click
 
-from trtspec.commands.options import (BlockSizeType, load_pipeline, model_options, policy_option, sampling_config,
-                                      sampling_options)
+from trtspec import limits
+from trtspec.commands.options import (BlockSizeType, Ranged, load_pipeline, max_new_tokens_option, model_options,
+                                      policy_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import GenerationConfig
 
@@ -49,8 +50,8 @@ Examples:
                    "[default: auto with a policy, else the drafter's]")
 @policy_option
 @sampling_options
-@click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--max-context", type=int, metavar="N", help="Cap on prompt + output tokens. [default: the model's]")
+@max_new_tokens_option(256)
+@click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N", help="Cap on prompt + output tokens. [default: the model's]")
 @click.option("--stop", multiple=True, metavar="TOKEN",
               help="Extra stop token (id or single-token text); repeatable. EOS ids are always stops.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the target's chat template.")

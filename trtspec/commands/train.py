@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from trtspec.commands.options import device_options, load_pipeline, sampling_config, sampling_options, target_option
+from trtspec import limits
+from trtspec.commands.options import (BlockSizeType, Ranged, device_options, limit_option, load_pipeline,
+                                      max_new_tokens_option, sampling_config, sampling_options, target_option)
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import GenerationConfig
 
@@ -26,24 +28,22 @@ Example:
 @click.option("--prompts", "prompts_file", required=True, metavar="FILE",
               help='JSONL of {"prompt": ...} lines (optional "prompt_ids" are used as given).')
 @click.option("-o", "--output", required=True, metavar="FILE", help="JSONL to write (atomically).")
-@click.option("--max-new-tokens", type=int, default=256, show_default=True)
-@click.option("--limit", type=int, help="Use only the first N prompts.")
-@click.option("--batch-size", type=int, default=16, show_default=True, help="Equal-length prompts decoded together.")
+@max_new_tokens_option(256)
+@limit_option
+@click.option("--batch-size", type=Ranged(limits.COUNT), default=16, show_default=True, help="Equal-length prompts decoded together.")
 @sampling_options
 @device_options
 def generate_data(target, prompts_file, output, max_new_tokens, limit, batch_size, temperature, top_k, top_p,
                   seed, dtype, device) -> None:
     """Continue each prompt with the target alone: the training set the recipe asks for."""
     from trtspec.fileio import check_output_file
-    from trtspec.training.data import generate_data as generate, read_jsonl
+    from trtspec.training.data import generate_data as generate, read_prompt_set
 
     check_output_file(output, (prompts_file, target))
-    prompts = read_jsonl(prompts_file, ("prompt",))[:limit]
+    prompts = read_prompt_set(prompts_file, limit)
     config = GenerationConfig(block_size=1, max_new_tokens=max_new_tokens,
                               sampling=sampling_config(temperature, top_k, top_p, seed))
     pipeline = load_pipeline(target, None, dtype, device, with_drafter=False)
-    if batch_size < 1:
-        raise TrtspecError(f"--batch-size must be >= 1, got {batch_size}")
     path = generate(pipeline, prompts, config, output, batch_size)
     click.echo(f"wrote {len(prompts)} continuations to {path}", err=True)
 
@@ -57,21 +57,21 @@ Examples:
 @target_option
 @click.option("--data", "data_file", required=True, metavar="FILE",
               help='JSONL of {"prompt", "response"} (e.g. from generate-data).')
-@click.option("--block-size", type=int, required=True, help="Block size B the drafter is trained for.")
+@click.option("--block-size", type=BlockSizeType(plain=True), required=True, help="Block size B the drafter is trained for.")
 @click.option("-o", "--output", required=True, metavar="DIR", help="Drafter directory to write (z-lab layout).")
-@click.option("--layers", type=int, default=1, show_default=True, help="Drafter decoder layers.")
-@click.option("--num-features", type=int, default=3, show_default=True,
+@click.option("--layers", type=Ranged(limits.COUNT), default=1, show_default=True, help="Drafter decoder layers.")
+@click.option("--num-features", type=Ranged(limits.COUNT), default=3, show_default=True,
               help="Target layers to tap (DFlash's default spread).")
 @click.option("--target-layer-ids", metavar="I,J,...", help="Explicit target layers to tap (overrides --num-features).")
-@click.option("--steps", type=int, default=1000, show_default=True)
-@click.option("--batch-size", type=int, default=8, show_default=True, help="Sequences per step.")
-@click.option("--anchors", type=int, default=32, show_default=True, help="Blocks sampled per sequence each step.")
-@click.option("--max-length", type=int, default=512, show_default=True, help="Tokens kept per sequence.")
-@click.option("--lr", type=float, default=6e-4, show_default=True)
-@click.option("--gamma", type=float, default=0.0, help="Position-weight decay. [default: 7 for B=16, 5 for 10, 4 for 8]")
-@click.option("--mask-token-id", type=int, help="[default: the tokenizer's <|mask|> token]")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--checkpoint-every", type=int, default=100, show_default=True, help="Steps between resumable checkpoints.")
+@click.option("--steps", type=Ranged(limits.COUNT), default=1000, show_default=True)
+@click.option("--batch-size", type=Ranged(limits.COUNT), default=8, show_default=True, help="Sequences per step.")
+@click.option("--anchors", type=Ranged(limits.COUNT), default=32, show_default=True, help="Blocks sampled per sequence each step.")
+@click.option("--max-length", type=Ranged(limits.COUNT), default=512, show_default=True, help="Tokens kept per sequence.")
+@click.option("--lr", type=Ranged(limits.POSITIVE_REAL), default=6e-4, show_default=True)
+@click.option("--gamma", type=Ranged(limits.NON_NEGATIVE_REAL), default=0.0, help="Position-weight decay. [default: 7 for B=16, 5 for 10, 4 for 8]")
+@click.option("--mask-token-id", type=Ranged(limits.TOKEN_ID), help="[default: the tokenizer's <|mask|> token]")
+@click.option("--seed", type=Ranged(limits.SEED), default=0, show_default=True)
+@click.option("--checkpoint-every", type=Ranged(limits.COUNT), default=100, show_default=True, help="Steps between resumable checkpoints.")
 @click.option("--work", "work_dir", metavar="DIR", help="Checkpoint directory. [default: OUTPUT.work]")
 @device_options
 def train_drafter(target, data_file, block_size, output, layers, num_features, target_layer_ids, steps,
@@ -92,6 +92,6 @@ def train_drafter(target, data_file, block_size, output, layers, num_features, t
                          target_layer_ids=_layer_ids(target_layer_ids), mask_token_id=mask_token_id,
                          steps=steps, batch_size=batch_size, anchors_per_sequence=anchors, max_length=max_length,
                          lr=lr, gamma=gamma, seed=seed, checkpoint_every=checkpoint_every)
-    sequences = read_training_data(data_file, pipeline.codec)
+    sequences = read_training_data(data_file, pipeline.codec, pipeline.target.config.vocab_size)
     path = train(pipeline.target, sequences, config, output, work_dir)
     click.echo(f"wrote drafter to {path}", err=True)

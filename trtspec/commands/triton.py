@@ -7,6 +7,9 @@ from pathlib import Path
 
 import click
 
+from trtspec import limits
+from trtspec.commands.options import Ranged
+
 
 @click.command("triton-repo", epilog="""\b
 Example:
@@ -17,8 +20,8 @@ Example:
 @click.option("-o", "--output", required=True, metavar="REPO",
               help="Model repository to write (replaces only a previous one or an empty directory).")
 @click.option("--name", default="trtspec", show_default=True, help="Model name (NAME and NAME_stream).")
-@click.option("--instances", type=int, default=1, show_default=True, help="Model instances (each loads the engine).")
-@click.option("--threads", type=int, default=0, show_default=True, help="CPU threads per instance (0 = torch's choice).")
+@click.option("--instances", type=Ranged(limits.COUNT), default=1, show_default=True, help="Model instances (each loads the engine).")
+@click.option("--threads", type=Ranged(limits.NON_NEGATIVE), default=0, show_default=True, help="CPU threads per instance (0 = torch's choice).")
 def triton_repo(engine, output, name, instances, threads) -> None:
     """Generate a Triton model repository serving ENGINE (python backend, plain and streaming)."""
     from trtspec.serving.triton import write_repository

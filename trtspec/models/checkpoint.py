@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from trtspec.errors import CheckpointError
 from trtspec.fileio import CHECKPOINT, staged_directory
+from trtspec.validate import read_json_object, safetensors_index
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -36,15 +37,7 @@ def checkpoint_dir(path: str | os.PathLike, what: str) -> Path:
 
 def read_json(path: Path, what: str) -> dict:
     """Load a JSON object, naming the file in any error."""
-    if not path.is_file():
-        raise CheckpointError(f"{what}: missing {path.name} in {path.parent}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{what}: {path} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{what}: {path} must hold a JSON object")
-    return data
+    return read_json_object(path, what, CheckpointError)
 
 
 def read_optional_json(path: Path, what: str) -> dict:
@@ -67,9 +60,7 @@ def load_state_dict(directory: Path, what: str) -> dict[str, torch.Tensor]:
         return _load_safetensors(single, what)
     if not index.exists():
         raise CheckpointError(f"{what}: no {SINGLE_FILE} or {INDEX_FILE} in {directory}")
-    weight_map = read_json(index, what).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{what}: {index} has no weight_map")
+    weight_map = safetensors_index(index, what, CheckpointError)
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         tensors.update(_load_safetensors(directory / shard, what))

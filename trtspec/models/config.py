@@ -5,9 +5,11 @@ Shapes always come from here; nothing in the models hard-codes a size.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
-from trtspec.errors import CheckpointError
+from trtspec.errors import CheckpointError, TrtspecError
+from trtspec.limits import check_block_size
+from trtspec.validate import POSITIVE, POSITIVE_INT, Fields
 
 
 @dataclass(frozen=True)
@@ -30,43 +32,60 @@ class Qwen3Config:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
+            POSITIVE_INT.check(getattr(self, name), name)
+        for name in ("rope_theta", "rms_norm_eps"):  # <= 0 gives NaN logits that decode as EOS
+            POSITIVE.check(getattr(self, name), name)
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(
-                f"config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
-            raise CheckpointError(f"config: head_dim must be even for RoPE, got {self.head_dim}")
+            raise CheckpointError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
     @classmethod
     def from_dict(cls, raw: dict, what: str = "config", **extra):
-        """Build from a config.json dict, filling head_dim and refusing unsupported features."""
-        values = dict(raw)
-        # transformers >= 5 nests RoPE settings under rope_parameters; older configs use rope_scaling.
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise CheckpointError(f"{what}: RoPE scaling {rope!r} is not supported")
-        if "rope_theta" in rope:
-            values.setdefault("rope_theta", rope["rope_theta"])
-        if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
-            raise CheckpointError(f"{what}: sliding-window attention is not supported")
-        if values.get("head_dim") is None and "hidden_size" in values and "num_attention_heads" in values:
-            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
-        if values.get("num_key_value_heads") is None:
-            values["num_key_value_heads"] = values.get("num_attention_heads")
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in values.items() if k in known and v is not None}
-        kwargs.update(extra)
-        missing = [f.name for f in fields(cls)
-                   if f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING]
-        if missing:
-            raise CheckpointError(f"{what}: config.json lacks {', '.join(missing)}")
+        """Build from a config.json dict (`what`: its file, named in every error), filling head_dim
+        and refusing unsupported features and wrongly typed or out-of-range fields."""
         try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as exc:
+            return cls(**cls._fields_of(Fields(raw, what)), **extra)
+        except TrtspecError as exc:
+            if str(exc).startswith(f"{what}:"):
+                raise
             raise CheckpointError(f"{what}: {exc}") from None
+
+    @classmethod
+    def _fields_of(cls, f: Fields) -> dict:
+        # transformers >= 5 nests RoPE settings under rope_parameters; older configs use rope_scaling.
+        rope = None
+        for key in ("rope_parameters", "rope_scaling"):
+            settings = f.obj(key, None)
+            if settings is not None and settings.data:
+                kind = settings.text("rope_type", None) or settings.text("type", "default")
+                if kind != "default":
+                    raise CheckpointError(f"{f.source}: RoPE scaling {settings.data!r} is not supported")
+                rope = rope or settings
+        if f.boolean("use_sliding_window", False) or "sliding_attention" in f.strings("layer_types", []):
+            raise CheckpointError(f"{f.source}: sliding-window attention is not supported")
+        values = {name: f.integer(name, POSITIVE_INT) for name in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+        values["num_key_value_heads"] = f.integer("num_key_value_heads", POSITIVE_INT, values["num_attention_heads"])
+        if f.has("head_dim"):
+            values["head_dim"] = f.integer("head_dim", POSITIVE_INT)
+        elif values["hidden_size"] % values["num_attention_heads"]:
+            f.fail("hidden_size", f"({values['hidden_size']}) is not a multiple of num_attention_heads "
+                                  f"({values['num_attention_heads']}) and head_dim is not given")
+        else:
+            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        theta = rope.number("rope_theta", POSITIVE, None) if rope is not None else None
+        values["rope_theta"] = f.number("rope_theta", POSITIVE, theta if theta is not None else 10_000.0)
+        values["rms_norm_eps"] = f.number("rms_norm_eps", POSITIVE, 1e-6)
+        values["max_position_embeddings"] = f.integer("max_position_embeddings", POSITIVE_INT, 40960)
+        values["tie_word_embeddings"] = f.boolean("tie_word_embeddings", False)
+        values["attention_bias"] = f.boolean("attention_bias", False)
+        return values
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,34 +111,42 @@ class DFlashConfig(Qwen3Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_block_size(self.block_size, "block_size")
+        POSITIVE_INT.check(self.num_target_layers, "num_target_layers")
         if not self.target_layer_ids:
-            raise CheckpointError("drafter config: dflash_config.target_layer_ids is empty")
-        if not 2 <= self.block_size <= 64:
-            raise CheckpointError(f"drafter config: block_size must be in [2, 64], got {self.block_size}")
+            raise CheckpointError("dflash_config.target_layer_ids is empty")
+        bad = [i for i in self.target_layer_ids if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i < self.num_target_layers]
+        if bad:
+            raise CheckpointError(f"dflash_config.target_layer_ids {bad} are out of range for a "
+                                  f"{self.num_target_layers}-layer target (num_target_layers)")
+        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int) \
+                or not 0 <= self.mask_token_id < self.vocab_size:
+            raise CheckpointError(f"dflash_config.mask_token_id must be a token id in [0, {self.vocab_size}), "
+                                  f"got {self.mask_token_id!r}")
 
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_zlab(cls, raw: dict) -> "DFlashConfig":
-        """Parse the z-lab `DFlashDraftModel` config.json layout."""
-        dflash = raw.get("dflash_config") or {}
-        if "mask_token_id" not in dflash:
-            raise CheckpointError("drafter config: dflash_config.mask_token_id is missing")
-        num_target_layers = raw.get("num_target_layers")
-        if not isinstance(num_target_layers, int) or num_target_layers <= 0:
-            raise CheckpointError("drafter config: num_target_layers must be a positive integer")
-        layer_ids = dflash.get("target_layer_ids")
+    def from_zlab(cls, raw: dict, what: str = "drafter config") -> "DFlashConfig":
+        """Parse the z-lab `DFlashDraftModel` config.json layout (`what`: its file, named in errors)."""
+        f = Fields(raw, what)
+        dflash = f.obj("dflash_config")
+        num_target_layers = f.integer("num_target_layers", POSITIVE_INT)
+        layer_ids = dflash.ints("target_layer_ids", None, nonempty=True)
         if layer_ids is None:
-            layer_ids = default_target_layer_ids(num_target_layers, int(raw.get("num_target_features", 5)))
+            count = f.integer("num_target_features", POSITIVE_INT, 5)
+            layer_ids = default_target_layer_ids(num_target_layers, count)
+        lineage = f.obj("trtspec_lineage", None)
         return cls.from_dict(
-            raw, "drafter config",
-            block_size=int(raw.get("block_size", 16)),
-            mask_token_id=int(dflash["mask_token_id"]),
-            target_layer_ids=tuple(int(i) for i in layer_ids),
+            raw, what,
+            block_size=f.integer("block_size", POSITIVE_INT, 16),
+            mask_token_id=dflash.integer("mask_token_id"),
+            target_layer_ids=tuple(layer_ids),
             num_target_layers=num_target_layers,
-            lineage=dict(raw.get("trtspec_lineage") or {}),
+            lineage=dict(lineage.data) if lineage is not None else {},
         )
 
     def to_zlab(self) -> dict:

@@ -139,8 +139,12 @@ def check_pair(drafter: DFlashConfig, target: Qwen3Config) -> None:
 def load_drafter(path: str | Path, target: Qwen3Target) -> DFlashDrafter:
     """Load a z-lab layout drafter directory and bind it to `target` (same dtype and device)."""
     directory = checkpoint_dir(path, "drafter")
-    config = DFlashConfig.from_zlab(read_json(directory / "config.json", "drafter"))
-    check_pair(config, target.config)
+    config_file = directory / "config.json"
+    config = DFlashConfig.from_zlab(read_json(config_file, "drafter"), str(config_file))
+    try:
+        check_pair(config, target.config)
+    except MismatchError as exc:
+        raise MismatchError(f"{config_file}: {exc}") from None
     tensors = load_state_dict(directory, "drafter")
     drafter = build_empty(lambda: DFlashDrafter(config))
     load_into(drafter, tensors, "drafter")

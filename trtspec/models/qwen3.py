@@ -126,11 +126,12 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> Qwen3Target:
     """Load a local Hugging Face Qwen3 directory (single-file or sharded safetensors)."""
     directory = checkpoint_dir(path, "target")
-    raw = read_json(directory / "config.json", "target")
+    config_file = directory / "config.json"
+    raw = read_json(config_file, "target")
     model_type = raw.get("model_type", "qwen3")
     if model_type != "qwen3":
-        raise CheckpointError(f"target: model_type {model_type!r} is not supported (expected 'qwen3')")
-    config = Qwen3Config.from_dict(raw, "target config")
+        raise CheckpointError(f"{config_file}: model_type {model_type!r} is not supported (expected 'qwen3')")
+    config = Qwen3Config.from_dict(raw, str(config_file))
     tensors = load_state_dict(directory, "target")
     if config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
         tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])

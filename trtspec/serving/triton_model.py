@@ -83,21 +83,23 @@ class TritonPythonModel:
         self._sampling = SamplingConfig
 
     def _config(self, request):
+        """The request's fields as a GenerationConfig, whose checks (trtspec.limits, shared with the
+        CLI) refuse out-of-range values: temperature >= 0 and finite, seed in [0, 2**63-1],
+        max_tokens in [1, 2**31-1], block_size 0 (auto) or in [2, 64], grow_to 0 or above it."""
         from trtspec.runtime.decode import GenerationConfig
 
-        temperature = float(_scalar(request, "temperature", 0.0))
         seed = _scalar(request, "seed", None)
-        block_size = int(_scalar(request, "block_size", self.pipeline.default_block_size))
-        grow_to = int(_scalar(request, "grow_to", 0))
-        max_tokens = int(_scalar(request, "max_tokens", DEFAULT_MAX_TOKENS))
-        sampling = self._sampling(temperature=temperature, seed=None if seed is None else int(seed))
-        return GenerationConfig(block_size=block_size, grow_to=grow_to, max_new_tokens=max_tokens, sampling=sampling)
+        sampling = self._sampling(temperature=_scalar(request, "temperature", 0.0), seed=seed)
+        return GenerationConfig(block_size=_scalar(request, "block_size", self.pipeline.default_block_size),
+                                grow_to=_scalar(request, "grow_to", 0),
+                                max_new_tokens=_scalar(request, "max_tokens", DEFAULT_MAX_TOKENS), sampling=sampling)
 
     @staticmethod
     def _error(exc: Exception):
-        """A per-request error; INVALID_ARG (HTTP 400) where the backend supports error codes."""
+        """A per-request error, in one line; INVALID_ARG (HTTP 400) where the backend supports error codes."""
+        message = " ".join(str(exc).split())
         code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
-        error = pb_utils.TritonError(str(exc), code) if code is not None else pb_utils.TritonError(str(exc))
+        error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
         return pb_utils.InferenceResponse(error=error)
 
     @staticmethod

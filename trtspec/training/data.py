@@ -11,33 +11,25 @@ from tqdm import tqdm
 
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
+from trtspec.limits import LIMIT
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.sampling import Sampler
+from trtspec.validate import Fields, check_token_range, jsonl_records, prompt_record
 
 
 def read_jsonl(path: str | Path, required: tuple[str, ...]) -> list[dict]:
     """Records of a JSONL file, each an object holding the `required` keys."""
-    source = Path(path)
-    if not source.is_file():
-        raise TrtspecError(f"file not found: {source}")
-    records = []
-    with source.open(encoding="utf-8") as lines:
-        try:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TrtspecError(f"{source}:{number}: not valid JSON ({exc.msg})") from None
-                if not isinstance(record, dict) or any(key not in record for key in required):
-                    raise TrtspecError(f"{source}:{number}: each line must be an object with {', '.join(required)}")
-                records.append(record)
-        except UnicodeDecodeError:
-            raise TrtspecError(f"{source} is not valid UTF-8") from None
-    if not records:
-        raise TrtspecError(f"{source} holds no records")
-    return records
+    return [record for _, record in jsonl_records(path, required)]
+
+
+def read_prompt_set(path: str | Path, limit: int | None = None, response: bool = False) -> list[dict]:
+    """The first `limit` records of a JSONL prompt set, each checked field by field: "prompt" (and
+    optional "prompt_ids"); with `response`, also "response" (and optional "response_ids")."""
+    if limit is not None:
+        LIMIT.check(limit, "--limit")
+    required = ("prompt", "response") if response else ("prompt",)
+    return [prompt_record(Fields(record, where), response)
+            for where, record in jsonl_records(path, required)[:limit]]
 
 
 def write_jsonl_atomic(records: list[dict], path: str | Path) -> Path:
@@ -93,19 +85,26 @@ def generate_data(pipeline, prompts: list[dict], config: GenerationConfig, outpu
     alone; write {"prompt", "response", "prompt_ids", "response_ids"} lines."""
     config = config.with_stop_ids(pipeline.codec.stop_ids)
     prompt_ids = [r.get("prompt_ids") or pipeline.codec.encode(r["prompt"]) for r in prompts]
+    for number, ids in enumerate(prompt_ids, 1):
+        check_token_range(f"prompt {number}", "prompt_ids", ids, pipeline.target.config.vocab_size)
     responses = continue_prompts(pipeline.target, prompt_ids, config, batch_size, progress)
     records = [{"prompt": r["prompt"], "response": pipeline.codec.decode(out), "prompt_ids": ids,
                 "response_ids": out} for r, ids, out in zip(prompts, prompt_ids, responses)]
     return write_jsonl_atomic(records, output)
 
 
-def read_training_data(path: str | Path, codec) -> list[tuple[list[int], int]]:
-    """(token ids, prompt length) per record; ids are used when present, text otherwise."""
+def read_training_data(path: str | Path, codec, vocab_size: int | None = None) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) per record; ids are used when present (and must index a
+    vocabulary of `vocab_size`), text otherwise."""
     sequences = []
-    for record in read_jsonl(path, ("prompt", "response")):
-        prompt_ids = record.get("prompt_ids") or codec.encode(record["prompt"])
-        response_ids = record.get("response_ids")
+    for number, record in enumerate(read_prompt_set(path, response=True), 1):
+        prompt_ids = record["prompt_ids"] or codec.encode(record["prompt"])
+        response_ids = record["response_ids"]
         if response_ids is None:
             response_ids = codec.tokenizer.encode(record["response"], add_special_tokens=False).ids
+        elif vocab_size is not None:
+            check_token_range(f"{path} record {number}", "response_ids", response_ids, vocab_size)
+        if record["prompt_ids"] and vocab_size is not None:
+            check_token_range(f"{path} record {number}", "prompt_ids", prompt_ids, vocab_size)
         sequences.append((list(prompt_ids) + list(response_ids), len(prompt_ids)))
     return sequences

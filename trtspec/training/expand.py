@@ -18,7 +18,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trtspec.errors import TrtspecError
+from trtspec.limits import check_block_size
 from trtspec.models import DFlashDrafter, Qwen3Target, load_drafter, save_drafter
+from trtspec.runtime.sampling import derive_seed
 from trtspec.training.blocks import default_gamma
 from trtspec.training.trainer import TrainConfig, train_drafter
 
@@ -42,8 +44,7 @@ def stage_plan(from_block: int, config: ExpandConfig) -> list[tuple[int, int, in
     """(block size, steps, emphasised-from position) per stage."""
     if config.to_block_size <= from_block:
         raise TrtspecError(f"--to must be larger than the drafter's block size {from_block}, got {config.to_block_size}")
-    if config.to_block_size > 64:
-        raise TrtspecError(f"--to must be <= 64, got {config.to_block_size}")
+    check_block_size(config.to_block_size, "--to")
     stages = max(1, min(config.stages, config.to_block_size - from_block))
     sizes = [from_block + (config.to_block_size - from_block) * (i + 1) // stages for i in range(stages)]
     per_stage = [config.steps // stages + (1 if i < config.steps % stages else 0) for i in range(stages)]
@@ -82,7 +83,7 @@ def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tu
             train_config = TrainConfig(block_size=block_size, steps=steps, batch_size=config.batch_size,
                                        gamma=default_gamma(source.block_size),
                                        anchors_per_sequence=config.anchors_per_sequence, lr=config.lr,
-                                       seed=config.seed + number, checkpoint_every=config.checkpoint_every,
+                                       seed=derive_seed(config.seed, number), checkpoint_every=config.checkpoint_every,
                                        position_weight_shift=emphasis, lineage=lineage,
                                        mask_token_id=source.mask_token_id,
                                        distill_below=source.block_size if distilling else 0,

@@ -7,6 +7,7 @@ few steps to a work directory and training resumes from there when restarted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -18,8 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from trtspec import validate
 from trtspec.errors import TrtspecError
 from trtspec.fileio import staged_file
+from trtspec.limits import SEED, check_block_size
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Target, default_target_layer_ids, save_drafter
 from trtspec.training.blocks import IGNORE, PackedBatch, cosine_with_warmup, default_gamma, pack
 
@@ -48,8 +51,8 @@ class TrainConfig:
     lineage: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 2 <= self.block_size <= 64:
-            raise TrtspecError(f"block size must be in [2, 64], got {self.block_size}")
+        check_block_size(self.block_size)
+        SEED.check(self.seed)
         for name in ("num_layers", "steps", "batch_size", "anchors_per_sequence", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise TrtspecError(f"{name.replace('_', ' ')} must be >= 1, got {getattr(self, name)}")
@@ -127,6 +130,38 @@ def _distributed() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), world
 
 
+CHECKPOINT_KEYS = ("config", "step", "drafter", "optimizer", "schedule", "generator", "order")
+
+
+def _fingerprint(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def target_fingerprint(target: Qwen3Target) -> str:
+    """A cheap digest of the frozen target: its config, and per tensor its shape, sum and first values."""
+    digest = hashlib.sha256(json.dumps(target.config.to_dict(), sort_keys=True).encode())
+    with torch.no_grad():
+        for name, tensor in target.state_dict().items():
+            flat = tensor.detach().reshape(-1)
+            summary = [float(flat.sum(dtype=torch.float64))] + flat[:16].double().tolist()
+            digest.update(f"{name}{tuple(tensor.shape)}{summary}".encode())
+    return digest.hexdigest()
+
+
+def _check_resume(path: Path, state: dict, config: dict, run: dict) -> None:
+    """Refuse to resume a checkpoint made with other data, another target or other options,
+    naming what differs (a silent resume would continue someone else's run)."""
+    differ = [f"{key} (checkpoint {state['config'][key]!r}, now {value!r})"
+              for key, value in config.items() if key in state["config"] and state["config"][key] != value]
+    differ += [f"{key} option (not in the checkpoint)" for key in config if key not in state["config"]]
+    # checkpoints written before the data and target were recorded are resumed as before
+    differ += [{"data": "the training data (--data)", "target": "the target (--target)"}[key]
+               for key, value in run.items() if state.get(key, value) != value]
+    if differ:
+        raise TrtspecError(f"{path} was written by another training run: {'; '.join(differ)} differ; "
+                           "resume with the same arguments, or delete it or pass another --work directory")
+
+
 def _atomic_save(state: dict, path: Path) -> None:
     with staged_file(path) as temporary:
         torch.save(state, temporary)
@@ -166,12 +201,11 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     work = Path(work_dir) if work_dir else Path(str(output).rstrip("/") + ".work")
     checkpoint_path = work / "checkpoint.pt"
     recorded = json.loads(json.dumps(asdict(config)))
+    run = {"data": _fingerprint(json.dumps(sequences).encode()), "target": target_fingerprint(target)}
     step, order = 0, []  # order: the rest of this epoch's shuffled sequence indices
     if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-        if state["config"] != recorded:
-            raise TrtspecError(f"{work} holds a checkpoint of a different training run; "
-                               "delete it or pass another --work directory")
+        state = validate.training_checkpoint(checkpoint_path, CHECKPOINT_KEYS)
+        _check_resume(checkpoint_path, state, recorded, run)
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -205,7 +239,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{rate:.0f}", lr=f"{schedule.get_last_lr()[0]:.2e}")
         bar.update(1)
         if rank == 0 and (step % config.checkpoint_every == 0 or step == config.steps):
-            _atomic_save({"config": recorded, "step": step, "drafter": drafter.state_dict(),
+            _atomic_save({"config": recorded, **run, "step": step, "drafter": drafter.state_dict(),
                           "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
                           "generator": generator.get_state(), "order": order}, checkpoint_path)
     bar.close()

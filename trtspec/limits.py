@@ -1,0 +1,112 @@
+"""The valid range of every numeric flag and request field, declared once.
+
+The CLI's options (`trtspec.commands.options.ranged`), the configs behind them
+(`SamplingConfig`, `GenerationConfig`, ...) and the Triton model's requests all check values
+against these, so a range is stated in one place, refused before any work, and its message
+names the flag or field. The README's table of ranges is this module.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from trtspec.errors import TrtspecError
+
+INT32_MAX = 2**31 - 1
+MAX_BLOCK_SIZE = 64  # the largest block any engine or decode call accepts (export.bindings re-exports it)
+SEED_MAX = 2**63 - 1  # seeds are int64 (Triton's seed input); torch takes up to 2**64 - 1
+_ASCII_INT = re.compile(r"[+-]?[0-9]+")
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A closed range [low, high] of integers or finite reals (`low_open`: (low, high])."""
+
+    name: str
+    low: float
+    high: float
+    integer: bool = True
+    low_open: bool = False
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        if math.isinf(self.high):
+            return f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
+        high = {INT32_MAX: "2**31-1", SEED_MAX: "2**63-1"}.get(self.high, f"{self.high:g}")
+        return f"{kind} in {'(' if self.low_open else '['}{self.low:g}, {high}]"
+
+    def check(self, value, label: str | None = None):
+        """`value` as int or float if it is in range; else a one-line TrtspecError naming `label`."""
+        label = label or self.name
+        number = _number(value, self.integer)
+        if number is None or not (self.low < number if self.low_open else self.low <= number) or number > self.high:
+            raise TrtspecError(f"{label} must be {self.describe()}, got {value!r}")
+        return number
+
+    def parse(self, text: str, label: str | None = None):
+        """A command-line value: ASCII digits for integers (no '²', '1_000' or '٣'), a float for reals."""
+        text = text.strip()
+        if self.integer:
+            value = int(text) if _ASCII_INT.fullmatch(text) else text
+        else:
+            try:
+                value = float(text)
+            except ValueError:
+                value = text
+        return self.check(value, label)
+
+
+def _number(value, integer: bool) -> int | float | None:
+    """An int (or finite float) from a Python or numpy scalar; None for anything else (bool, str, NaN)."""
+    if hasattr(value, "item") and not isinstance(value, (list, tuple, dict)):
+        value = value.item()  # numpy scalars from a Triton request
+    if isinstance(value, bool):
+        return None
+    if integer:
+        return value if isinstance(value, int) else None
+    if isinstance(value, (int, float)):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    return None
+
+
+DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def check_device(device, label: str = "device") -> str:
+    """A device name trtspec runs on: auto, cpu, cuda or cuda:N."""
+    if not isinstance(device, str) or not DEVICE.fullmatch(device.strip()):
+        raise TrtspecError(f"{label} must be auto, cpu, cuda or cuda:N, got {device!r}")
+    return device.strip()
+
+
+def parse_int(text: str) -> int | None:
+    """A non-negative integer written in ASCII digits, else None (`str.isdigit` also accepts '²',
+    which `int` refuses, and `int` accepts '1_000' and '٣')."""
+    text = text.strip()
+    return int(text) if re.fullmatch(r"[0-9]+", text) else None
+
+
+# Sampling. Any T > 0 is numerically safe: logits are shifted by their maximum before dividing by
+# T, so a tiny T approaches greedy decoding instead of overflowing the softmax.
+TEMPERATURE = Limit("temperature", 0.0, math.inf, integer=False)
+TOP_K = Limit("top-k", 0, INT32_MAX)             # 0 = off; k >= vocabulary is off too
+TOP_P = Limit("top-p", 0.0, 1.0, integer=False, low_open=True)
+SEED = Limit("seed", 0, SEED_MAX)
+# Requests and prompt sets.
+MAX_NEW_TOKENS = Limit("max new tokens", 1, INT32_MAX)
+MAX_CONTEXT = Limit("max context", 2, INT32_MAX)
+LIMIT = Limit("limit", 1, INT32_MAX)             # first N prompts
+COUNT = Limit("count", 1, INT32_MAX)             # repeats, batch sizes, steps, layers, instances, ...
+NON_NEGATIVE = Limit("count", 0, INT32_MAX)      # optional steps, threads (0 = default)
+POSITIVE_REAL = Limit("value", 0.0, math.inf, integer=False, low_open=True)  # learning rates
+NON_NEGATIVE_REAL = Limit("value", 0.0, math.inf, integer=False)             # weights, decays (0 = default)
+TOKEN_ID = Limit("token id", 0, INT32_MAX)
+BLOCK_SIZE = Limit("block size", 2, MAX_BLOCK_SIZE)  # 1 is autoregressive decoding (--ar), not a block
+
+
+def check_block_size(size, label: str = "block size") -> int:
+    """`size` if it is a block size in [2, MAX_BLOCK_SIZE] (what every flag, config and request allows)."""
+    return BLOCK_SIZE.check(size, label)
