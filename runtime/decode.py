@@ -15,7 +15,7 @@ import torch
 
 from trtspec.errors import TrtspecError
 from trtspec.limits import MAX_NEW_TOKENS, check_block_size
-from trtspec.policy import BlockPilot
+from trtspec.blockpilot.policy import BlockPilot
 from trtspec.runtime.controller import Controller, Stepper, native_controller
 from trtspec.runtime.sampling import Sampler, SamplingConfig
 from trtspec.runtime.schedule import AUTO, BlockChoice

@@ -8,9 +8,9 @@ the ordinary mode; capture and replay themselves need a GPU.
 import pytest
 import torch
 
-from trtspec.engines.cuda_graphs import CudaGraphs, binding_key
+from trtspec.engines.capture import CudaGraphs, binding_key
 from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.graphs import GraphEngine, open_engine
+from trtspec.runtime.runners.compiled import GraphEngine, open_engine
 
 PROMPTS = [[5, 9, 13, 2, 7], [40, 41, 42, 43, 44, 45, 46, 47], [3] * 12]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA device")

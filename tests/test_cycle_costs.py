@@ -14,7 +14,7 @@ import torch
 
 from trtspec.cycle_costs import (QWEN3_4B, TINY, CycleCostConfig, drafter_config, measure, random_pair,
                                  runtime_engine, tiny)
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerEngine
 from trtspec.errors import TrtspecError
 from trtspec.models import load_drafter, load_target
 from trtspec.runtime.decode import GenerationConfig, generate

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import predictable_pair, random_drafter, tiny_config
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerEngine
 from trtspec.errors import TrtspecError
 from trtspec.models import Qwen3Target
 from trtspec.runtime.decode import GenerationConfig, generate

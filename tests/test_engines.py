@@ -14,14 +14,14 @@ from helpers import assert_one_line_error, save_random_drafter, trtspec, trtspec
 
 from trtspec.build import BuildConfig, build_engine
 from trtspec.engines import tensorrt as trt_engine
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerEngine
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, TARGET, graph_specs
 from trtspec.export.steps import DraftStep, TargetStep
-from trtspec.manifest import MANIFEST_FILE, read_manifest
+from trtspec.engines.manifest import MANIFEST_FILE, read_manifest
 from trtspec.models import load_drafter, load_target
 from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.graphs import open_engine
+from trtspec.runtime.runners.compiled import open_engine
 
 BLOCK_SIZES = (4, 8)
 

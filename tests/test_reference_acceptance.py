@@ -15,7 +15,7 @@ from transformers import Qwen3Config as HFConfig, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from helpers import predictable_pair
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerEngine
 from trtspec.runtime.decode import GenerationConfig, generate
 
 MAX_NEW_TOKENS = 48

@@ -15,11 +15,11 @@ import pytest
 import torch
 from scipy.stats import binomtest, chisquare
 
-import oracle
+from trtspec.runtime import reference as oracle
 from helpers import predictable_pair
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerEngine
 from trtspec.runtime.decode import GenerationConfig, generate
-from oracle import PythonController, accepted_length
+from trtspec.runtime.reference import PythonController, accepted_length
 from trtspec.runtime.sampling import Sampler, SamplingConfig
 
 VOCAB, PROMPT, SAMPLES, ALPHA = 8, [2, 3, 4, 5], 30_000, 1e-3

@@ -9,7 +9,7 @@ import torch
 
 from helpers import random_drafter
 from trtspec.api import Pipeline
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerEngine
 from trtspec.errors import TrtspecError
 from trtspec.models import load_drafter, load_target
 from trtspec.runtime.decode import GenerationConfig, generate
@@ -67,7 +67,7 @@ def test_packed_training_forward_equals_inference_forward(target_dir):
 
 
 def test_distillation_pulls_only_the_early_positions_toward_the_teacher(target_dir):
-    from trtspec.training.expand import frozen_copy
+    from trtspec.dbloom.expand import frozen_copy
     from trtspec.training.trainer import DrafterLoss
 
     target = load_target(target_dir)

@@ -12,14 +12,14 @@ from typing import Callable
 
 import torch
 
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerEngine
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import MAX_CONTEXT, check_device
-from trtspec.manifest import TOKENIZER_DIR, check_sources
+from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
-from trtspec.policy import drafter_policy, load_policy
+from trtspec.blockpilot.policy import drafter_policy, load_policy
 from trtspec.runtime.decode import Generation, GenerationConfig, generate
-from trtspec.runtime.graphs import open_engine
+from trtspec.runtime.runners.compiled import open_engine
 from trtspec.runtime.schedule import AUTO
 from trtspec.tokenizer import TextCodec
 

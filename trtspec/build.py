@@ -22,11 +22,11 @@ from trtspec.engines import tensorrt as trt_engine
 from trtspec.engines.executor import TORCH_DTYPES
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BLOCK_SIZE, graph_specs
-from trtspec.export.graphs import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
+from trtspec.export.exporter import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
 from trtspec.fileio import ENGINE, check_output_dir, staged_directory
-from trtspec.manifest import BACKENDS, TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
+from trtspec.engines.manifest import BACKENDS, TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
 from trtspec.models import load_drafter, load_target
-from trtspec.policy import drafter_policy, load_policy
+from trtspec.blockpilot.policy import drafter_policy, load_policy
 
 POLICY_DIR = "policy"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
@@ -154,8 +154,8 @@ def _copy_tokenizer(source: Path, destination: Path) -> None:
 def self_check(directory: Path, device: torch.device, target, drafter, block_sizes: list[int]) -> dict:
     """Run the built engine's prefill, verify(B) and draft(B) on a fixed prompt and compare them
     with the eager modules; refuse the build if the logits differ by more than the tolerance."""
-    from trtspec.engines.eager import EagerEngine
-    from trtspec.runtime.graphs import open_engine
+    from trtspec.runtime.runners.eager import EagerEngine
+    from trtspec.runtime.runners.compiled import open_engine
 
     engine, eager = open_engine(directory, device), EagerEngine(target, drafter)
     generator = torch.Generator().manual_seed(0)

@@ -31,18 +31,18 @@ from typing import Callable
 import torch
 
 from trtspec.bench import describe_machine
-from trtspec.engines.cuda_graphs import CudaGraphs
-from trtspec.engines.torch_graphs import TorchExecutor
+from trtspec.engines.capture import CudaGraphs
+from trtspec.engines.torch import TorchExecutor
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import graph_specs
-from trtspec.export.graphs import step_modules
+from trtspec.export.exporter import step_modules
 from trtspec.export.steps import DraftStep, TargetStep
 from trtspec.host_profile import ExecutorClock
-from trtspec.manifest import Manifest
+from trtspec.engines.manifest import Manifest
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3Target, default_target_layer_ids
 from trtspec.models.checkpoint import build_empty
 from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.graphs import GraphEngine
+from trtspec.runtime.runners.compiled import GraphEngine
 
 # Qwen3-4B's decoder (its config.json); DFlash's Qwen3-4B drafters have 5 layers reading 5 target layers.
 QWEN3_4B = Qwen3Config(vocab_size=151_936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,

@@ -10,38 +10,23 @@ is loaded from the source checkout's tests/oracle.py.
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from types import ModuleType
 
 import torch
 from tqdm import tqdm
 
-import trtspec
 from trtspec.bench import WARMUP_TOKENS, BenchConfig, check_prompts, machine_info, speedups
 from trtspec.engines.executor import PREFILL
 from trtspec.errors import TrtspecError
 from trtspec.runtime.controller import native_controller
 from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.reference import PythonController
 from trtspec.runtime.schedule import AUTO, BlockChoice
 
-ORACLE = Path(trtspec.__file__).resolve().parents[1] / "tests" / "oracle.py"
 CONTROLLERS = ("python", "native")
-
-
-def load_oracle(path: Path = ORACLE) -> ModuleType:
-    """The tests' Python controller, from a source checkout (an editable install has one)."""
-    if not path.is_file():
-        raise TrtspecError(f"--profile-host times the Python oracle in tests/oracle.py, which only a source "
-                           f"checkout has (not found: {path}); use pip install -e . in a clone")
-    spec = importlib.util.spec_from_file_location("trtspec_oracle", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class ExecutorClock:
@@ -184,7 +169,7 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
     if any(c.size == AUTO or c.grow_to for c in config.block_sizes):
         raise TrtspecError("--profile-host measures fixed block sizes; leave auto and growing blocks B:G out "
                            "of --block-sizes")
-    controllers = {"python": load_oracle().PythonController, "native": native_controller}
+    controllers = {"python": PythonController, "native": native_controller}
     baseline = pipeline.autoregressive()
     check_prompts(pipeline, prompts)
     encoded = [pipeline.codec.encode(p) for p in prompts]

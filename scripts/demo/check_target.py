@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerEngine
 from trtspec.models import load_target
 from trtspec.runtime.decode import GenerationConfig, generate
 from trtspec.tokenizer import TextCodec

@@ -19,7 +19,7 @@ import itertools
 import json
 from typing import Callable
 
-from trtspec.labels import read_labels
+from trtspec.blockpilot.labels import read_labels
 
 Schedule = Callable[[list[tuple[int, int]]], int]  # (block size, accepted) of past cycles -> next block size
 

@@ -77,7 +77,7 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
     reference = None
     if against_eager:  # the engine's own sources, in its dtype: the bundled demo pair unless named
         from trtspec.assets import resolve_drafter, resolve_target
-        from trtspec.manifest import check_sources
+        from trtspec.engines.manifest import check_sources
 
         check_sources(pipeline.engine.manifest, resolve_target(target), resolve_drafter(drafter, target))
         reference = load_pipeline(target, drafter, str(pipeline.dtype).removeprefix("torch."), device,

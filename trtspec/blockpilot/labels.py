@@ -28,7 +28,7 @@ from trtspec import validate
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.fileio import check_output_file, staged_file
-from trtspec.policy import FEATURE_KINDS, BlockPilot, summarize_prefill, time_choice
+from trtspec.blockpilot.policy import FEATURE_KINDS, BlockPilot, summarize_prefill, time_choice
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig, derive_seed
 from trtspec.runtime.schedule import BlockChoice

@@ -15,7 +15,7 @@ import torch
 from trtspec.engines.executor import PREFILL, TORCH_DTYPES, Executor, ProfileKey
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, PREFILL_LOGITS, TARGET, GraphSpec
-from trtspec.manifest import Manifest, read_manifest
+from trtspec.engines.manifest import Manifest, read_manifest
 
 
 class GraphEngine:
@@ -174,7 +174,7 @@ def open_engine(directory: str | Path, device: torch.device, threads: int | None
         from trtspec.engines.tensorrt import TensorRTExecutor
         executor = TensorRTExecutor(graphs, device, manifest.profiles, cuda_graphs=cuda_graphs)
     elif manifest.backend == "torch":
-        from trtspec.engines.torch_graphs import TorchExecutor
+        from trtspec.engines.torch import TorchExecutor
         executor = TorchExecutor.load(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs)
     else:
         raise TrtspecError(f"engine {directory}: unknown backend {manifest.backend!r}")
