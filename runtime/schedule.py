@@ -10,6 +10,9 @@ sign that one has begun; the native controller applies the rule per cycle, no Py
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from trtspec.errors import TrtspecError
 from trtspec.limits import MAX_BLOCK_SIZE, parse_int
@@ -63,6 +66,13 @@ class BlockChoice:
             raise TrtspecError(f"{label} must be in [2, {MAX_BLOCK_SIZE}], got {size} "
                                "(autoregressive decoding is --ar, and bench's baseline)")
         return cls(size, grow_to)
+
+
+class BlockPolicy(Protocol):
+    """What the decode loop needs to decide AUTO: a one-shot choice from prefill's outputs
+    (BlockPilot, trtspec.blockpilot, is the product's; the loop knows nothing of its training)."""
+
+    def choose(self, features: torch.Tensor, logits: torch.Tensor) -> "BlockChoice": ...
 
 
 def parse_block_choices(text: str, allow_auto: bool = False, allow_growth: bool = True,

@@ -57,11 +57,11 @@ def test_policy_learns_a_feature_dependent_choice_and_round_trips(tmp_path):
 
 
 def test_auto_without_a_policy_is_refused(target_dir, drafter_dir):
-    from trtspec.runtime.runners.eager import EagerEngine
+    from trtspec.runtime.runners.eager import EagerRunner
     from trtspec.models import load_drafter, load_target
 
     target = load_target(target_dir)
-    engine = EagerEngine(target, load_drafter(drafter_dir, target))
+    engine = EagerRunner(target, load_drafter(drafter_dir, target))
     with pytest.raises(TrtspecError, match="needs a BlockPilot policy"):
         generate(engine, [3, 4], GenerationConfig(block_size=AUTO))
 

@@ -246,7 +246,7 @@ class BenchReport:
 
 
 def machine_info(pipeline) -> dict:
-    return describe_machine(pipeline.engine.device, pipeline.dtype, pipeline.backend)
+    return describe_machine(pipeline.runner.device, pipeline.dtype, pipeline.backend)
 
 
 def describe_machine(device: torch.device, dtype: torch.dtype, backend: str) -> dict:
@@ -274,8 +274,8 @@ def check_prompts(pipeline, prompts: list[str]) -> None:
         raise TrtspecError("no prompts to benchmark")
     for number, prompt in enumerate(prompts, 1):
         length = len(pipeline.codec.encode(prompt))
-        if length >= pipeline.engine.max_context:
-            raise TrtspecError(f"prompt {number} is {length} tokens; the context holds {pipeline.engine.max_context}")
+        if length >= pipeline.runner.max_context:
+            raise TrtspecError(f"prompt {number} is {length} tokens; the context holds {pipeline.runner.max_context}")
 
 
 def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=None,
@@ -356,8 +356,8 @@ def trace_divergence(pipeline, reference, prompt_ids: list[int], tokens: list[in
     logits = []
     with torch.inference_mode():
         for backend in (pipeline, reference):
-            backend.engine.reset(len(context))
-            logits.append(backend.engine.prefill(context)[0][-1].float().cpu())
+            backend.runner.reset(len(context))
+            logits.append(backend.runner.prefill(context)[0][-1].float().cpu())
     top2 = logits[1].topk(2).values
     return {"token_index": common,
             "token": tokens[common] if common < len(tokens) else None,

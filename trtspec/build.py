@@ -154,23 +154,23 @@ def _copy_tokenizer(source: Path, destination: Path) -> None:
 def self_check(directory: Path, device: torch.device, target, drafter, block_sizes: list[int]) -> dict:
     """Run the built engine's prefill, verify(B) and draft(B) on a fixed prompt and compare them
     with the eager modules; refuse the build if the logits differ by more than the tolerance."""
-    from trtspec.runtime.runners.eager import EagerEngine
-    from trtspec.runtime.runners.compiled import open_engine
+    from trtspec.runtime.runners.eager import EagerRunner
+    from trtspec.runtime.runners.compiled import open_runner
 
-    engine, eager = open_engine(directory, device), EagerEngine(target, drafter)
+    compiled, eager = open_runner(directory, device), EagerRunner(target, drafter)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, target.config.vocab_size, (24,), generator=generator).tolist()
     worst = 0.0
     with torch.inference_mode():
         for block_size in block_sizes:
-            for e in (engine, eager):
+            for e in (compiled, eager):
                 e.reset(len(prompt) + block_size)
-            (logits_g, features_g), (logits_e, features_e) = engine.prefill(prompt), eager.prefill(prompt)
+            (logits_g, features_g), (logits_e, features_e) = compiled.prefill(prompt), eager.prefill(prompt)
             block = [prompt[-1]] + [drafter.config.mask_token_id] * (block_size - 1)
-            drafts_g = engine.draft(features_g, block, len(prompt))
+            drafts_g = compiled.draft(features_g, block, len(prompt))
             drafts_e = eager.draft(features_e, block, len(prompt))
             block = [block[0], *drafts_e.tolist()]
-            verified = engine.verify(block, len(prompt))[0], eager.verify(block, len(prompt))[0]
+            verified = compiled.verify(block, len(prompt))[0], eager.verify(block, len(prompt))[0]
             worst = max(worst, (logits_g.float().cpu() - logits_e.float().cpu()).abs().max().item(),
                         (verified[0].float().cpu() - verified[1].float().cpu()).abs().max().item())
             agree = (drafts_g.cpu() == drafts_e.cpu()).float().mean().item()

@@ -3,9 +3,8 @@
 Model time is the time inside the executor's draft and verify runs; host time is everything else
 in the decode phase (the controller's accept / commit / stop / statistics work, the engine's
 bookkeeping, moving tokens). Both controllers run the same loop over the same engine, interleaved
-per repeat: the native core that the product uses, and the pure-Python oracle the tests check it
-against. The oracle is not part of the installed package (one controller in the product), so it
-is loaded from the source checkout's tests/oracle.py.
+per repeat: the native core that the product uses, and the pure-Python reference controller the
+tests check it against (trtspec.runtime.reference).
 """
 
 from __future__ import annotations
@@ -163,7 +162,7 @@ class HostProfile:
 def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, prompts_name: str = "prompts",
                      progress: bool = True) -> HostProfile:
     """AR and every block size through both controllers, taking turns per prompt (compiled engines only)."""
-    executor = getattr(pipeline.engine, "executor", None)
+    executor = getattr(pipeline.runner, "executor", None)
     if executor is None:
         raise TrtspecError("--profile-host times the executor's graph runs; give a built engine (--engine DIR)")
     if any(c.size == AUTO or c.grow_to for c in config.block_sizes):
@@ -181,7 +180,7 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
         generation_config = GenerationConfig(block_size=block_size, max_new_tokens=max_new_tokens,
                                              sampling=replace(config.sampling, seed=seed))
         generation_config = generation_config.with_stop_ids(pipeline.codec.stop_ids)
-        return generate(source.engine, ids, generation_config, controller=controllers[controller])
+        return generate(source.runner, ids, generation_config, controller=controllers[controller])
 
     for block_size in sizes:  # warm-up
         for controller in CONTROLLERS:

@@ -152,9 +152,9 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
               disable=not progress, dynamic_ncols=True) as bar:
         for index, prompt in enumerate(prompts):
             ids = pipeline.codec.encode(prompt)
-            pipeline.engine.reset(len(ids))
+            pipeline.runner.reset(len(ids))
             with torch.inference_mode():
-                prompt_logits, prefill_features = pipeline.engine.prefill(ids)
+                prompt_logits, prefill_features = pipeline.runner.prefill(ids)
             for kind in FEATURE_KINDS:
                 summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
             runs = {}
