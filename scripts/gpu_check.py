@@ -71,6 +71,7 @@ def main() -> int:
     from trtspec.fileio import atomic_write_text
     from trtspec.runtime.decode import GenerationConfig
     from trtspec.runtime.schedule import BlockChoice
+    from trtspec.runtime.stats import decode_tokens_per_s
 
     block_sizes = parse_block_sizes(args.block_sizes)
     out = Path(args.out)
@@ -123,14 +124,13 @@ def main() -> int:
             for choice in choices:
                 config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
                                           max_new_tokens=args.max_new_tokens)
-                same, seconds, tokens = 0, 0.0, 0
+                same, stats = 0, []
                 for prompt in prompts:
                     a, b = engine.generate(prompt, config), eager.generate(prompt, config)
                     same += a.tokens == b.tokens
-                    seconds += a.generation.stats.decode_s
-                    tokens += a.generation.stats.new_tokens - 1
+                    stats.append(a.generation.stats)
                 rows.append({"block_size": choice.name, "identical": same, "requests": len(prompts),
-                             "decode_tokens_per_s": tokens / seconds if seconds else 0.0})
+                             "decode_tokens_per_s": decode_tokens_per_s(stats)})
                 failed |= same != len(prompts)
                 print(f"{name} B={choice.name}: identical {same}/{len(prompts)}", flush=True)
                 report["engines"][name] = {"build_s": built_s, "checks": rows}

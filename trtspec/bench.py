@@ -28,7 +28,8 @@ from trtspec.limits import LIMIT, check_block_size
 from trtspec.runtime.decode import Generation, GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig, derive_seed
 from trtspec.runtime.schedule import AUTO, BlockChoice
-from trtspec.runtime.stats import DecodeStats
+from trtspec.runtime.stats import (DecodeStats, decode_tokens_per_s, mean_tau, pooled_ceiling_fraction,
+                                   pooled_histogram)
 from trtspec.training.data import read_prompt_set
 
 HUMANEVAL = "humaneval"
@@ -82,13 +83,6 @@ class BenchConfig:
         return derive_seed(self.sampling.seed, repeat * n_prompts + prompt)
 
 
-def decode_tokens_per_s(stats: list[DecodeStats]) -> float:
-    """Decode tokens over decode seconds, summed over requests (the prefill's first token excluded)."""
-    tokens = sum(max(s.new_tokens - 1, 0) for s in stats)
-    seconds = sum(s.decode_s for s in stats)
-    return tokens / seconds if seconds > 0 else 0.0
-
-
 def speedups(spec_tokens_per_s: list[float], ar_tokens_per_s: list[float]) -> list[float]:
     """Per-repeat speed-up: speculative decode tokens/s over AR decode tokens/s of the same repeat."""
     if 0.0 in ar_tokens_per_s:
@@ -117,22 +111,15 @@ class BenchRun:
 
     @property
     def tau(self) -> float:
-        """Mean of per-request means."""
-        return statistics.fmean(s.tau for s in self.stats)
+        return mean_tau(self.stats)
 
     @property
     def histogram(self) -> list[int]:
-        """Cycles that accepted a drafts, summed over every request of every repeat (with auto or a
-        growing block, histograms differ in length and the shorter count as zeros beyond their end)."""
-        width = max(len(s.histogram) for s in self.stats)
-        return [sum(s.histogram[a] for s in self.stats if a < len(s.histogram)) for a in range(width)]
+        return pooled_histogram(self.stats)
 
     @property
     def ceiling_fraction(self) -> float:
-        """Fraction of speculative cycles that accepted their whole block (auto's AR requests left out)."""
-        speculative = [s for s in self.stats if s.block_size > 1]
-        cycles = sum(s.cycles for s in speculative)
-        return sum(s.ceiling_fraction * s.cycles for s in speculative) / cycles if cycles else 0.0
+        return pooled_ceiling_fraction(self.stats)
 
     @property
     def grown_fraction(self) -> float:

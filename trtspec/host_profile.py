@@ -24,6 +24,7 @@ from trtspec.runtime.controller import native_controller
 from trtspec.runtime.decode import GenerationConfig, generate
 from trtspec.runtime.reference import PythonController
 from trtspec.runtime.schedule import AUTO, BlockChoice
+from trtspec.runtime.stats import decode_tokens
 
 CONTROLLERS = ("python", "native")
 
@@ -75,7 +76,7 @@ class HostRun:
         self.cycles[-1] += stats.cycles
         self.decode_s[-1] += stats.decode_s
         self.model_s[-1] += model_s
-        self.tokens[-1] += max(stats.new_tokens - 1, 0)
+        self.tokens[-1] += decode_tokens(stats.new_tokens)
         self.outputs[-1].append(generation.tokens)
 
     @property

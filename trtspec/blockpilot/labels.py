@@ -32,6 +32,7 @@ from trtspec.blockpilot.policy import FEATURE_KINDS, BlockPilot, summarize_prefi
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig, derive_seed
 from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.stats import decode_tokens
 
 LABELS_VERSION = 2  # 2: confidence features, vocab_size
 
@@ -204,10 +205,10 @@ def strategy_metrics(labels: LabelSet, choices: list[BlockChoice]) -> dict:
     chosen = torch.tensor([labels.speed(r, c) for r, c in zip(records, choices)])
     modelled_tokens = sum(run["tau"] * run["cycles"] for run in runs)
     modelled_s = sum(labels.modelled_seconds(run, c) for run, c in zip(runs, choices))
-    measured_tokens = sum(max(run["new_tokens"] - 1, 0) for run in runs)
+    measured_tokens = sum(decode_tokens(run["new_tokens"]) for run in runs)
     measured_s = sum(run["decode_s"] for run in runs)
     ar = [r["runs"]["1"] for r in records]
-    ar_measured = sum(max(run["new_tokens"] - 1, 0) for run in ar) / sum(run["decode_s"] for run in ar)
+    ar_measured = sum(decode_tokens(run["new_tokens"]) for run in ar) / sum(run["decode_s"] for run in ar)
     return {
         "mean_tau": statistics.fmean(run["tau"] for run in runs),
         "modelled_tokens_per_s": modelled_tokens / modelled_s,

@@ -24,6 +24,7 @@ from trtspec.fileio import staged_file
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.sampling import derive_seed
 from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.stats import DecodeStats, mean_tau, pooled_histogram
 
 PLOT_SUFFIX = ".png"
 CEILING_THRESHOLD = 0.10   # a ceiling bin above this is worth a look
@@ -48,8 +49,7 @@ class Preflight:
 
     @property
     def ceiling_fraction(self) -> float:
-        cycles = sum(self.histogram)
-        return self.histogram[-1] / cycles if cycles else 0.0
+        return DecodeStats(self.block_size, histogram=list(self.histogram)).ceiling_fraction
 
     @property
     def per_position_acceptance(self) -> list[float | None]:
@@ -143,11 +143,13 @@ def run_preflight(pipeline, prompts: list[str], block_size: int, max_new_tokens:
         config = GenerationConfig(block_size=block_size, max_new_tokens=max_new_tokens,
                                   sampling=replace(sampling, seed=derive_seed(seed, index)))
         stats.append(pipeline.generate(prompt, config).generation.stats)
-    measured = [s for s in stats if s.cycles]
-    histogram = [sum(s.histogram[a] for s in measured) for a in range(block_size)]
-    requests = [{"tau": s.tau, "cycles": s.cycles, "ceiling_fraction": s.ceiling_fraction,
-                 "new_tokens": s.new_tokens, "histogram": s.histogram} for s in stats]
-    return Preflight(block_size, histogram, statistics.fmean(s.tau for s in measured) if measured else 0.0, requests)
+    return Preflight(block_size, pooled_histogram(stats), mean_tau(stats), [_request(s) for s in stats])
+
+
+def _request(stats: DecodeStats, **extra) -> dict:
+    """One request's line in the report."""
+    return {"tau": stats.tau, "cycles": stats.cycles, "ceiling_fraction": stats.ceiling_fraction,
+            "new_tokens": stats.new_tokens, "histogram": stats.histogram, **extra}
 
 
 ANCHORS_PER_PASS = 32  # blocks per packed drafter pass when teacher forcing (bounds the attention mask)
@@ -174,7 +176,7 @@ def run_teacher_forced(pipeline, prompts: list[str], block_size: int, max_new_to
     config = GenerationConfig(block_size=1, max_new_tokens=max_new_tokens + block_size - 1)
     prompt_ids = [codec.encode(p) for p in prompts]
     continuations = continue_prompts(target, prompt_ids, config.with_stop_ids(codec.stop_ids), progress=progress)
-    histogram, requests = [0] * block_size, []
+    stats, accepted_counts = [], []
     with torch.inference_mode():
         for ids, continuation in tqdm(list(zip(prompt_ids, continuations)), desc="teacher-forced", unit="req",
                                       file=sys.stderr, disable=not progress, dynamic_ncols=True):
@@ -193,9 +195,7 @@ def run_teacher_forced(pipeline, prompts: list[str], block_size: int, max_new_to
                 matches = drafts == batch.labels.view(-1, block_size)[:, 1:]
                 accepted += matches.int().cumprod(dim=1).sum(dim=1).tolist()
             counts = [accepted.count(a) for a in range(block_size)]
-            histogram = [total + n for total, n in zip(histogram, counts)]
-            requests.append({"tau": 1 + statistics.fmean(accepted) if accepted else 0.0, "cycles": len(accepted),
-                             "ceiling_fraction": counts[-1] / len(accepted) if accepted else 0.0,
-                             "new_tokens": len(continuation), "histogram": counts, "accepted": accepted})
-    taus = [r["tau"] for r in requests if r["cycles"]]
-    return Preflight(block_size, histogram, statistics.fmean(taus) if taus else 0.0, requests)
+            stats.append(DecodeStats(block_size, new_tokens=len(continuation), histogram=counts))
+            accepted_counts.append(accepted)
+    requests = [_request(s, accepted=accepted) for s, accepted in zip(stats, accepted_counts)]
+    return Preflight(block_size, pooled_histogram(stats), mean_tau(stats), requests)
