@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
 
 
@@ -104,7 +105,7 @@ class PythonController:
             # A growing block: a cycle that filled a base block makes the next one run grown.
             self.grown[r] += b != base
             self.ceiling_cycles[r] += accepted == b - 1
-            self.active[r] = self.grow_to[r] if self.grow_to[r] and accepted >= base - 1 else base
+            self.active[r] = BlockChoice(base, self.grow_to[r]).next_size(accepted)
             self.verify_blocks[r, 0] = self.draft_blocks[r, 0] = bonus
         return self.running
 

@@ -35,6 +35,12 @@ class BlockChoice:
         base = {AUTO: "auto", 1: "AR"}.get(self.size, str(self.size))
         return f"{base}:{self.grow_to}" if self.grow_to else base
 
+    def next_size(self, accepted: int, after: int | None = None) -> int:
+        """The block size of the cycle after one that accepted `accepted` drafts: G once `after`
+        drafts were accepted (default B-1, a filled block of B: what the native controller does), else B."""
+        after = self.size - 1 if after is None else after
+        return self.grow_to if self.grow_to and accepted >= after else self.size
+
     @property
     def sizes(self) -> tuple[int, ...]:
         """The block sizes whose graphs this schedule runs."""

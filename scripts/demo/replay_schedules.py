@@ -20,6 +20,7 @@ import json
 from typing import Callable
 
 from trtspec.blockpilot.labels import read_labels
+from trtspec.runtime.schedule import BlockChoice
 
 Schedule = Callable[[list[tuple[int, int]]], int]  # (block size, accepted) of past cycles -> next block size
 
@@ -37,9 +38,11 @@ def replay(accepted: dict[int, list[int]], new_tokens: int, schedule: Schedule) 
     return cycles
 
 
-def grow(low: int, high: int, after: int) -> Schedule:
-    """Block `high` for the cycle after one that accepted at least `after` drafts, else `low`."""
-    return lambda cycles: high if cycles and cycles[-1][1] >= after else low
+def grow(low: int, high: int, after: int | None = None) -> Schedule:
+    """The growing block low:high (BlockChoice.next_size, the runtime's rule), growing after a cycle
+    that accepted at least `after` drafts (default: a filled block of `low`, what the runtime does)."""
+    choice = BlockChoice(low, high)
+    return lambda cycles: choice.next_size(cycles[-1][1], after) if cycles else low
 
 
 def seconds(cycles: list[tuple[int, int]], cost: dict[int, float]) -> float:
@@ -72,7 +75,7 @@ def main() -> None:
                 for b in sizes}
     for choice in labels.choices:  # growing blocks, as the native controller runs them
         if choice.grow_to and set(choice.sizes) <= set(sizes):
-            rule = grow(choice.size, choice.grow_to, choice.size - 1)
+            rule = grow(choice.size, choice.grow_to)
             matching[choice.name] = sum(len(replay(a, new_tokens, rule)) == r["runs"][choice.name]["cycles"]
                                         for a, r in zip(requests, records))
     ar_total = (new_tokens - 1) * cost[1] * len(requests)
