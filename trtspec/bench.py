@@ -14,26 +14,24 @@ import json
 import os
 import platform
 import statistics
-import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from trtspec import __version__
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
 from trtspec.limits import LIMIT, check_block_size
-from trtspec.runtime.decode import Generation, GenerationConfig
-from trtspec.runtime.sampling import SamplingConfig, derive_seed
+from trtspec.runtime.decode import Generation
+from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AUTO, BlockChoice
 from trtspec.runtime.stats import (DecodeStats, decode_tokens_per_s, mean_tau, pooled_ceiling_fraction,
                                    pooled_histogram)
+from trtspec.sweep import Sweep, pipeline_requests, run_sweep
 from trtspec.training.data import read_prompt_set
 
 HUMANEVAL = "humaneval"
-WARMUP_TOKENS = 8
 NO_AR_TOKENS = ("autoregressive decoding produced no decode tokens in a repeat (every prompt stopped at its "
                 "first token); use other prompts or a larger --max-new-tokens")
 
@@ -78,9 +76,9 @@ class BenchConfig:
         if self.repeats < 1:
             raise TrtspecError(f"--repeats must be >= 1, got {self.repeats}")
 
-    def request_seed(self, repeat: int, prompt: int, n_prompts: int) -> int:
-        """A fixed seed per (repeat, prompt), shared by AR and every block size, so T > 0 reproduces."""
-        return derive_seed(self.sampling.seed, repeat * n_prompts + prompt)
+    def sweep(self) -> Sweep:
+        """AR and every block size over the prompts, `repeats` times, after a warm-up."""
+        return Sweep(self.block_sizes, self.max_new_tokens, self.sampling, self.repeats, with_ar=True, warmup=True)
 
 
 def speedups(spec_tokens_per_s: list[float], ar_tokens_per_s: list[float]) -> list[float]:
@@ -278,34 +276,11 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=No
         if not backend.has_drafter:
             raise TrtspecError("a benchmark needs a drafter (give --drafter DIR)")
     check_prompts(pipeline, prompts)
-    sizes = (BlockChoice(1), *config.block_sizes)
-    runs = [[BenchRun(c) for c in sizes] for _ in backends]  # [backend][configuration]
-    baselines = [backend.autoregressive() for backend in backends]
-
-    def request(k: int, choice: BlockChoice, prompt: str, max_new_tokens: int, seed: int) -> Generation:
-        sampling = replace(config.sampling, seed=seed)
-        generation_config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
-                                             max_new_tokens=max_new_tokens, sampling=sampling)
-        return (baselines[k] if choice.size == 1 else backends[k]).generate(prompt, generation_config).generation
-
-    for k in range(len(backends)):  # warm-up: first-call overheads (allocations, kernels per shape) stay out
-        for choice in sizes:
-            request(k, choice, prompts[0], min(WARMUP_TOKENS, config.max_new_tokens),
-                    config.request_seed(0, 0, len(prompts)))
-
-    total = config.repeats * len(sizes) * len(prompts) * len(backends)
-    with tqdm(total=total, desc="bench", unit="req", file=sys.stderr, disable=not progress,
-              dynamic_ncols=True) as bar:
-        for repeat in range(config.repeats):
-            for index_in_sizes, choice in enumerate(sizes):
-                for k, backend in enumerate(backends):
-                    bar.set_postfix_str(f"repeat {repeat + 1}/{config.repeats}, B={choice.name}, {backend.backend}")
-                    generations = []
-                    for index, prompt in enumerate(prompts):
-                        seed = config.request_seed(repeat, index, len(prompts))
-                        generations.append(request(k, choice, prompt, config.max_new_tokens, seed))
-                        bar.update()
-                    runs[k][index_in_sizes].generations.append(generations)
+    sweep = config.sweep()
+    done = run_sweep([pipeline_requests(backend) for backend in backends], prompts, sweep, desc="bench",
+                     progress=progress)
+    runs = [[BenchRun(choice, done.of(c, k)) for c, choice in enumerate(done.schedule)]
+            for k in range(len(backends))]  # [backend][configuration]
     reports = []
     for backend, backend_runs in zip(backends, runs):
         if 0.0 in backend_runs[0].tokens_per_s_repeats:  # no baseline: say so now, not when printing

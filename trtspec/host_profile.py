@@ -10,14 +10,12 @@ tests check it against (trtspec.runtime.reference).
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
-from trtspec.bench import WARMUP_TOKENS, BenchConfig, check_prompts, machine_info, speedups
+from trtspec.bench import BenchConfig, check_prompts, machine_info, speedups
 from trtspec.engines.executor import PREFILL
 from trtspec.errors import TrtspecError
 from trtspec.runtime.controller import native_controller
@@ -25,6 +23,7 @@ from trtspec.runtime.decode import GenerationConfig, generate
 from trtspec.runtime.reference import PythonController
 from trtspec.runtime.schedule import AUTO, BlockChoice
 from trtspec.runtime.stats import decode_tokens
+from trtspec.sweep import run_sweep
 
 CONTROLLERS = ("python", "native")
 
@@ -169,40 +168,33 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
     if any(c.size == AUTO or c.grow_to for c in config.block_sizes):
         raise TrtspecError("--profile-host measures fixed block sizes; leave auto and growing blocks B:G out "
                            "of --block-sizes")
-    controllers = {"python": PythonController, "native": native_controller}
-    baseline = pipeline.autoregressive()
     check_prompts(pipeline, prompts)
+    baseline = pipeline.autoregressive()
+    clock = ExecutorClock(executor)
+
+    def through(controller):
+        """Requests decoded with `controller`, each yielding its generation and its model seconds."""
+        def request(choice: BlockChoice, ids: list[int], config: GenerationConfig):
+            source = baseline if choice.size == 1 else pipeline
+            before = clock.seconds
+            generation = generate(source.runner, ids, config.with_stop_ids(pipeline.codec.stop_ids),
+                                  controller=controller)
+            return generation, clock.seconds - before
+        return request
+
     encoded = [pipeline.codec.encode(p) for p in prompts]
-    sizes = (1, *(c.size for c in config.block_sizes))
-    runs = {(b, c): HostRun(b, c) for b in sizes for c in CONTROLLERS}
-
-    def request(block_size: int, ids: list[int], controller: str, max_new_tokens: int, seed: int):
-        source = baseline if block_size == 1 else pipeline
-        generation_config = GenerationConfig(block_size=block_size, max_new_tokens=max_new_tokens,
-                                             sampling=replace(config.sampling, seed=seed))
-        generation_config = generation_config.with_stop_ids(pipeline.codec.stop_ids)
-        return generate(source.runner, ids, generation_config, controller=controllers[controller])
-
-    for block_size in sizes:  # warm-up
-        for controller in CONTROLLERS:
-            request(block_size, encoded[0], controller, min(WARMUP_TOKENS, config.max_new_tokens),
-                    config.request_seed(0, 0, len(prompts)))
-    total = config.repeats * len(runs) * len(prompts)
-    with tqdm(total=total, desc="profile-host", unit="req", file=sys.stderr, disable=not progress,
-              dynamic_ncols=True) as bar, ExecutorClock(executor) as clock:
-        for repeat in range(config.repeats):
-            for block_size in sizes:
-                for run in (runs[(block_size, c)] for c in CONTROLLERS):
-                    run.start_repeat()
-                # the controllers take turns prompt by prompt, so a machine's drift reaches both alike
-                for index, ids in enumerate(encoded):
-                    seed = config.request_seed(repeat, index, len(prompts))
-                    for controller in CONTROLLERS:
-                        before = clock.seconds
-                        generation = request(block_size, ids, controller, config.max_new_tokens, seed)
-                        runs[(block_size, controller)].add(generation, clock.seconds - before)
-                        bar.update()
-                if not runs[(block_size, "native")].cycles[-1]:
-                    raise TrtspecError("no decode cycles ran (every prompt stopped at its first token)")
+    with clock:  # the controllers take turns prompt by prompt, so a machine's drift reaches both alike
+        done = run_sweep([through(PythonController), through(native_controller)], encoded,
+                         config.sweep(), desc="profile-host", progress=progress)
+    runs = {}
+    for c, choice in enumerate(done.schedule):
+        for v, name in enumerate(CONTROLLERS):
+            run = runs[(choice.size, name)] = HostRun(choice.size, name)
+            for repeat in done.of(c, v):
+                run.start_repeat()
+                for generation, model_s in repeat:
+                    run.add(generation, model_s)
+            if 0 in run.cycles:
+                raise TrtspecError("no decode cycles ran (every prompt stopped at its first token)")
     return HostProfile(prompts=prompts_name, n_prompts=len(prompts), config=config, runs=runs,
                        machine=machine_info(pipeline))

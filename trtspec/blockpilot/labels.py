@@ -16,23 +16,21 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from trtspec import validate
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.fileio import check_output_file, staged_file
 from trtspec.blockpilot.policy import FEATURE_KINDS, BlockPilot, summarize_prefill, time_choice
-from trtspec.runtime.decode import GenerationConfig
-from trtspec.runtime.sampling import SamplingConfig, derive_seed
+from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import decode_tokens
+from trtspec.sweep import Sweep, pipeline_requests, run_sweep
 
 LABELS_VERSION = 2  # 2: confidence features, vocab_size
 
@@ -145,33 +143,27 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
     """Run every prompt autoregressively and at every block size; summarise each prompt's prefill."""
     if not pipeline.has_drafter:
         raise TrtspecError("labelling block sizes needs a drafter")
-    baseline = pipeline.autoregressive()
     seed = config.sampling.seed if config.sampling.seed is not None else 0
-    records, summaries = [], {k: [] for k in FEATURE_KINDS}
-    sizes = (BlockChoice(1), *config.choices)
-    with tqdm(total=len(prompts) * len(sizes), desc="label-blocks", unit="req", file=sys.stderr,
-              disable=not progress, dynamic_ncols=True) as bar:
-        for index, prompt in enumerate(prompts):
-            ids = pipeline.codec.encode(prompt)
-            pipeline.runner.reset(len(ids))
-            with torch.inference_mode():
-                prompt_logits, prefill_features = pipeline.runner.prefill(ids)
-            for kind in FEATURE_KINDS:
-                summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
-            runs = {}
-            for choice in sizes:
-                generation_config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
-                                                     max_new_tokens=config.max_new_tokens,
-                                                     sampling=replace(config.sampling, seed=derive_seed(seed, index)))
-                source = baseline if choice.size == 1 else pipeline
-                stats = source.generate(prompt, generation_config).generation.stats
-                runs[run_key(choice)] = {
-                    "tau": stats.tau, "cycles": stats.cycles, "grown_cycles": stats.grown_cycles,
-                    "new_tokens": stats.new_tokens, "decode_s": stats.decode_s}
-                bar.update()
-            records.append({"index": index, "prompt_tokens": len(ids), "runs": runs})
+    summaries, lengths = {k: [] for k in FEATURE_KINDS}, []
+    for prompt in prompts:  # the policy's inputs: a summary of each prompt's prefill
+        ids = pipeline.codec.encode(prompt)
+        lengths.append(len(ids))
+        pipeline.runner.reset(len(ids))
+        with torch.inference_mode():
+            prompt_logits, prefill_features = pipeline.runner.prefill(ids)
+        for kind in FEATURE_KINDS:
+            summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
+    sweep = Sweep(config.choices, config.max_new_tokens, config.sampling)
+    done = run_sweep([pipeline_requests(pipeline)], prompts, sweep, desc="label-blocks", progress=progress)
+    records = [{"index": index, "prompt_tokens": length, "runs": {}} for index, length in enumerate(lengths)]
+    for c, choice in enumerate(done.schedule):
+        for record, generation in zip(records, done.of(c)[0]):
+            stats = generation.stats
+            record["runs"][run_key(choice)] = {
+                "tau": stats.tau, "cycles": stats.cycles, "grown_cycles": stats.grown_cycles,
+                "new_tokens": stats.new_tokens, "decode_s": stats.decode_s}
     costs = {}
-    for block_size in [c.size for c in sizes if not c.grow_to]:
+    for block_size in [c.size for c in done.schedule if not c.grow_to]:
         seconds = sum(r["runs"][str(block_size)]["decode_s"] for r in records)
         cycles = sum(r["runs"][str(block_size)]["cycles"] for r in records)
         if cycles == 0:

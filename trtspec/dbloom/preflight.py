@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,9 +22,9 @@ from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.fileio import staged_file
 from trtspec.runtime.decode import GenerationConfig
-from trtspec.runtime.sampling import derive_seed
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats, mean_tau, pooled_histogram
+from trtspec.sweep import Sweep, pipeline_requests, run_sweep
 
 PLOT_SUFFIX = ".png"
 CEILING_THRESHOLD = 0.10   # a ceiling bin above this is worth a look
@@ -136,13 +136,9 @@ def plot(preflight: Preflight, path: str) -> None:
 def run_preflight(pipeline, prompts: list[str], block_size: int, max_new_tokens: int, sampling,
                   progress: bool = True) -> Preflight:
     """Decode every prompt at `block_size` and pool the acceptance histograms."""
-    seed = sampling.seed if sampling.seed is not None else 0
-    stats = []
-    for index, prompt in enumerate(tqdm(prompts, desc="preflight", unit="req", file=sys.stderr,
-                                        disable=not progress, dynamic_ncols=True)):
-        config = GenerationConfig(block_size=block_size, max_new_tokens=max_new_tokens,
-                                  sampling=replace(sampling, seed=derive_seed(seed, index)))
-        stats.append(pipeline.generate(prompt, config).generation.stats)
+    sweep = Sweep((BlockChoice(block_size),), max_new_tokens, sampling, with_ar=False)
+    done = run_sweep([pipeline_requests(pipeline)], prompts, sweep, desc="preflight", progress=progress)
+    stats = [generation.stats for generation in done.of(0)[0]]
     return Preflight(block_size, pooled_histogram(stats), mean_tau(stats), [_request(s) for s in stats])
 
 
