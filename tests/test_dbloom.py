@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import assert_one_line_error, trtspec
 
-from trtspec.dbloom.preflight import Preflight, per_position_acceptance
+from trtspec.dbloom.histogram import Preflight, per_position_acceptance
 from trtspec.training.blocks import position_weights
 from trtspec.dbloom.expand import ExpandConfig, stage_plan
 

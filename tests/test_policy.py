@@ -7,7 +7,8 @@ import torch
 from helpers import assert_one_line_error, trtspec
 
 from trtspec.errors import TrtspecError
-from trtspec.blockpilot.policy import expected_regret, load_policy, summarize_prefill, train_policy
+from trtspec.blockpilot.policy import load_policy, summarize_prefill
+from trtspec.blockpilot.training import expected_regret, train_policy
 from trtspec.runtime.decode import GenerationConfig, generate
 from trtspec.runtime.schedule import AUTO, BlockChoice
 
