@@ -14,38 +14,15 @@ import torch
 
 from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.errors import Cancelled, TrtspecError
-from trtspec.limits import MAX_CONTEXT, check_device
+from trtspec.limits import MAX_CONTEXT
 from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
 from trtspec.blockpilot.policy import drafter_policy, load_policy
+from trtspec.device import resolve_device, resolve_dtype
 from trtspec.runtime.decode import Generation, GenerationConfig, generate
 from trtspec.runtime.runners.compiled import open_runner
 from trtspec.runtime.schedule import AUTO
 from trtspec.tokenizer import TextCodec
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    """auto, cpu, cuda or cuda:N (refused in one line when unknown or absent)."""
-    device = check_device(device)
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise TrtspecError(f"device {device!r} requested but CUDA is not available")
-    resolved = torch.device(device)
-    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-        raise TrtspecError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return resolved
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise TrtspecError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
-
 
 @dataclass
 class TextResult:

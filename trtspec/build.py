@@ -19,7 +19,7 @@ from tqdm import tqdm
 from trtspec import __version__
 from trtspec.engines import onnxruntime as ort_engine
 from trtspec.engines import tensorrt as trt_engine
-from trtspec.engines.executor import TORCH_DTYPES
+from trtspec.device import MODEL_DTYPES, resolve_device, resolve_dtype
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BLOCK_SIZE, graph_specs
 from trtspec.export.exporter import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
@@ -60,8 +60,6 @@ def best_backend() -> str:
 
 
 def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
-    from trtspec.api import resolve_device, resolve_dtype
-
     backend = best_backend() if config.backend == "auto" else config.backend
     device = resolve_device(config.device)
     if backend == "tensorrt" and not trt_engine.available():
@@ -90,7 +88,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
         policy = shipped if set(shipped.block_sizes) <= set(config.block_sizes) else None
     # Export on the CPU in float32 unless the engine's dtype needs otherwise; TensorRT/ORT move it.
     export_device = device if backend == "torch" else torch.device("cpu")
-    target = load_target(target_dir, TORCH_DTYPES[dtype], export_device)
+    target = load_target(target_dir, MODEL_DTYPES[dtype], export_device)
     drafter = load_drafter(drafter_dir, target)
     max_context = min(config.max_context or target.config.max_position_embeddings,
                       target.config.max_position_embeddings)
