@@ -20,7 +20,7 @@ import json
 from typing import Callable
 
 from trtspec.blockpilot.labels import read_labels
-from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.schedule import BlockChoice, parse_block_sizes
 
 Schedule = Callable[[list[tuple[int, int]]], int]  # (block size, accepted) of past cycles -> next block size
 
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="6,8,12,16")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
-    sizes = [int(b) for b in args.sizes.split(",")]
+    sizes = list(parse_block_sizes(args.sizes))
     labels = read_labels(args.labels)
     header, records = labels.header, labels.records
     cost = {int(b): s for b, s in header["cycle_cost_s"].items()}
