@@ -12,13 +12,14 @@ from typing import Mapping, Protocol
 
 import torch
 
+from trtspec.device import MODEL_DTYPES
+
 # Profile keys: "prefill" for the target's prompt pass, else the token count of the call
 # (a block size, or 1 for an autoregressive step).
 ProfileKey = int | str
 PREFILL = "prefill"
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "int64": torch.int64}
+TORCH_DTYPES = {**MODEL_DTYPES, "int64": torch.int64}  # of the graphs' bindings
 
 
 class Executor(Protocol):

@@ -15,7 +15,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from trtspec.engines.cuda_graphs import BindingKey, binding_key
+from trtspec.engines.capture import BindingKey, binding_key
 from trtspec.engines.executor import PREFILL, ProfileKey
 from trtspec.errors import TrtspecError
 

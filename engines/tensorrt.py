@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from trtspec.engines.cuda_graphs import CudaGraphs, binding_key
+from trtspec.engines.capture import CudaGraphs, binding_key
 from trtspec.engines.executor import PREFILL, ProfileKey
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec

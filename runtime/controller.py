@@ -6,8 +6,8 @@ in the acceptance histogram and move the position the KV caches roll back to. Th
 hundreds of times per request, so it lives in C++ (`runtime/native/`, built by `pip install`),
 over buffers allocated once per request and shared with torch without copies.
 
-The tests hold a pure-Python version of the same logic (`tests/oracle.py`) and check that the
-two agree cycle by cycle.
+`trtspec.runtime.reference` holds a pure-Python version of the same logic, the specification the
+tests check the native core against cycle by cycle.
 """
 
 from __future__ import annotations

@@ -15,10 +15,9 @@ import torch
 
 from trtspec.errors import TrtspecError
 from trtspec.limits import MAX_NEW_TOKENS, check_block_size
-from trtspec.policy import BlockPilot
 from trtspec.runtime.controller import Controller, Stepper, native_controller
 from trtspec.runtime.sampling import Sampler, SamplingConfig
-from trtspec.runtime.schedule import AUTO, BlockChoice
+from trtspec.runtime.schedule import AUTO, BlockChoice, BlockPolicy
 from trtspec.runtime.stats import DecodeStats
 
 
@@ -59,8 +58,9 @@ class Generation:
     stats: DecodeStats
 
 
-class DecodeEngine(Protocol):
-    """What the loop needs from a backend (eager modules or compiled graphs)."""
+class Runner(Protocol):
+    """What the loop needs from a decode backend, a runner of the step functions that owns the KV
+    caches: eager PyTorch modules or an engine's compiled graphs (trtspec.runtime.runners)."""
 
     device: torch.device
     max_context: int
@@ -76,31 +76,31 @@ class DecodeEngine(Protocol):
     def rollback(self, length: int) -> None: ...
 
 
-def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
-             on_commit: Callable[[list[int]], None] | None = None, policy: BlockPilot | None = None,
+def generate(runner: Runner, prompt: list[int], config: GenerationConfig,
+             on_commit: Callable[[list[int]], None] | None = None, policy: BlockPolicy | None = None,
              controller: ControllerFactory = native_controller) -> Generation:
     """Decode one request. `on_commit` receives each batch of newly committed tokens (streaming);
     `policy` chooses the block size after prefill when the config asks for AUTO; `controller`
-    makes the per-cycle core (the native one; the tests pass their Python oracle)."""
+    makes the per-cycle core (the native one; trtspec.runtime.reference is the Python one)."""
     block_size, grow_to = config.block_size, config.grow_to
     if not prompt:
         raise TrtspecError("the prompt is empty")
-    if len(prompt) >= engine.max_context:
-        raise TrtspecError(f"the prompt is {len(prompt)} tokens; the context holds {engine.max_context}")
-    if block_size != 1 and engine.mask_token_id is None:
+    if len(prompt) >= runner.max_context:
+        raise TrtspecError(f"the prompt is {len(prompt)} tokens; the context holds {runner.max_context}")
+    if block_size != 1 and runner.mask_token_id is None:
         raise TrtspecError("speculative decoding needs a drafter (or use block size 1 / --ar)")
     if block_size == AUTO and policy is None:
         raise TrtspecError("block size auto needs a BlockPilot policy (trtspec train-policy; then --policy DIR "
                            "or trtspec build --policy DIR)")
     for size in (block_size, grow_to):
-        _check_block_size(engine, size)
-    limit = min(config.max_new_tokens, engine.max_context - len(prompt))
-    sampler = Sampler(config.sampling, engine.device)
-    engine.reset(len(prompt) + limit)
+        _check_block_size(runner, size)
+    limit = min(config.max_new_tokens, runner.max_context - len(prompt))
+    sampler = Sampler(config.sampling, runner.device)
+    runner.reset(len(prompt) + limit)
 
     with torch.inference_mode():
         began = time.perf_counter()
-        prompt_logits, context = engine.prefill(prompt)
+        prompt_logits, context = runner.prefill(prompt)
         bonus = int(sampler.sample(prompt_logits[-1:])[0])
         prefill_s = time.perf_counter() - began
 
@@ -110,12 +110,12 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
             choice = policy.choose(context, prompt_logits)
             block_size, grow_to = choice.size, choice.grow_to
             for size in choice.sizes:
-                _check_block_size(engine, size)
+                _check_block_size(runner, size)
         stats = DecodeStats(block_size=block_size, grow_to=grow_to, prompt_tokens=len(prompt), prefill_s=prefill_s,
                             auto=chosen, policy_s=time.perf_counter() - began if chosen else 0.0)
-        core = controller([block_size], [limit], [config.stop_ids], engine.mask_token_id or 0, [grow_to])
+        core = controller([block_size], [limit], [config.stop_ids], runner.mask_token_id or 0, [grow_to])
         core.begin(0, bonus, len(prompt))  # the bonus token sits at the first position after the prompt
-        _cycles(engine, core, context, None if config.sampling.greedy else sampler.sample, on_commit)
+        _cycles(runner, core, context, None if config.sampling.greedy else sampler.sample, on_commit)
         stats.decode_s = time.perf_counter() - began
 
     count = core.count(0)
@@ -126,7 +126,7 @@ def generate(engine: DecodeEngine, prompt: list[int], config: GenerationConfig,
     return Generation(core.tokens[0, :count].tolist(), stats)
 
 
-def _cycles(engine: DecodeEngine, core: Controller, context: torch.Tensor | None,
+def _cycles(runner: Runner, core: Controller, context: torch.Tensor | None,
             posterior_of: Callable[[torch.Tensor], torch.Tensor] | None,
             on_commit: Callable[[list[int]], None] | None) -> None:
     """Cycles of draft(B) -> verify(B) -> one controller step until the request finishes.
@@ -149,12 +149,12 @@ def _cycles(engine: DecodeEngine, core: Controller, context: torch.Tensor | None
             view = views[size] = verify_row[:size], draft_row[:size], verify_row[1:size]
         block, draft_block, proposals = view
         if size > 1:
-            engine.draft(context, draft_block, start, out=proposals)
-        logits, features = engine.verify(block, start)
+            runner.draft(context, draft_block, start, out=proposals)
+        logits, features = runner.verify(block, start)
         step(logits)
         _emit(core, tokens, on_commit)
         start = core.start(0)
-        engine.rollback(start)
+        runner.rollback(start)
         context = features[:core.accepted(0) + 1] if features is not None else None
 
 
@@ -164,7 +164,7 @@ def _emit(core: Controller, tokens: np.ndarray, on_commit: Callable[[list[int]],
         on_commit(tokens[count - core.committed(0):count].tolist())
 
 
-def _check_block_size(engine: DecodeEngine, block_size: int) -> None:
-    if block_size > 1 and engine.block_sizes is not None and block_size not in engine.block_sizes:
-        raise TrtspecError(f"the engine was built for block sizes {', '.join(map(str, engine.block_sizes))}; "
+def _check_block_size(runner: Runner, block_size: int) -> None:
+    if block_size > 1 and runner.block_sizes is not None and block_size not in runner.block_sizes:
+        raise TrtspecError(f"the engine was built for block sizes {', '.join(map(str, runner.block_sizes))}; "
                            f"block size {block_size} is not among them (rebuild with --block-sizes)")

@@ -10,6 +10,9 @@ sign that one has begun; the native controller applies the rule per cycle, no Py
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from trtspec.errors import TrtspecError
 from trtspec.limits import MAX_BLOCK_SIZE, parse_int
@@ -31,6 +34,12 @@ class BlockChoice:
     def name(self) -> str:
         base = {AUTO: "auto", 1: "AR"}.get(self.size, str(self.size))
         return f"{base}:{self.grow_to}" if self.grow_to else base
+
+    def next_size(self, accepted: int, after: int | None = None) -> int:
+        """The block size of the cycle after one that accepted `accepted` drafts: G once `after`
+        drafts were accepted (default B-1, a filled block of B: what the native controller does), else B."""
+        after = self.size - 1 if after is None else after
+        return self.grow_to if self.grow_to and accepted >= after else self.size
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -63,6 +72,13 @@ class BlockChoice:
             raise TrtspecError(f"{label} must be in [2, {MAX_BLOCK_SIZE}], got {size} "
                                "(autoregressive decoding is --ar, and bench's baseline)")
         return cls(size, grow_to)
+
+
+class BlockPolicy(Protocol):
+    """What the decode loop needs to decide AUTO: a one-shot choice from prefill's outputs
+    (BlockPilot, trtspec.blockpilot, is the product's; the loop knows nothing of its training)."""
+
+    def choose(self, features: torch.Tensor, logits: torch.Tensor) -> "BlockChoice": ...
 
 
 def parse_block_choices(text: str, allow_auto: bool = False, allow_growth: bool = True,

@@ -1,8 +1,12 @@
-"""Per-request decode statistics: acceptance length, histogram, ceiling fraction, timings."""
+"""Decode statistics, the one place they are computed: acceptance length (tau), the acceptance
+histogram and its ceiling bin, and decode tokens per second, per request (DecodeStats) and pooled
+over many requests (the functions below, which bench, preflight, labels and the GPU check use)."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
+from typing import Iterable, Sequence
 
 
 @dataclass
@@ -40,14 +44,16 @@ class DecodeStats:
 
     @property
     def tau(self) -> float:
-        if not self.cycles:
-            return 0.0
-        return sum((a + 1) * n for a, n in enumerate(self.histogram)) / self.cycles
+        return histogram_tau(self.histogram)
+
+    @property
+    def ceiling_cycles(self) -> int:
+        """Cycles that accepted their whole block."""
+        return self.histogram[-1] if self.ceilings is None else self.ceilings
 
     @property
     def ceiling_fraction(self) -> float:
-        ceilings = self.histogram[-1] if self.ceilings is None else self.ceilings
-        return ceilings / self.cycles if self.cycles else 0.0
+        return self.ceiling_cycles / self.cycles if self.cycles else 0.0
 
     @property
     def schedule(self) -> str:
@@ -57,8 +63,7 @@ class DecodeStats:
     @property
     def decode_tokens_per_s(self) -> float:
         """Tokens committed by decode cycles (all but the prefill's first) per second of decode."""
-        decoded = max(self.new_tokens - 1, 0)
-        return decoded / self.decode_s if self.decode_s > 0 else 0.0
+        return decode_tokens_per_s([self])
 
     def to_dict(self) -> dict:
         return {
@@ -89,3 +94,43 @@ class DecodeStats:
             text += f", ceiling {self.ceiling_fraction:.1%}"
         return (text + f" | prefill {self.prefill_s * 1e3:.1f} ms ({self.prompt_tokens} tokens), "
                 f"decode {self.decode_tokens_per_s:.1f} tok/s | finish: {self.finish_reason}")
+
+
+def histogram_tau(histogram: Sequence[int]) -> float:
+    """Committed tokens per cycle (accepted drafts + the bonus) of an acceptance histogram."""
+    cycles = sum(histogram)
+    return sum((a + 1) * n for a, n in enumerate(histogram)) / cycles if cycles else 0.0
+
+
+def decode_tokens(new_tokens: int) -> int:
+    """Tokens committed by decode cycles: all but the first, which prefill produced."""
+    return max(new_tokens - 1, 0)
+
+
+def decode_tokens_per_s(stats: Iterable[DecodeStats]) -> float:
+    """Decode tokens over decode seconds, summed over requests."""
+    stats = list(stats)
+    seconds = sum(s.decode_s for s in stats)
+    return sum(decode_tokens(s.new_tokens) for s in stats) / seconds if seconds > 0 else 0.0
+
+
+def mean_tau(stats: Iterable[DecodeStats]) -> float:
+    """Mean of per-request means, as the papers report it, over the requests that ran a cycle."""
+    taus = [s.tau for s in stats if s.cycles]
+    return statistics.fmean(taus) if taus else 0.0
+
+
+def pooled_histogram(stats: Iterable[DecodeStats]) -> list[int]:
+    """Cycles that accepted a drafts, summed over requests (with auto or a growing block the
+    histograms differ in length; the shorter count as zeros beyond their end)."""
+    histograms = [s.histogram for s in stats]
+    width = max(map(len, histograms), default=0)
+    return [sum(h[a] for h in histograms if a < len(h)) for a in range(width)]
+
+
+def pooled_ceiling_fraction(stats: Iterable[DecodeStats]) -> float:
+    """Fraction of speculative cycles that accepted their whole block (AR requests, such as auto
+    may choose, left out)."""
+    speculative = [s for s in stats if s.block_size > 1]
+    cycles = sum(s.cycles for s in speculative)
+    return sum(s.ceiling_cycles for s in speculative) / cycles if cycles else 0.0

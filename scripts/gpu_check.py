@@ -69,8 +69,9 @@ def main() -> int:
     from trtspec.engines import tensorrt as trt_engine
     from trtspec.errors import TrtspecError
     from trtspec.fileio import atomic_write_text
-    from trtspec.runtime.decode import GenerationConfig
     from trtspec.runtime.schedule import BlockChoice
+    from trtspec.runtime.stats import decode_tokens_per_s
+    from trtspec.sweep import Sweep, pipeline_requests, run_sweep
 
     block_sizes = parse_block_sizes(args.block_sizes)
     out = Path(args.out)
@@ -120,17 +121,14 @@ def main() -> int:
                 save()
                 continue
             rows = []
-            for choice in choices:
-                config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
-                                          max_new_tokens=args.max_new_tokens)
-                same, seconds, tokens = 0, 0.0, 0
-                for prompt in prompts:
-                    a, b = engine.generate(prompt, config), eager.generate(prompt, config)
-                    same += a.tokens == b.tokens
-                    seconds += a.generation.stats.decode_s
-                    tokens += a.generation.stats.new_tokens - 1
+            for choice in choices:  # one sweep per choice, so the report is saved after each
+                sweep = Sweep((choice,), args.max_new_tokens, with_ar=False)
+                done = run_sweep([pipeline_requests(engine), pipeline_requests(eager)], prompts, sweep,
+                                 desc=f"{name} B={choice.name}")
+                built, reference = done.of(0, 0)[0], done.of(0, 1)[0]
+                same = sum(a.tokens == b.tokens for a, b in zip(built, reference))
                 rows.append({"block_size": choice.name, "identical": same, "requests": len(prompts),
-                             "decode_tokens_per_s": tokens / seconds if seconds else 0.0})
+                             "decode_tokens_per_s": decode_tokens_per_s(a.stats for a in built)})
                 failed |= same != len(prompts)
                 print(f"{name} B={choice.name}: identical {same}/{len(prompts)}", flush=True)
                 report["engines"][name] = {"build_s": built_s, "checks": rows}

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oracle import PythonController
+from trtspec.runtime.reference import PythonController
 from trtspec.runtime.controller import native_controller
 
 VOCAB = 6  # few token ids, so drafts often match and stop ids often occur

@@ -8,9 +8,9 @@ the ordinary mode; capture and replay themselves need a GPU.
 import pytest
 import torch
 
-from trtspec.engines.cuda_graphs import CudaGraphs, binding_key
+from trtspec.engines.capture import CudaGraphs, binding_key
 from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.graphs import GraphEngine, open_engine
+from trtspec.runtime.runners.compiled import CompiledRunner, open_runner
 
 PROMPTS = [[5, 9, 13, 2, 7], [40, 41, 42, 43, 44, 45, 46, 47], [3] * 12]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA device")
@@ -23,8 +23,8 @@ def _greedy(engine, block_size):
 
 @pytest.mark.parametrize("block_size", [1, 4, 8])
 def test_static_bindings_decode_like_the_ordinary_engine(ort_engine_dir, block_size):
-    ordinary = open_engine(ort_engine_dir, torch.device("cpu"))
-    static = GraphEngine(ordinary.executor, ordinary.manifest, static=True)
+    ordinary = open_runner(ort_engine_dir, torch.device("cpu"))
+    static = CompiledRunner(ordinary.executor, ordinary.manifest, static=True)
     if block_size == 1:
         ordinary, static = ordinary.without_drafter(), static.without_drafter()
     assert _greedy(static, block_size) == _greedy(ordinary, block_size)
@@ -57,7 +57,7 @@ def test_torch_engine_replayed_as_cuda_graphs_equals_eager(target_dir, drafter_d
     build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4, 8), backend="torch", device="cuda"),
                  progress=False)
     device = torch.device("cuda")
-    eager, replayed = open_engine(output, device), open_engine(output, device, cuda_graphs=True)
+    eager, replayed = open_runner(output, device), open_runner(output, device, cuda_graphs=True)
     for block_size in (4, 8):
         assert _greedy(replayed, block_size) == _greedy(eager, block_size)
     assert replayed.executor.cuda_graphs.graphs  # the cycles really were captured

@@ -14,7 +14,7 @@ import torch
 
 from trtspec.cycle_costs import (QWEN3_4B, TINY, CycleCostConfig, drafter_config, measure, random_pair,
                                  runtime_engine, tiny)
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.errors import TrtspecError
 from trtspec.models import load_drafter, load_target
 from trtspec.runtime.decode import GenerationConfig, generate
@@ -47,13 +47,13 @@ def test_the_timed_runtime_engine_decodes_like_eager_pytorch(target_dir, drafter
     engine = runtime_engine(target, drafter, (4, 8), max_context=96, cuda_graphs=False)
     if static:  # the fixed bindings replay needs, here without the capture (a CPU has none)
         engine.static = True
-    eager = EagerEngine(target, drafter)
+    eager = EagerRunner(target, drafter)
     prompt = torch.randint(2, target.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     for block_size in (4, 8):
         config = GenerationConfig(block_size=block_size, max_new_tokens=40)
         assert generate(engine, prompt, config).tokens == generate(eager, prompt, config).tokens
     ar = GenerationConfig(block_size=1, max_new_tokens=40)
-    assert generate(engine.without_drafter(), prompt, ar).tokens == generate(EagerEngine(target), prompt, ar).tokens
+    assert generate(engine.without_drafter(), prompt, ar).tokens == generate(EagerRunner(target), prompt, ar).tokens
 
 
 def test_a_tiny_measurement_fills_every_row():

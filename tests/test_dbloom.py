@@ -6,9 +6,9 @@ import pytest
 import torch
 from helpers import assert_one_line_error, trtspec
 
-from trtspec.preflight import Preflight, per_position_acceptance
+from trtspec.dbloom.histogram import Preflight, per_position_acceptance
 from trtspec.training.blocks import position_weights
-from trtspec.training.expand import ExpandConfig, stage_plan
+from trtspec.dbloom.expand import ExpandConfig, stage_plan
 
 
 def test_per_position_acceptance_and_the_stranded_estimate():
@@ -92,7 +92,7 @@ def test_teacher_forced_acceptance_equals_drafting_each_context_through_the_infe
     drafter forward, gives the histogram that the packed teacher-forced pass reports."""
     from trtspec.api import Pipeline
     from trtspec.assets import resolve_drafter, resolve_target
-    from trtspec.preflight import run_teacher_forced
+    from trtspec.dbloom.preflight import run_teacher_forced
     from trtspec.training.data import continue_prompts
     from trtspec.runtime.decode import GenerationConfig
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import predictable_pair, random_drafter, tiny_config
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.errors import TrtspecError
 from trtspec.models import Qwen3Target
 from trtspec.runtime.decode import GenerationConfig, generate
@@ -21,14 +21,14 @@ def _prompts(count, vocab, seed=0):
 
 @pytest.fixture(scope="module")
 def predictable():
-    return EagerEngine(*predictable_pair())
+    return EagerRunner(*predictable_pair())
 
 
 @pytest.fixture(scope="module")
 def unhelpful():
     torch.manual_seed(0)
     target = Qwen3Target(tiny_config(layers=3)).eval()
-    return EagerEngine(target, random_drafter(target, layer_ids=(0, 2), seed=5))
+    return EagerRunner(target, random_drafter(target, layer_ids=(0, 2), seed=5))
 
 
 def _mid_block_cut(stats) -> bool:
@@ -126,4 +126,4 @@ def test_empty_prompt_and_missing_drafter(unhelpful):
     with pytest.raises(TrtspecError, match="empty"):
         generate(unhelpful, [], GenerationConfig(block_size=4))
     with pytest.raises(TrtspecError, match="needs a drafter"):
-        generate(EagerEngine(unhelpful.target), [3, 4], GenerationConfig(block_size=4))
+        generate(EagerRunner(unhelpful.target), [3, 4], GenerationConfig(block_size=4))

@@ -63,7 +63,7 @@ def test_demo_engine_built_with_defaults_reproduces_eager(demo, tmp_path):
     assert result.returncode == 0, result.stderr.decode()
     assert "B=12 (target profile 2, draft profile 0)" in result.stdout.decode()
     engine = Pipeline(resolve_target(None), resolve_drafter(None, None), engine=tmp_path / "engine")
-    assert engine.backend == "onnxruntime" and engine.engine.block_sizes == (12, 16, 20, 24)
+    assert engine.backend == "onnxruntime" and engine.runner.block_sizes == (12, 16, 20, 24)
     _, prompts = load_prompts("humaneval", limit=6)
     for prompt in prompts:
         for block_size in (12, 24):

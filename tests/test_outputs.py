@@ -19,7 +19,7 @@ from helpers import assert_one_line_error
 from helpers import trtspec_in_process as cli
 
 from trtspec.fileio import MARKER, atomic_write_text
-from trtspec.manifest import checkpoint_sha256, read_manifest
+from trtspec.engines.manifest import checkpoint_sha256, read_manifest
 
 
 def snapshot(directory) -> dict:

@@ -7,7 +7,8 @@ import torch
 from helpers import assert_one_line_error, trtspec
 
 from trtspec.errors import TrtspecError
-from trtspec.policy import expected_regret, load_policy, summarize_prefill, train_policy
+from trtspec.blockpilot.policy import load_policy, summarize_prefill
+from trtspec.blockpilot.training import expected_regret, train_policy
 from trtspec.runtime.decode import GenerationConfig, generate
 from trtspec.runtime.schedule import AUTO, BlockChoice
 
@@ -57,11 +58,11 @@ def test_policy_learns_a_feature_dependent_choice_and_round_trips(tmp_path):
 
 
 def test_auto_without_a_policy_is_refused(target_dir, drafter_dir):
-    from trtspec.engines.eager import EagerEngine
+    from trtspec.runtime.runners.eager import EagerRunner
     from trtspec.models import load_drafter, load_target
 
     target = load_target(target_dir)
-    engine = EagerEngine(target, load_drafter(drafter_dir, target))
+    engine = EagerRunner(target, load_drafter(drafter_dir, target))
     with pytest.raises(TrtspecError, match="needs a BlockPilot policy"):
         generate(engine, [3, 4], GenerationConfig(block_size=AUTO))
 
@@ -83,7 +84,7 @@ def trained(target_dir, drafter_dir, tmp_path_factory):
 
 
 def test_label_blocks_records_every_block_size_and_the_cost_table(trained):
-    from trtspec.labels import read_labels
+    from trtspec.blockpilot.labels import read_labels
 
     _, _, path = trained
     labels = read_labels(path)

@@ -15,7 +15,7 @@ from transformers import Qwen3Config as HFConfig, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from helpers import predictable_pair
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.runtime.decode import GenerationConfig, generate
 
 MAX_NEW_TOKENS = 48
@@ -130,7 +130,7 @@ def test_acceptance_histogram_matches_independent_reference(block_size):
     assert drafter.config.target_layer_ids[-1] == target.config.num_hidden_layers - 1  # taps the last layer
     hf = _hf_target(target)
     reference = ReferenceDrafter(drafter, hf)
-    engine = EagerEngine(target, drafter)
+    engine = EagerRunner(target, drafter)
     gen = torch.Generator().manual_seed(block_size)
     totals = [0] * block_size
     with torch.no_grad():

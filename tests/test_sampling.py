@@ -15,11 +15,11 @@ import pytest
 import torch
 from scipy.stats import binomtest, chisquare
 
-import oracle
+from trtspec.runtime import reference as oracle
 from helpers import predictable_pair
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.runtime.decode import GenerationConfig, generate
-from oracle import PythonController, accepted_length
+from trtspec.runtime.reference import PythonController, accepted_length
 from trtspec.runtime.sampling import Sampler, SamplingConfig
 
 VOCAB, PROMPT, SAMPLES, ALPHA = 8, [2, 3, 4, 5], 30_000, 1e-3
@@ -28,7 +28,7 @@ VOCAB, PROMPT, SAMPLES, ALPHA = 8, [2, 3, 4, 5], 30_000, 1e-3
 @pytest.fixture(scope="module")
 def engine():
     # the drafter mostly proposes token 7, which the target samples with probability ~0.14
-    return EagerEngine(*predictable_pair(vocab_size=VOCAB, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1))
+    return EagerRunner(*predictable_pair(vocab_size=VOCAB, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1))
 
 
 def exact_distribution(target, length: int = 3) -> np.ndarray:

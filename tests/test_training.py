@@ -9,7 +9,7 @@ import torch
 
 from helpers import random_drafter
 from trtspec.api import Pipeline
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.errors import TrtspecError
 from trtspec.models import load_drafter, load_target
 from trtspec.runtime.decode import GenerationConfig, generate
@@ -67,7 +67,7 @@ def test_packed_training_forward_equals_inference_forward(target_dir):
 
 
 def test_distillation_pulls_only_the_early_positions_toward_the_teacher(target_dir):
-    from trtspec.training.expand import frozen_copy
+    from trtspec.dbloom.expand import frozen_copy
     from trtspec.training.trainer import DrafterLoss
 
     target = load_target(target_dir)
@@ -98,7 +98,7 @@ def tiny_data(target_dir, tmp_path_factory):
 
 
 def _mean_tau(target, drafter, codec, prompts):
-    engine = EagerEngine(target, drafter)
+    engine = EagerRunner(target, drafter)
     taus = [generate(engine, codec.encode(p), GenerationConfig(block_size=8, max_new_tokens=48)).stats.tau
             for p in prompts]
     return sum(taus) / len(taus)
@@ -187,7 +187,7 @@ def test_batched_continuations_equal_single_request_decoding(target_dir):
     from trtspec.training.data import continue_prompts
     batched = continue_prompts(pipeline.target, prompts, config, batch_size=3, progress=False)
     for prompt, row in zip(prompts, batched):
-        assert row == generate(pipeline.engine, prompt, config).tokens
+        assert row == generate(pipeline.runner, prompt, config).tokens
 
 
 def test_train_drafter_runs_under_torchrun_with_ddp(target_dir, tmp_path):

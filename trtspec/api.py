@@ -12,40 +12,17 @@ from typing import Callable
 
 import torch
 
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.errors import Cancelled, TrtspecError
-from trtspec.limits import MAX_CONTEXT, check_device
-from trtspec.manifest import TOKENIZER_DIR, check_sources
+from trtspec.limits import MAX_CONTEXT
+from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
-from trtspec.policy import drafter_policy, load_policy
+from trtspec.blockpilot.policy import drafter_policy, load_policy
+from trtspec.device import resolve_device, resolve_dtype
 from trtspec.runtime.decode import Generation, GenerationConfig, generate
-from trtspec.runtime.graphs import open_engine
+from trtspec.runtime.runners.compiled import open_runner
 from trtspec.runtime.schedule import AUTO
 from trtspec.tokenizer import TextCodec
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    """auto, cpu, cuda or cuda:N (refused in one line when unknown or absent)."""
-    device = check_device(device)
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise TrtspecError(f"device {device!r} requested but CUDA is not available")
-    resolved = torch.device(device)
-    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-        raise TrtspecError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return resolved
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise TrtspecError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
-
 
 @dataclass
 class TextResult:
@@ -72,23 +49,23 @@ class Pipeline:
         torch_device = resolve_device(device)
         self.target = self.drafter = None
         if engine is not None:  # cuda_graphs: replay each block size's captured draft/verify (CUDA devices)
-            self.engine = open_engine(engine, torch_device, cuda_graphs=cuda_graphs)
-            check_sources(self.engine.manifest, target, drafter)
+            self.runner = open_runner(engine, torch_device, cuda_graphs=cuda_graphs)
+            check_sources(self.runner.manifest, target, drafter)
             self.codec = TextCodec(Path(engine) / TOKENIZER_DIR)
-            self.backend, self.dtype = self.engine.manifest.backend, self.engine.dtype
-            trained = self.engine.manifest.drafter.block_size  # or the built size nearest to it
-            self.drafter_block_size = min(self.engine.block_sizes, key=lambda b: abs(b - trained))
+            self.backend, self.dtype = self.runner.manifest.backend, self.runner.dtype
+            trained = self.runner.manifest.drafter.block_size  # or the built size nearest to it
+            self.drafter_block_size = min(self.runner.block_sizes, key=lambda b: abs(b - trained))
         else:
             if target is None:
                 raise TrtspecError("give a target checkpoint directory or an engine directory")
             self.codec = TextCodec(target)
             self.target = load_target(target, resolve_dtype(dtype, torch_device), torch_device)
             self.drafter = load_drafter(drafter, self.target) if drafter is not None else None
-            self.engine = EagerEngine(self.target, self.drafter)
+            self.runner = EagerRunner(self.target, self.drafter)
             self.backend, self.dtype = "torch-eager", self.target.dtype
             self.drafter_block_size = self.drafter.config.block_size if self.drafter is not None else 1
-        if policy is None and engine is not None and self.engine.manifest.policy:
-            policy = Path(engine) / self.engine.manifest.policy["dir"]
+        if policy is None and engine is not None and self.runner.manifest.policy:
+            policy = Path(engine) / self.runner.manifest.policy["dir"]
         elif policy is None and engine is None:
             policy = drafter_policy(drafter)
         self.default_block_size = self.drafter_block_size
@@ -96,25 +73,25 @@ class Pipeline:
         if policy is not None:
             if not self.has_drafter:
                 raise TrtspecError("a BlockPilot policy chooses the drafter's block size; give a drafter too")
-            self.policy = load_policy(policy, self.engine.block_sizes).to(torch_device)
+            self.policy = load_policy(policy, self.runner.block_sizes).to(torch_device)
             self.default_block_size = AUTO
         if max_context is not None:
-            self.engine.max_context = min(MAX_CONTEXT.check(max_context), self.engine.max_context)
+            self.runner.max_context = min(MAX_CONTEXT.check(max_context), self.runner.max_context)
 
     @property
     def has_drafter(self) -> bool:
-        return self.engine.mask_token_id is not None
+        return self.runner.mask_token_id is not None
 
     def autoregressive(self) -> "Pipeline":
         """The same target, backend, tokenizer and context cap without the drafter: the AR
         baseline (eager: a target that computes no drafter features; graphs: verify(1))."""
         baseline = copy.copy(self)
         baseline.drafter = None
-        if isinstance(self.engine, EagerEngine):
-            baseline.engine = EagerEngine(self.target)
-            baseline.engine.max_context = self.engine.max_context
+        if isinstance(self.runner, EagerRunner):
+            baseline.runner = EagerRunner(self.target)
+            baseline.runner.max_context = self.runner.max_context
         else:
-            baseline.engine = self.engine.without_drafter()
+            baseline.runner = self.runner.without_drafter()
         baseline.default_block_size, baseline.policy = 1, None
         return baseline
 
@@ -143,7 +120,7 @@ class Pipeline:
                         on_text(piece)
 
         config = config.with_stop_ids(self.codec.stop_ids)
-        generation = generate(self.engine, ids, config, on_commit, self.policy)
+        generation = generate(self.runner, ids, config, on_commit, self.policy)
         text = self.codec.decode(generation.tokens)
         sent = "".join(streamed)
         if on_text is not None and text != sent and text.startswith(sent):

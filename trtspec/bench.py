@@ -14,25 +14,24 @@ import json
 import os
 import platform
 import statistics
-import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from trtspec import __version__
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
 from trtspec.limits import LIMIT, check_block_size
-from trtspec.runtime.decode import Generation, GenerationConfig
-from trtspec.runtime.sampling import SamplingConfig, derive_seed
+from trtspec.runtime.decode import Generation
+from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AUTO, BlockChoice
-from trtspec.runtime.stats import DecodeStats
+from trtspec.runtime.stats import (DecodeStats, decode_tokens_per_s, mean_tau, pooled_ceiling_fraction,
+                                   pooled_histogram)
+from trtspec.sweep import Sweep, pipeline_requests, run_sweep
 from trtspec.training.data import read_prompt_set
 
 HUMANEVAL = "humaneval"
-WARMUP_TOKENS = 8
 NO_AR_TOKENS = ("autoregressive decoding produced no decode tokens in a repeat (every prompt stopped at its "
                 "first token); use other prompts or a larger --max-new-tokens")
 
@@ -77,16 +76,9 @@ class BenchConfig:
         if self.repeats < 1:
             raise TrtspecError(f"--repeats must be >= 1, got {self.repeats}")
 
-    def request_seed(self, repeat: int, prompt: int, n_prompts: int) -> int:
-        """A fixed seed per (repeat, prompt), shared by AR and every block size, so T > 0 reproduces."""
-        return derive_seed(self.sampling.seed, repeat * n_prompts + prompt)
-
-
-def decode_tokens_per_s(stats: list[DecodeStats]) -> float:
-    """Decode tokens over decode seconds, summed over requests (the prefill's first token excluded)."""
-    tokens = sum(max(s.new_tokens - 1, 0) for s in stats)
-    seconds = sum(s.decode_s for s in stats)
-    return tokens / seconds if seconds > 0 else 0.0
+    def sweep(self) -> Sweep:
+        """AR and every block size over the prompts, `repeats` times, after a warm-up."""
+        return Sweep(self.block_sizes, self.max_new_tokens, self.sampling, self.repeats, with_ar=True, warmup=True)
 
 
 def speedups(spec_tokens_per_s: list[float], ar_tokens_per_s: list[float]) -> list[float]:
@@ -117,22 +109,15 @@ class BenchRun:
 
     @property
     def tau(self) -> float:
-        """Mean of per-request means."""
-        return statistics.fmean(s.tau for s in self.stats)
+        return mean_tau(self.stats)
 
     @property
     def histogram(self) -> list[int]:
-        """Cycles that accepted a drafts, summed over every request of every repeat (with auto or a
-        growing block, histograms differ in length and the shorter count as zeros beyond their end)."""
-        width = max(len(s.histogram) for s in self.stats)
-        return [sum(s.histogram[a] for s in self.stats if a < len(s.histogram)) for a in range(width)]
+        return pooled_histogram(self.stats)
 
     @property
     def ceiling_fraction(self) -> float:
-        """Fraction of speculative cycles that accepted their whole block (auto's AR requests left out)."""
-        speculative = [s for s in self.stats if s.block_size > 1]
-        cycles = sum(s.cycles for s in speculative)
-        return sum(s.ceiling_fraction * s.cycles for s in speculative) / cycles if cycles else 0.0
+        return pooled_ceiling_fraction(self.stats)
 
     @property
     def grown_fraction(self) -> float:
@@ -246,7 +231,7 @@ class BenchReport:
 
 
 def machine_info(pipeline) -> dict:
-    return describe_machine(pipeline.engine.device, pipeline.dtype, pipeline.backend)
+    return describe_machine(pipeline.runner.device, pipeline.dtype, pipeline.backend)
 
 
 def describe_machine(device: torch.device, dtype: torch.dtype, backend: str) -> dict:
@@ -274,8 +259,8 @@ def check_prompts(pipeline, prompts: list[str]) -> None:
         raise TrtspecError("no prompts to benchmark")
     for number, prompt in enumerate(prompts, 1):
         length = len(pipeline.codec.encode(prompt))
-        if length >= pipeline.engine.max_context:
-            raise TrtspecError(f"prompt {number} is {length} tokens; the context holds {pipeline.engine.max_context}")
+        if length >= pipeline.runner.max_context:
+            raise TrtspecError(f"prompt {number} is {length} tokens; the context holds {pipeline.runner.max_context}")
 
 
 def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=None,
@@ -291,34 +276,11 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=No
         if not backend.has_drafter:
             raise TrtspecError("a benchmark needs a drafter (give --drafter DIR)")
     check_prompts(pipeline, prompts)
-    sizes = (BlockChoice(1), *config.block_sizes)
-    runs = [[BenchRun(c) for c in sizes] for _ in backends]  # [backend][configuration]
-    baselines = [backend.autoregressive() for backend in backends]
-
-    def request(k: int, choice: BlockChoice, prompt: str, max_new_tokens: int, seed: int) -> Generation:
-        sampling = replace(config.sampling, seed=seed)
-        generation_config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
-                                             max_new_tokens=max_new_tokens, sampling=sampling)
-        return (baselines[k] if choice.size == 1 else backends[k]).generate(prompt, generation_config).generation
-
-    for k in range(len(backends)):  # warm-up: first-call overheads (allocations, kernels per shape) stay out
-        for choice in sizes:
-            request(k, choice, prompts[0], min(WARMUP_TOKENS, config.max_new_tokens),
-                    config.request_seed(0, 0, len(prompts)))
-
-    total = config.repeats * len(sizes) * len(prompts) * len(backends)
-    with tqdm(total=total, desc="bench", unit="req", file=sys.stderr, disable=not progress,
-              dynamic_ncols=True) as bar:
-        for repeat in range(config.repeats):
-            for index_in_sizes, choice in enumerate(sizes):
-                for k, backend in enumerate(backends):
-                    bar.set_postfix_str(f"repeat {repeat + 1}/{config.repeats}, B={choice.name}, {backend.backend}")
-                    generations = []
-                    for index, prompt in enumerate(prompts):
-                        seed = config.request_seed(repeat, index, len(prompts))
-                        generations.append(request(k, choice, prompt, config.max_new_tokens, seed))
-                        bar.update()
-                    runs[k][index_in_sizes].generations.append(generations)
+    sweep = config.sweep()
+    done = run_sweep([pipeline_requests(backend) for backend in backends], prompts, sweep, desc="bench",
+                     progress=progress)
+    runs = [[BenchRun(choice, done.of(c, k)) for c, choice in enumerate(done.schedule)]
+            for k in range(len(backends))]  # [backend][configuration]
     reports = []
     for backend, backend_runs in zip(backends, runs):
         if 0.0 in backend_runs[0].tokens_per_s_repeats:  # no baseline: say so now, not when printing
@@ -356,8 +318,8 @@ def trace_divergence(pipeline, reference, prompt_ids: list[int], tokens: list[in
     logits = []
     with torch.inference_mode():
         for backend in (pipeline, reference):
-            backend.engine.reset(len(context))
-            logits.append(backend.engine.prefill(context)[0][-1].float().cpu())
+            backend.runner.reset(len(context))
+            logits.append(backend.runner.prefill(context)[0][-1].float().cpu())
     top2 = logits[1].topk(2).values
     return {"token_index": common,
             "token": tokens[common] if common < len(tokens) else None,

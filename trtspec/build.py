@@ -19,14 +19,14 @@ from tqdm import tqdm
 from trtspec import __version__
 from trtspec.engines import onnxruntime as ort_engine
 from trtspec.engines import tensorrt as trt_engine
-from trtspec.engines.executor import TORCH_DTYPES
+from trtspec.device import MODEL_DTYPES, resolve_device, resolve_dtype
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BLOCK_SIZE, graph_specs
-from trtspec.export.graphs import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
+from trtspec.export.exporter import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
 from trtspec.fileio import ENGINE, check_output_dir, staged_directory
-from trtspec.manifest import BACKENDS, TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
+from trtspec.engines.manifest import BACKENDS, TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
 from trtspec.models import load_drafter, load_target
-from trtspec.policy import drafter_policy, load_policy
+from trtspec.blockpilot.policy import drafter_policy, load_policy
 
 POLICY_DIR = "policy"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
@@ -60,8 +60,6 @@ def best_backend() -> str:
 
 
 def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
-    from trtspec.api import resolve_device, resolve_dtype
-
     backend = best_backend() if config.backend == "auto" else config.backend
     device = resolve_device(config.device)
     if backend == "tensorrt" and not trt_engine.available():
@@ -90,7 +88,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
         policy = shipped if set(shipped.block_sizes) <= set(config.block_sizes) else None
     # Export on the CPU in float32 unless the engine's dtype needs otherwise; TensorRT/ORT move it.
     export_device = device if backend == "torch" else torch.device("cpu")
-    target = load_target(target_dir, TORCH_DTYPES[dtype], export_device)
+    target = load_target(target_dir, MODEL_DTYPES[dtype], export_device)
     drafter = load_drafter(drafter_dir, target)
     max_context = min(config.max_context or target.config.max_position_embeddings,
                       target.config.max_position_embeddings)
@@ -154,23 +152,23 @@ def _copy_tokenizer(source: Path, destination: Path) -> None:
 def self_check(directory: Path, device: torch.device, target, drafter, block_sizes: list[int]) -> dict:
     """Run the built engine's prefill, verify(B) and draft(B) on a fixed prompt and compare them
     with the eager modules; refuse the build if the logits differ by more than the tolerance."""
-    from trtspec.engines.eager import EagerEngine
-    from trtspec.runtime.graphs import open_engine
+    from trtspec.runtime.runners.eager import EagerRunner
+    from trtspec.runtime.runners.compiled import open_runner
 
-    engine, eager = open_engine(directory, device), EagerEngine(target, drafter)
+    compiled, eager = open_runner(directory, device), EagerRunner(target, drafter)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, target.config.vocab_size, (24,), generator=generator).tolist()
     worst = 0.0
     with torch.inference_mode():
         for block_size in block_sizes:
-            for e in (engine, eager):
+            for e in (compiled, eager):
                 e.reset(len(prompt) + block_size)
-            (logits_g, features_g), (logits_e, features_e) = engine.prefill(prompt), eager.prefill(prompt)
+            (logits_g, features_g), (logits_e, features_e) = compiled.prefill(prompt), eager.prefill(prompt)
             block = [prompt[-1]] + [drafter.config.mask_token_id] * (block_size - 1)
-            drafts_g = engine.draft(features_g, block, len(prompt))
+            drafts_g = compiled.draft(features_g, block, len(prompt))
             drafts_e = eager.draft(features_e, block, len(prompt))
             block = [block[0], *drafts_e.tolist()]
-            verified = engine.verify(block, len(prompt))[0], eager.verify(block, len(prompt))[0]
+            verified = compiled.verify(block, len(prompt))[0], eager.verify(block, len(prompt))[0]
             worst = max(worst, (logits_g.float().cpu() - logits_e.float().cpu()).abs().max().item(),
                         (verified[0].float().cpu() - verified[1].float().cpu()).abs().max().item())
             agree = (drafts_g.cpu() == drafts_e.cpu()).float().mean().item()

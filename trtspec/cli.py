@@ -15,7 +15,7 @@ from trtspec import __version__
 from trtspec.commands.bench import bench
 from trtspec.commands.build import build
 from trtspec.commands.dbloom import expand_block, preflight
-from trtspec.commands.policy import eval_policy, label_blocks, train_policy
+from trtspec.commands.blockpilot import eval_policy, label_blocks, train_policy
 from trtspec.commands.run import run
 from trtspec.commands.train import generate_data, train_drafter
 from trtspec.commands.triton import triton_repo, triton_serve

@@ -10,7 +10,7 @@ The shapes are what matters, not the weights: `random_pair` builds a Qwen3 targe
 drafter with random weights, allocated directly on the device (a Qwen3-4B target never touches
 the CPU). The step timings run the export step modules (`export/steps.py`, the functions every
 backend compiles) over whole fixed-size caches, as replay needs; their drafter reads B context
-rows (a fully accepted block). The decode cycles run the runtime's own `GraphEngine`, torch
+rows (a fully accepted block). The decode cycles run the runtime's own `CompiledRunner`, torch
 executor, native controller and `generate` over those same modules (what `trtspec build
 --backend torch` would save, without minutes of torch.export), launched op by op or replayed.
 
@@ -31,18 +31,18 @@ from typing import Callable
 import torch
 
 from trtspec.bench import describe_machine
-from trtspec.engines.cuda_graphs import CudaGraphs
-from trtspec.engines.torch_graphs import TorchExecutor
+from trtspec.engines.capture import CudaGraphs
+from trtspec.engines.torch import TorchExecutor
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import graph_specs
-from trtspec.export.graphs import step_modules
+from trtspec.export.exporter import step_modules
 from trtspec.export.steps import DraftStep, TargetStep
 from trtspec.host_profile import ExecutorClock
-from trtspec.manifest import Manifest
+from trtspec.engines.manifest import Manifest
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3Target, default_target_layer_ids
 from trtspec.models.checkpoint import build_empty
 from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.graphs import GraphEngine
+from trtspec.runtime.runners.compiled import CompiledRunner
 
 # Qwen3-4B's decoder (its config.json); DFlash's Qwen3-4B drafters have 5 layers reading 5 target layers.
 QWEN3_4B = Qwen3Config(vocab_size=151_936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -275,18 +275,18 @@ def measure_steps(target: Qwen3Target, drafter: DFlashDrafter, block_size: int, 
 
 
 def runtime_engine(target: Qwen3Target, drafter: DFlashDrafter, block_sizes: tuple[int, ...], max_context: int,
-                   cuda_graphs: bool) -> GraphEngine:
-    """The runtime's graph engine and torch executor over the step modules, as `open_engine` would
+                   cuda_graphs: bool) -> CompiledRunner:
+    """The runtime's graph engine and torch executor over the step modules, as `open_runner` would
     give for an engine built from this pair (static bindings replayed from CUDA graphs, or not)."""
     specs = graph_specs(target.config, drafter.config)
     executor = TorchExecutor(step_modules(target, drafter), target.device, specs, cuda_graphs=cuda_graphs)
     manifest = Manifest(backend="torch", dtype=str(target.dtype).removeprefix("torch."), max_context=max_context,
                         block_sizes=list(block_sizes), profiles={}, target_config=target.config.to_dict(),
                         drafter_config=drafter.config.to_zlab(), sources={}, artifacts={})
-    return GraphEngine(executor, manifest, static=cuda_graphs)
+    return CompiledRunner(executor, manifest, static=cuda_graphs)
 
 
-def measure_loop(engine: GraphEngine, prompt: list[int], block_size: int, config: CycleCostConfig,
+def measure_loop(engine: CompiledRunner, prompt: list[int], block_size: int, config: CycleCostConfig,
                  cost: LoopCost) -> LoopCost:
     """Wall time per decode cycle of `requests` identical requests after a warm-up request (which
     also captures every binding the timed ones replay: the same prompt takes the same cycles), and

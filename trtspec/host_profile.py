@@ -3,45 +3,29 @@
 Model time is the time inside the executor's draft and verify runs; host time is everything else
 in the decode phase (the controller's accept / commit / stop / statistics work, the engine's
 bookkeeping, moving tokens). Both controllers run the same loop over the same engine, interleaved
-per repeat: the native core that the product uses, and the pure-Python oracle the tests check it
-against. The oracle is not part of the installed package (one controller in the product), so it
-is loaded from the source checkout's tests/oracle.py.
+per repeat: the native core that the product uses, and the pure-Python reference controller the
+tests check it against (trtspec.runtime.reference).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
 import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from types import ModuleType
+from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
-import trtspec
-from trtspec.bench import WARMUP_TOKENS, BenchConfig, check_prompts, machine_info, speedups
+from trtspec.bench import BenchConfig, check_prompts, machine_info, speedups
 from trtspec.engines.executor import PREFILL
 from trtspec.errors import TrtspecError
 from trtspec.runtime.controller import native_controller
 from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.reference import PythonController
 from trtspec.runtime.schedule import AUTO, BlockChoice
+from trtspec.runtime.stats import decode_tokens
+from trtspec.sweep import run_sweep
 
-ORACLE = Path(trtspec.__file__).resolve().parents[1] / "tests" / "oracle.py"
 CONTROLLERS = ("python", "native")
-
-
-def load_oracle(path: Path = ORACLE) -> ModuleType:
-    """The tests' Python controller, from a source checkout (an editable install has one)."""
-    if not path.is_file():
-        raise TrtspecError(f"--profile-host times the Python oracle in tests/oracle.py, which only a source "
-                           f"checkout has (not found: {path}); use pip install -e . in a clone")
-    spec = importlib.util.spec_from_file_location("trtspec_oracle", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class ExecutorClock:
@@ -91,7 +75,7 @@ class HostRun:
         self.cycles[-1] += stats.cycles
         self.decode_s[-1] += stats.decode_s
         self.model_s[-1] += model_s
-        self.tokens[-1] += max(stats.new_tokens - 1, 0)
+        self.tokens[-1] += decode_tokens(stats.new_tokens)
         self.outputs[-1].append(generation.tokens)
 
     @property
@@ -178,46 +162,39 @@ class HostProfile:
 def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, prompts_name: str = "prompts",
                      progress: bool = True) -> HostProfile:
     """AR and every block size through both controllers, taking turns per prompt (compiled engines only)."""
-    executor = getattr(pipeline.engine, "executor", None)
+    executor = getattr(pipeline.runner, "executor", None)
     if executor is None:
         raise TrtspecError("--profile-host times the executor's graph runs; give a built engine (--engine DIR)")
     if any(c.size == AUTO or c.grow_to for c in config.block_sizes):
         raise TrtspecError("--profile-host measures fixed block sizes; leave auto and growing blocks B:G out "
                            "of --block-sizes")
-    controllers = {"python": load_oracle().PythonController, "native": native_controller}
-    baseline = pipeline.autoregressive()
     check_prompts(pipeline, prompts)
+    baseline = pipeline.autoregressive()
+    clock = ExecutorClock(executor)
+
+    def through(controller):
+        """Requests decoded with `controller`, each yielding its generation and its model seconds."""
+        def request(choice: BlockChoice, ids: list[int], config: GenerationConfig):
+            source = baseline if choice.size == 1 else pipeline
+            before = clock.seconds
+            generation = generate(source.runner, ids, config.with_stop_ids(pipeline.codec.stop_ids),
+                                  controller=controller)
+            return generation, clock.seconds - before
+        return request
+
     encoded = [pipeline.codec.encode(p) for p in prompts]
-    sizes = (1, *(c.size for c in config.block_sizes))
-    runs = {(b, c): HostRun(b, c) for b in sizes for c in CONTROLLERS}
-
-    def request(block_size: int, ids: list[int], controller: str, max_new_tokens: int, seed: int):
-        source = baseline if block_size == 1 else pipeline
-        generation_config = GenerationConfig(block_size=block_size, max_new_tokens=max_new_tokens,
-                                             sampling=replace(config.sampling, seed=seed))
-        generation_config = generation_config.with_stop_ids(pipeline.codec.stop_ids)
-        return generate(source.engine, ids, generation_config, controller=controllers[controller])
-
-    for block_size in sizes:  # warm-up
-        for controller in CONTROLLERS:
-            request(block_size, encoded[0], controller, min(WARMUP_TOKENS, config.max_new_tokens),
-                    config.request_seed(0, 0, len(prompts)))
-    total = config.repeats * len(runs) * len(prompts)
-    with tqdm(total=total, desc="profile-host", unit="req", file=sys.stderr, disable=not progress,
-              dynamic_ncols=True) as bar, ExecutorClock(executor) as clock:
-        for repeat in range(config.repeats):
-            for block_size in sizes:
-                for run in (runs[(block_size, c)] for c in CONTROLLERS):
-                    run.start_repeat()
-                # the controllers take turns prompt by prompt, so a machine's drift reaches both alike
-                for index, ids in enumerate(encoded):
-                    seed = config.request_seed(repeat, index, len(prompts))
-                    for controller in CONTROLLERS:
-                        before = clock.seconds
-                        generation = request(block_size, ids, controller, config.max_new_tokens, seed)
-                        runs[(block_size, controller)].add(generation, clock.seconds - before)
-                        bar.update()
-                if not runs[(block_size, "native")].cycles[-1]:
-                    raise TrtspecError("no decode cycles ran (every prompt stopped at its first token)")
+    with clock:  # the controllers take turns prompt by prompt, so a machine's drift reaches both alike
+        done = run_sweep([through(PythonController), through(native_controller)], encoded,
+                         config.sweep(), desc="profile-host", progress=progress)
+    runs = {}
+    for c, choice in enumerate(done.schedule):
+        for v, name in enumerate(CONTROLLERS):
+            run = runs[(choice.size, name)] = HostRun(choice.size, name)
+            for repeat in done.of(c, v):
+                run.start_repeat()
+                for generation, model_s in repeat:
+                    run.add(generation, model_s)
+            if 0 in run.cycles:
+                raise TrtspecError("no decode cycles ran (every prompt stopped at its first token)")
     return HostProfile(prompts=prompts_name, n_prompts=len(prompts), config=config, runs=runs,
                        machine=machine_info(pipeline))

@@ -6,7 +6,7 @@ prompt and training sets) goes through these checks, so a string where a number 
 where an object belongs, a non-positive size or a truncated file is one line,
 `FILE: FIELD must be ..., got ...`, and the code behind the door trusts what it gets. Numeric
 ranges come from `trtspec.limits` (shared with flags and requests). The engine manifest has its
-own checks in `trtspec.manifest`.
+own checks in `trtspec.engines.manifest`.
 """
 
 from __future__ import annotations

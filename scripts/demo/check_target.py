@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from trtspec.engines.eager import EagerEngine
+from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.models import load_target
 from trtspec.runtime.decode import GenerationConfig, generate
 from trtspec.tokenizer import TextCodec
@@ -41,7 +41,7 @@ def main() -> None:
           f"non-embedding params {non_embed / 1e6:.2f}M, embedding {c.vocab_size * c.hidden_size / 1e6:.2f}M "
           f"(tied={c.tie_word_embeddings}); a drafter may have <= {non_embed / 4e6:.2f}M params")
     codec = TextCodec(a.directory)
-    engine = EagerEngine(target)
+    engine = EagerRunner(target)
     for prompt in PROMPTS:
         ids = codec.encode(prompt)
         out = generate(engine, ids, GenerationConfig(block_size=1, max_new_tokens=a.max_new_tokens,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trtspec.preflight import per_position_acceptance
+from trtspec.dbloom.histogram import per_position_acceptance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay_schedules import replay  # noqa: E402

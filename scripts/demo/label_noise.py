@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from trtspec.labels import read_labels, strategy_metrics
+from trtspec.blockpilot.evaluation import strategy_metrics
+from trtspec.blockpilot.labels import read_labels
 
 
 def main() -> None:

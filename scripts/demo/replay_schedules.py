@@ -19,7 +19,8 @@ import itertools
 import json
 from typing import Callable
 
-from trtspec.labels import read_labels
+from trtspec.blockpilot.labels import read_labels
+from trtspec.runtime.schedule import BlockChoice, parse_block_sizes
 
 Schedule = Callable[[list[tuple[int, int]]], int]  # (block size, accepted) of past cycles -> next block size
 
@@ -37,9 +38,11 @@ def replay(accepted: dict[int, list[int]], new_tokens: int, schedule: Schedule) 
     return cycles
 
 
-def grow(low: int, high: int, after: int) -> Schedule:
-    """Block `high` for the cycle after one that accepted at least `after` drafts, else `low`."""
-    return lambda cycles: high if cycles and cycles[-1][1] >= after else low
+def grow(low: int, high: int, after: int | None = None) -> Schedule:
+    """The growing block low:high (BlockChoice.next_size, the runtime's rule), growing after a cycle
+    that accepted at least `after` drafts (default: a filled block of `low`, what the runtime does)."""
+    choice = BlockChoice(low, high)
+    return lambda cycles: choice.next_size(cycles[-1][1], after) if cycles else low
 
 
 def seconds(cycles: list[tuple[int, int]], cost: dict[int, float]) -> float:
@@ -53,7 +56,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="6,8,12,16")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args()
-    sizes = [int(b) for b in args.sizes.split(",")]
+    sizes = list(parse_block_sizes(args.sizes))
     labels = read_labels(args.labels)
     header, records = labels.header, labels.records
     cost = {int(b): s for b, s in header["cycle_cost_s"].items()}
@@ -72,7 +75,7 @@ def main() -> None:
                 for b in sizes}
     for choice in labels.choices:  # growing blocks, as the native controller runs them
         if choice.grow_to and set(choice.sizes) <= set(sizes):
-            rule = grow(choice.size, choice.grow_to, choice.size - 1)
+            rule = grow(choice.size, choice.grow_to)
             matching[choice.name] = sum(len(replay(a, new_tokens, rule)) == r["runs"][choice.name]["cycles"]
                                         for a, r in zip(requests, records))
     ar_total = (new_tokens - 1) * cost[1] * len(requests)

@@ -38,6 +38,8 @@ from corpus import corpus_manifest, read_text, split_files  # noqa: E402
 
 from trtspec.models import Qwen3Config, Qwen3Target, load_target  # noqa: E402
 from trtspec.models.checkpoint import save_checkpoint  # noqa: E402
+from trtspec.runtime.decode import GenerationConfig, generate  # noqa: E402
+from trtspec.runtime.runners.eager import EagerRunner  # noqa: E402
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -159,19 +161,13 @@ def validation_loss(model: Qwen3Target, stream: torch.Tensor, seq: int, max_wind
 
 @torch.no_grad()
 def greedy_sample(model: Qwen3Target, tokenizer, prompt: str, new_tokens: int = 48) -> str:
+    """The prompt and the model's greedy continuation (up to EOS, id 0, which is not shown), through
+    trtspec's own decode loop."""
     model.eval()
-    ids = tokenizer.encode(prompt).ids
-    cache = model.new_cache(1, len(ids) + new_tokens)
-    logits, _ = model(torch.tensor([ids]), 0, cache, last_logits=1)
-    out = []
-    for _ in range(new_tokens):
-        token = int(logits[0, -1].argmax())
-        if token == 0:
-            break
-        out.append(token)
-        logits, _ = model(torch.tensor([[token]]), cache.length, cache)
+    config = GenerationConfig(block_size=1, max_new_tokens=new_tokens, stop_ids=(0,))
+    out = generate(EagerRunner(model), tokenizer.encode(prompt).ids, config).tokens
     model.train()
-    return prompt + tokenizer.decode(out)
+    return prompt + tokenizer.decode(out[:-1] if out[-1:] == [0] else out)
 
 
 # ---------------------------------------------------------------- checkpoints and export

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trtspec.bench import parse_block_sizes
+from trtspec.runtime.schedule import parse_block_sizes
 from trtspec.cycle_costs import CycleCostConfig, CycleCosts, measure, tiny
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text

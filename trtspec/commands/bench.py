@@ -41,8 +41,8 @@ Examples:
                    "identical outputs and time per token relative to eager.")
 @click.option("--profile-host", is_flag=True,
               help="With --engine: instead, time each decode cycle's model execution (draft + verify graph runs) "
-                   "and host work, through the native controller and the Python oracle (tests/oracle.py, so a "
-                   "source checkout), per block size.")
+                   "and host work, through the native controller and the Python reference controller, per block "
+                   "size.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
 def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, policy, temperature, top_k, top_p, seed,
           max_new_tokens, limit, repeats, against_eager, profile_host, json_path) -> None:
@@ -77,9 +77,9 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
     reference = None
     if against_eager:  # the engine's own sources, in its dtype: the bundled demo pair unless named
         from trtspec.assets import resolve_drafter, resolve_target
-        from trtspec.manifest import check_sources
+        from trtspec.engines.manifest import check_sources
 
-        check_sources(pipeline.engine.manifest, resolve_target(target), resolve_drafter(drafter, target))
+        check_sources(pipeline.runner.manifest, resolve_target(target), resolve_drafter(drafter, target))
         reference = load_pipeline(target, drafter, str(pipeline.dtype).removeprefix("torch."), device,
                                   policy=pipeline.policy_dir)
     report = run_bench(pipeline, prompts, config, reference=reference, prompts_name=name)

@@ -33,7 +33,7 @@ def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, 
     """Acceptance histogram, per-position acceptance and stranded speed-up, with a recommendation."""
     from trtspec.bench import load_prompts, write_json
     from trtspec.fileio import check_output_file
-    from trtspec.preflight import PLOT_SUFFIX, plot, run_preflight, run_teacher_forced
+    from trtspec.dbloom.preflight import PLOT_SUFFIX, plot, run_preflight, run_teacher_forced
 
     inputs = (prompts_spec, engine, target, drafter)
     if json_path:
@@ -96,7 +96,7 @@ def expand_block(target, drafter, engine, dtype, device, to_block_size, data_fil
     """
     from trtspec.fileio import CHECKPOINT, check_output_dir
     from trtspec.training.data import read_training_data
-    from trtspec.training.expand import ExpandConfig, expand_block as expand
+    from trtspec.dbloom.expand import ExpandConfig, expand_block as expand
 
     check_output_dir(output, CHECKPOINT, (target, drafter, data_file, work_dir))
     if engine is not None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from trtspec.errors import TrtspecError
 from trtspec.fileio import TRITON_REPOSITORY, check_output_dir, staged_directory
-from trtspec.manifest import read_manifest
+from trtspec.engines.manifest import read_manifest
 
 INPUTS = (  # name, Triton dtype, optional
     ("text_input", "TYPE_STRING", False),

@@ -1,6 +1,6 @@
-"""The decode loop's engine over compiled step graphs (ONNX Runtime, TensorRT, torch.export).
+"""The decode loop's runner over an engine's compiled step graphs (ONNX Runtime, TensorRT, torch.export).
 
-It offers the same calls as the eager engine (reset / prefill / verify / draft / rollback) and
+It offers the same calls as the eager runner (reset / prefill / verify / draft / rollback) and
 turns each into one graph run. It owns the KV caches: position-major buffers allocated once
 at their full size, whose valid prefix is passed as `past_*` and whose next slots receive the
 graph's `new_*` outputs directly, so rolling back is just remembering a shorter length.
@@ -15,10 +15,10 @@ import torch
 from trtspec.engines.executor import PREFILL, TORCH_DTYPES, Executor, ProfileKey
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, PREFILL_LOGITS, TARGET, GraphSpec
-from trtspec.manifest import Manifest, read_manifest
+from trtspec.engines.manifest import Manifest, read_manifest
 
 
-class GraphEngine:
+class CompiledRunner:
     def __init__(self, executor: Executor, manifest: Manifest, static: bool = False):
         self.executor, self.manifest = executor, manifest
         # Static mode, for CUDA-graph replay: every decode-cycle binding keeps one address. `past` is
@@ -44,9 +44,9 @@ class GraphEngine:
         self._start_host = self._start.numpy() if self.device.type == "cpu" else None
         self._outputs: dict[tuple[str, ProfileKey], dict[str, torch.Tensor]] = {}
 
-    def without_drafter(self) -> "GraphEngine":
+    def without_drafter(self) -> "CompiledRunner":
         """The same graphs and buffers used autoregressively (the AR baseline)."""
-        baseline = GraphEngine.__new__(GraphEngine)
+        baseline = CompiledRunner.__new__(CompiledRunner)
         baseline.__dict__.update(self.__dict__)
         baseline.mask_token_id = None
         return baseline
@@ -159,8 +159,8 @@ class GraphEngine:
         self._length[TARGET] = length
 
 
-def open_engine(directory: str | Path, device: torch.device, threads: int | None = None,
-                cuda_graphs: bool = False) -> GraphEngine:
+def open_runner(directory: str | Path, device: torch.device, threads: int | None = None,
+                cuda_graphs: bool = False) -> CompiledRunner:
     """Load a built engine directory (manifest verified) onto `device` with its backend's executor;
     with `cuda_graphs` on a CUDA device, decode cycles replay captured CUDA graphs."""
     cuda_graphs = cuda_graphs and device.type == "cuda"
@@ -174,8 +174,8 @@ def open_engine(directory: str | Path, device: torch.device, threads: int | None
         from trtspec.engines.tensorrt import TensorRTExecutor
         executor = TensorRTExecutor(graphs, device, manifest.profiles, cuda_graphs=cuda_graphs)
     elif manifest.backend == "torch":
-        from trtspec.engines.torch_graphs import TorchExecutor
+        from trtspec.engines.torch import TorchExecutor
         executor = TorchExecutor.load(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs)
     else:
         raise TrtspecError(f"engine {directory}: unknown backend {manifest.backend!r}")
-    return GraphEngine(executor, manifest, static=cuda_graphs)
+    return CompiledRunner(executor, manifest, static=cuda_graphs)

@@ -3,8 +3,8 @@
 This is the per-cycle logic exactly as the decode loop ran it before it moved to C++ (the
 acceptance rule on torch tensors, an output that applies stop ids and the token limit, the
 histogram of DecodeStats), wrapped in the controller interface of `trtspec.runtime.controller`
-so the same loop can run either. `trtspec bench --profile-host` loads this file to time the
-pure-Python loop beside the native one.
+so the same loop can run either: the tests check the native core against it cycle by cycle, and
+`trtspec bench --profile-host` times the pure-Python loop beside the native one.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
 
 
@@ -104,7 +105,7 @@ class PythonController:
             # A growing block: a cycle that filled a base block makes the next one run grown.
             self.grown[r] += b != base
             self.ceiling_cycles[r] += accepted == b - 1
-            self.active[r] = self.grow_to[r] if self.grow_to[r] and accepted >= base - 1 else base
+            self.active[r] = BlockChoice(base, self.grow_to[r]).next_size(accepted)
             self.verify_blocks[r, 0] = self.draft_blocks[r, 0] = bonus
         return self.running
 

@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from trtspec.engines.cuda_graphs import CudaGraphs, binding_key
+from trtspec.engines.capture import CudaGraphs, binding_key
 from trtspec.engines.executor import PREFILL, ProfileKey
 from trtspec.export.bindings import GraphSpec
 

@@ -1,4 +1,4 @@
-"""BlockPilot's data: per-prompt labels (every prompt at every block size) and the evaluation.
+"""BlockPilot's labels: every prompt run at every candidate block size (trtspec.sweep).
 
 A label set is `OUT.jsonl` (a header line with the settings and the per-cycle cost table, then
 one line per prompt with tau, cycles, tokens and raw decode time at AR and at every block size)
@@ -15,23 +15,19 @@ measured at the fixed sizes B and G, which must therefore be columns too.
 from __future__ import annotations
 
 import json
-import statistics
-import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from trtspec import validate
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.fileio import check_output_file, staged_file
-from trtspec.policy import FEATURE_KINDS, BlockPilot, summarize_prefill, time_choice
-from trtspec.runtime.decode import GenerationConfig
-from trtspec.runtime.sampling import SamplingConfig, derive_seed
+from trtspec.blockpilot.policy import FEATURE_KINDS, summarize_prefill
+from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
+from trtspec.sweep import Sweep, pipeline_requests, run_sweep
 
 LABELS_VERSION = 2  # 2: confidence features, vocab_size
 
@@ -144,33 +140,27 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
     """Run every prompt autoregressively and at every block size; summarise each prompt's prefill."""
     if not pipeline.has_drafter:
         raise TrtspecError("labelling block sizes needs a drafter")
-    baseline = pipeline.autoregressive()
     seed = config.sampling.seed if config.sampling.seed is not None else 0
-    records, summaries = [], {k: [] for k in FEATURE_KINDS}
-    sizes = (BlockChoice(1), *config.choices)
-    with tqdm(total=len(prompts) * len(sizes), desc="label-blocks", unit="req", file=sys.stderr,
-              disable=not progress, dynamic_ncols=True) as bar:
-        for index, prompt in enumerate(prompts):
-            ids = pipeline.codec.encode(prompt)
-            pipeline.engine.reset(len(ids))
-            with torch.inference_mode():
-                prompt_logits, prefill_features = pipeline.engine.prefill(ids)
-            for kind in FEATURE_KINDS:
-                summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
-            runs = {}
-            for choice in sizes:
-                generation_config = GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
-                                                     max_new_tokens=config.max_new_tokens,
-                                                     sampling=replace(config.sampling, seed=derive_seed(seed, index)))
-                source = baseline if choice.size == 1 else pipeline
-                stats = source.generate(prompt, generation_config).generation.stats
-                runs[run_key(choice)] = {
-                    "tau": stats.tau, "cycles": stats.cycles, "grown_cycles": stats.grown_cycles,
-                    "new_tokens": stats.new_tokens, "decode_s": stats.decode_s}
-                bar.update()
-            records.append({"index": index, "prompt_tokens": len(ids), "runs": runs})
+    summaries, lengths = {k: [] for k in FEATURE_KINDS}, []
+    for prompt in prompts:  # the policy's inputs: a summary of each prompt's prefill
+        ids = pipeline.codec.encode(prompt)
+        lengths.append(len(ids))
+        pipeline.runner.reset(len(ids))
+        with torch.inference_mode():
+            prompt_logits, prefill_features = pipeline.runner.prefill(ids)
+        for kind in FEATURE_KINDS:
+            summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
+    sweep = Sweep(config.choices, config.max_new_tokens, config.sampling)
+    done = run_sweep([pipeline_requests(pipeline)], prompts, sweep, desc="label-blocks", progress=progress)
+    records = [{"index": index, "prompt_tokens": length, "runs": {}} for index, length in enumerate(lengths)]
+    for c, choice in enumerate(done.schedule):
+        for record, generation in zip(records, done.of(c)[0]):
+            stats = generation.stats
+            record["runs"][run_key(choice)] = {
+                "tau": stats.tau, "cycles": stats.cycles, "grown_cycles": stats.grown_cycles,
+                "new_tokens": stats.new_tokens, "decode_s": stats.decode_s}
     costs = {}
-    for block_size in [c.size for c in sizes if not c.grow_to]:
+    for block_size in [c.size for c in done.schedule if not c.grow_to]:
         seconds = sum(r["runs"][str(block_size)]["decode_s"] for r in records)
         cycles = sum(r["runs"][str(block_size)]["cycles"] for r in records)
         if cycles == 0:
@@ -187,88 +177,3 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
     for record, label in zip(records, label_set.labels()):
         record["label"] = label.name
     return label_set
-
-
-def best_fixed_block_size(labels: LabelSet) -> int:
-    """The single fixed block size with the highest modelled decode speed over the whole set."""
-    every = len(labels.records)
-    return max(labels.fixed, key=lambda c: strategy_metrics(labels, [c] * every)["modelled_speedup"]).size
-
-
-def strategy_metrics(labels: LabelSet, choices: list[BlockChoice]) -> dict:
-    """Modelled and measured figures when prompt i runs with choices[i]; regret is against the
-    per-prompt best fixed block size."""
-    records = labels.records
-    runs = [labels.run(r, c) for r, c in zip(records, choices)]
-    oracle = labels.speeds(labels.fixed).max(dim=1).values
-    chosen = torch.tensor([labels.speed(r, c) for r, c in zip(records, choices)])
-    modelled_tokens = sum(run["tau"] * run["cycles"] for run in runs)
-    modelled_s = sum(labels.modelled_seconds(run, c) for run, c in zip(runs, choices))
-    measured_tokens = sum(max(run["new_tokens"] - 1, 0) for run in runs)
-    measured_s = sum(run["decode_s"] for run in runs)
-    ar = [r["runs"]["1"] for r in records]
-    ar_measured = sum(max(run["new_tokens"] - 1, 0) for run in ar) / sum(run["decode_s"] for run in ar)
-    return {
-        "mean_tau": statistics.fmean(run["tau"] for run in runs),
-        "modelled_tokens_per_s": modelled_tokens / modelled_s,
-        "modelled_speedup": modelled_tokens / modelled_s * labels.header["ar_token_s"],
-        "measured_tokens_per_s": measured_tokens / measured_s,
-        "measured_speedup": measured_tokens / measured_s / ar_measured,
-        "mean_regret": float((1 - chosen / oracle).mean()),
-        "chosen": {c.name: choices.count(c) for c in labels.candidates(ar=True) if c in choices},
-    }
-
-
-def evaluate_policy(policy: BlockPilot, labels: LabelSet, fixed_block_size: int) -> dict:
-    """Each column, AR, BlockPilot and the per-prompt oracles on one (held-out) label set. The oracle
-    is the best fixed block size per prompt in hindsight; "oracle (all)" may also pick a growing
-    block or AR."""
-    missing = set(policy.choices) - set(labels.candidates(ar=True))
-    if missing:
-        raise TrtspecError(f"the labels lack {', '.join(sorted(c.name for c in missing))}, which the policy "
-                           "can choose (label-blocks --block-sizes must include every policy candidate)")
-    inputs = labels.inputs(policy.kinds)
-    with torch.inference_mode():
-        picks = policy.net(inputs).argmax(dim=1).tolist()
-    pilot = [policy.choices[i] for i in picks]
-    strategies = {"AR" if c.size == 1 else f"B={c.name}": strategy_metrics(labels, [c] * len(labels.records))
-                  for c in labels.candidates(ar=True)}
-    strategies["blockpilot"] = strategy_metrics(labels, pilot)
-    strategies["oracle"] = strategy_metrics(labels, labels.labels(labels.fixed))
-    strategies["oracle (all)"] = strategy_metrics(labels, labels.labels(labels.candidates(ar=True)))
-    fixed, best, oracle = (strategies[f"B={fixed_block_size}"]["modelled_speedup"],
-                           strategies["blockpilot"]["modelled_speedup"], strategies["oracle"]["modelled_speedup"])
-    decode_s = statistics.fmean(labels.run(r, c)["decode_s"] for r, c in zip(labels.records, pilot))
-    # The policy's cost per request: summarising prefill's outputs plus the MLP, timed on
-    # realistic prompt-sized features and tail logits.
-    width, vocabulary = labels.features["last"].shape[1], labels.header["vocab_size"]
-    prompt_tokens = int(statistics.median(r["prompt_tokens"] for r in labels.records))
-    overhead_s = time_choice(policy, torch.randn(prompt_tokens, width),
-                             torch.randn(min(prompt_tokens, PREFILL_LOGITS), vocabulary))
-    return {
-        "prompts": labels.header["prompts"], "n_prompts": len(labels.records), "backend": labels.header["backend"],
-        "temperature": labels.header["temperature"], "fixed_block_size": fixed_block_size,
-        "strategies": strategies,
-        "gap_closed": (best - fixed) / (oracle - fixed) if oracle > fixed else None,  # None: no gap
-        "policy_overhead_s": overhead_s, "mean_decode_s": decode_s,
-        "policy_overhead_fraction": overhead_s / decode_s,
-    }
-
-
-def format_evaluation(report: dict) -> str:
-    lines = [f"{report['prompts']}: {report['n_prompts']} prompts, T={report['temperature']:g}, {report['backend']}; "
-             f"fixed baseline B={report['fixed_block_size']} (best on the training labels); "
-             "regret against the per-prompt best fixed B",
-             f"{'strategy':>12}  {'tau':>5}  {'speed-up (modelled)':>19}  {'speed-up (measured)':>19}  {'regret':>6}"]
-    for name, m in report["strategies"].items():
-        lines.append(f"{name:>12}  {m['mean_tau']:>5.2f}  {m['modelled_speedup']:>18.3f}x  "
-                     f"{m['measured_speedup']:>18.3f}x  {m['mean_regret']:>6.1%}")
-    chosen = report["strategies"]["blockpilot"]["chosen"]
-    fixed, closed = report["fixed_block_size"], report["gap_closed"]
-    gap = (f"closes {closed:.0%} of the gap from B={fixed} to the oracle" if closed is not None
-           else f"the oracle is no faster than B={fixed}")
-    picks = ", ".join(f"{'' if name == 'AR' else 'B='}{name}: {n}" for name, n in chosen.items())
-    lines.append(f"BlockPilot chose {picks}; "
-                 f"{gap}; overhead {report['policy_overhead_s'] * 1e6:.0f} us per request "
-                 f"({report['policy_overhead_fraction']:.3%} of decode)")
-    return "\n".join(lines)

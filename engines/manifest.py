@@ -16,6 +16,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trtspec.device import MODEL_DTYPES
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec, graph_specs
 from trtspec.fileio import MARKER
@@ -26,7 +27,7 @@ MANIFEST_VERSION = 1
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = tuple(MODEL_DTYPES)
 UNLISTED = (MANIFEST_FILE, MARKER)  # the only files of an engine directory that are not artifacts
 
 

@@ -9,12 +9,9 @@ from trtspec.commands.options import (BlockSizeType, BlockSizesType, Ranged, lim
                                       max_new_tokens_option, model_options, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
-FEATURE_SETS = ("last", "mean", "length", "confidence", "confidence,length", "mean,confidence",
-                "last,mean,length", "last,mean,length,confidence")
-
 
 def _feature_kinds(text: str) -> tuple[str, ...]:
-    from trtspec.policy import FEATURE_KINDS
+    from trtspec.blockpilot.policy import FEATURE_KINDS
 
     kinds = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = [k for k in kinds if k not in FEATURE_KINDS]
@@ -46,7 +43,7 @@ def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_siz
     measured cost of one cycle at that block size (stored in the header); raw times are kept.
     """
     from trtspec.bench import load_prompts
-    from trtspec.labels import LabelConfig, check_labels_output, label_blocks as run_labels
+    from trtspec.blockpilot.labels import LabelConfig, check_labels_output, label_blocks as run_labels
 
     check_labels_output(output, (prompts_spec, engine, target, drafter))
     config = LabelConfig(choices=block_sizes, max_new_tokens=max_new_tokens,
@@ -83,8 +80,9 @@ Examples:
 def train_policy(labels_path, output, features, hidden, steps, with_ar, ablation) -> None:
     """Train a BlockPilot policy (a small MLP, expected-regret loss) on label-blocks output."""
     from trtspec.fileio import POLICY, check_output_dir
-    from trtspec.labels import best_fixed_block_size, read_labels
-    from trtspec.policy import train_policy as fit
+    from trtspec.blockpilot.evaluation import best_fixed_block_size
+    from trtspec.blockpilot.labels import read_labels
+    from trtspec.blockpilot.training import feature_ablation, train_policy as fit
 
     check_output_dir(output, POLICY, [labels_path])
     if with_ar == "auto" and not ablation:
@@ -110,36 +108,6 @@ def train_policy(labels_path, output, features, hidden, steps, with_ar, ablation
                f"{policy.info['best_fixed_block_size']})")
 
 
-def feature_ablation(labels, hidden: int, steps: int, folds: int = 5,
-                     ar_options: tuple[bool, ...] = (False,)) -> dict[tuple[str, bool], dict]:
-    """Cross-validated modelled speed-up and regret of a policy per (feature set, AR a candidate or not)."""
-    import torch
-
-    from trtspec.labels import strategy_metrics
-    from trtspec.policy import train_policy as fit
-
-    n = len(labels.records)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
-    table = {}
-    for ar in ar_options:
-        candidates = labels.candidates(ar)
-        speeds = labels.speeds(candidates)
-        for name in FEATURE_SETS:
-            kinds = _feature_kinds(name)
-            choices = [candidates[0]] * n
-            for fold in range(folds):
-                held = sorted(order[fold::folds])
-                train = sorted(set(range(n)) - set(held))
-                policy = fit(labels.inputs(kinds)[train], speeds[train], candidates, kinds, hidden=hidden, steps=steps)
-                with torch.inference_mode():
-                    picks = policy.net(labels.inputs(kinds)[held]).argmax(dim=1).tolist()
-                for i, pick in zip(held, picks):
-                    choices[i] = candidates[pick]
-            metrics = strategy_metrics(labels, choices)
-            table[(name, ar)] = {"mean_regret": metrics["mean_regret"], "modelled_speedup": metrics["modelled_speedup"]}
-    return table
-
-
 @click.command("eval-policy", epilog="""\b
 Example:
   trtspec eval-policy --policy build/policy --labels build/labels-humaneval.jsonl --json eval.json
@@ -154,8 +122,9 @@ def eval_policy(policy_dir, labels_path, fixed_block_size, json_path) -> None:
     """Compare every fixed block size, BlockPilot and the per-prompt oracle on held-out labels."""
     from trtspec.bench import write_json
     from trtspec.fileio import check_output_file
-    from trtspec.labels import evaluate_policy, format_evaluation, read_labels
-    from trtspec.policy import load_policy
+    from trtspec.blockpilot.evaluation import evaluate_policy, format_evaluation
+    from trtspec.blockpilot.labels import read_labels
+    from trtspec.blockpilot.policy import load_policy
 
     if json_path:
         check_output_file(json_path, (policy_dir, labels_path))

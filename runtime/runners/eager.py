@@ -1,6 +1,6 @@
-"""Eager PyTorch execution of the decode loop's step functions.
+"""The eager runner: PyTorch execution of the decode loop's step functions.
 
-The runtime talks to every backend through the same four calls: `prefill`, `verify`, `draft`
+The runtime talks to every runner through the same four calls: `prefill`, `verify`, `draft`
 and `rollback`. This one simply calls the PyTorch modules; compiled backends replay exported
 graphs with the same inputs and outputs.
 """
@@ -13,7 +13,7 @@ from trtspec.export.bindings import MAX_BLOCK_SIZE, PREFILL_LOGITS
 from trtspec.models import DFlashDrafter, KVCache, Qwen3Target
 
 
-class EagerEngine:
+class EagerRunner:
     def __init__(self, target: Qwen3Target, drafter: DFlashDrafter | None = None):
         self.target = target
         self.drafter = drafter

@@ -1,4 +1,4 @@
-"""BlockPilot: choose a request's block size once, right after prefill, from what prefill computed.
+"""BlockPilot's choice: a request's block size, once, right after prefill, from what prefill computed.
 
 The candidates are block sizes and growing blocks (`6:16`: cycles at 6, at 16 after one that
 fills a block of 6; see trtspec.runtime.schedule), so the one choice after prefill also decides
@@ -147,32 +147,6 @@ def load_policy(directory: str | Path, available_block_sizes: tuple[int, ...] | 
                                f"{'is' if len(missing) == 1 else 'are'} not in the engine "
                                f"(built for {', '.join(map(str, available_block_sizes))})")
     return policy
-
-
-def expected_regret(scores: torch.Tensor, speeds: torch.Tensor) -> torch.Tensor:
-    """Mean over prompts of sum_B softmax(scores)_B * (1 - speed_B / best speed): cost-sensitive."""
-    regret = 1.0 - speeds / speeds.max(dim=1, keepdim=True).values
-    return (scores.softmax(dim=1) * regret).sum(dim=1).mean()
-
-
-def train_policy(inputs: torch.Tensor, speeds: torch.Tensor, choices: tuple[BlockChoice | int, ...],
-                 kinds: tuple[str, ...], *, hidden: int = 64, steps: int = 600, lr: float = 3e-3,
-                 weight_decay: float = 1e-2, seed: int = 0) -> BlockPilot:
-    """Fit the MLP on `inputs` [N, D] (summaries) against modelled `speeds` [N, len(choices)];
-    plain integers among `choices` are fixed block sizes."""
-    choices = tuple(c if isinstance(c, BlockChoice) else BlockChoice(c) for c in choices)
-    torch.manual_seed(seed)
-    net = PolicyNet(inputs.shape[1], hidden, len(choices))
-    net.mean.copy_(inputs.mean(dim=0))
-    net.std.copy_(inputs.std(dim=0).clamp_min(1e-6))
-    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = expected_regret(net(inputs), speeds)
-        loss.backward()
-        optimizer.step()
-    return BlockPilot(choices, tuple(kinds), net.eval(), {"train_prompts": inputs.shape[0],
-                                                           "train_regret": float(loss.detach())})
 
 
 def time_choice(policy: BlockPilot, features: torch.Tensor, logits: torch.Tensor, repeats: int = 200) -> float:
