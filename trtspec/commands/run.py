@@ -40,6 +40,7 @@ Examples:
   trtspec run prompt.txt --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16
   echo "def fib(n):" | trtspec run - --block-size 12 --json
   trtspec run prompt.txt --ar                       # autoregressive baseline
+  trtspec run prompt.txt --compare-ar               # ... and the speed-up over it, same backend
   trtspec run prompt.txt --engine build/engine      # a built engine (trtspec build)
 """)
 @click.argument("prompt_file", metavar="PROMPT_FILE")
@@ -56,9 +57,12 @@ Examples:
               help="Extra stop token (id or single-token text); repeatable. EOS ids are always stops.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the target's chat template.")
 @click.option("--ar", is_flag=True, help="Decode autoregressively with the target alone (baseline).")
+@click.option("--compare-ar", is_flag=True,
+              help="Also decode the prompt autoregressively through the same backend and report the speed-up "
+                   "(decode tokens/s over AR's; greedy: whether the outputs are identical).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy, temperature, top_k, top_p, seed,
-        max_new_tokens, max_context, stop, chat, ar, as_json) -> None:
+        max_new_tokens, max_context, stop, chat, ar, compare_ar, as_json) -> None:
     """Generate a continuation of PROMPT_FILE ('-' reads stdin).
 
     Text streams to stdout as it is committed and statistics go to stderr; with --json one
@@ -66,6 +70,8 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy,
     """
     if ar and block_size is not None:
         raise TrtspecError("--ar decodes one token at a time; drop --block-size")
+    if ar and compare_ar:
+        raise TrtspecError("--compare-ar compares speculative decoding with --ar; drop one of them")
     sampling = sampling_config(temperature, top_k, top_p, seed)
     prompt = read_prompt(prompt_file)
     pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context,
@@ -85,8 +91,27 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy,
         sys.stdout.flush()
 
     result = pipeline.generate(prompt, config, chat=chat, on_text=None if as_json else stream)
+    comparison = _compare_with_ar(pipeline, prompt, config, chat, result) if compare_ar else None
     if as_json:
-        click.echo(json.dumps(result.to_dict()))
+        click.echo(json.dumps({**result.to_dict(), **({"compare_ar": comparison} if comparison else {})}))
     else:
         click.echo()
         click.echo(result.generation.stats.summary(), err=True)
+        if comparison:
+            same = {True: ", identical output", False: ", OUTPUT DIFFERS", None: ""}[comparison["identical"]]
+            speedup = "n/a" if comparison["speedup"] is None else f"{comparison['speedup']:.2f}x"
+            click.echo(f"AR through the same backend: {comparison['ar_decode_tokens_per_s']:.1f} tok/s; "
+                       f"speed-up {speedup}{same}", err=True)
+
+
+def _compare_with_ar(pipeline, prompt: str, config: GenerationConfig, chat: bool, result) -> dict:
+    """The same request decoded by the target alone, through the same backend and loop (one run each,
+    so a rough figure: `trtspec bench` gives medians over many prompts and repeats)."""
+    from dataclasses import replace
+
+    baseline = pipeline.autoregressive().generate(prompt, replace(config, block_size=1, grow_to=0), chat=chat)
+    ar_rate = baseline.generation.stats.decode_tokens_per_s
+    rate = result.generation.stats.decode_tokens_per_s
+    return {"ar_decode_tokens_per_s": ar_rate, "speedup": rate / ar_rate if ar_rate else None,
+            "identical": (baseline.generation.tokens == result.generation.tokens
+                          if config.sampling.greedy else None)}
