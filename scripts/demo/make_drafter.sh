@@ -34,8 +34,10 @@ python scripts/demo/ship_drafter.py "$WORK/demo-b16" trtspec/assets/demo-b16
 # 4. DBloom: post-train demo-b16 to B=24 (continuation at 16, then 16 -> 20 -> 24 with the new
 #    positions emphasised and the old ones kept close to demo-b16, then a settle stage at 24 under
 #    the plain decay), then ship it in bfloat16 as demo-b24.
+#    (The 2026-11-30 pair used a shorter schedule than the first pair's 100 + 300 + 100 steps, for
+#    lack of CPU time: no continuation stage, 100 steps each at 20 and 24, 50 settle steps.)
 trtspec --threads "$THREADS" expand-block --drafter "$WORK/demo-b16" --to 24 --data "$WORK/drafter-data.jsonl" \
-    --steps 300 --continue-steps 100 --stages 2 --lr 1e-4 --batch-size 8 --anchors 16 \
-    --distill 5 --settle-steps 100 -o "$WORK/demo-b24"
+    --steps 200 --continue-steps 0 --stages 2 --lr 1e-4 --batch-size 8 --anchors 16 \
+    --distill 5 --settle-steps 50 -o "$WORK/demo-b24"
 rm -rf trtspec/assets/demo-b24
 python scripts/demo/ship_drafter.py "$WORK/demo-b24" trtspec/assets/demo-b24
