@@ -3,6 +3,8 @@
 # product's own commands. Run from the repository root after installing the package; WORK holds
 # the intermediate files (prompts, training data, resumable checkpoints) outside the package.
 set -euo pipefail
+# As committed this is the 2026-11-30 recipe (greedy + sampled data), whose pair was NOT shipped:
+# it accepted about half as much on HumanEval (scripts/demo/README.md, "A second pair, not shipped").
 WORK=${WORK:-build/demo}
 THREADS=${THREADS:-2}
 STEPS=${STEPS:-1200}
