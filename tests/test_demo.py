@@ -12,6 +12,7 @@ from trtspec.assets import ASSETS, resolve_drafter, resolve_target
 from trtspec.bench import load_prompts
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import GenerationConfig
+from trtspec.runtime.schedule import AUTO
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fibonacci.py.txt"
 
@@ -46,12 +47,44 @@ def test_demo_speculative_equals_autoregressive_on_humaneval(demo):
             assert result.generation.stats.tau > 1.5  # a trained drafter, not a random one
 
 
-def test_run_defaults_to_the_demo_pair():
-    result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", "run", EXAMPLE, "--json",
-                             "--max-new-tokens", "40"], capture_output=True, timeout=300)
+def _trtspec_json(*args) -> dict:
+    result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", *map(str, args)],
+                            capture_output=True, timeout=600)
     assert result.returncode == 0, result.stderr.decode()
-    output = json.loads(result.stdout)
-    assert output["stats"]["block_size"] == 16 and output["text"].strip()
+    return json.loads(result.stdout)
+
+
+def test_run_defaults_to_the_demo_pair_and_its_blockpilot_policy(demo):
+    """The demo drafter ships a BlockPilot policy, so a plain run lets it choose the block size."""
+    output = _trtspec_json("run", EXAMPLE, "--json", "--max-new-tokens", "40")
+    choices = {c.size for c in demo.policy.choices} | {c.grow_to for c in demo.policy.choices}
+    assert output["stats"]["block_size_auto"] and output["stats"]["block_size"] in choices
+    assert output["text"].strip()
+    fixed = _trtspec_json("run", EXAMPLE, "--json", "--max-new-tokens", "40", "--block-size", "16")
+    assert fixed["stats"]["block_size"] == 16 and not fixed["stats"]["block_size_auto"]
+    assert fixed["tokens"] == output["tokens"]  # greedy: lossless whatever the block size
+
+
+def test_run_compares_with_autoregressive_decoding():
+    """The quick start's `--compare-ar`: the speed-up over AR through the same backend, and at T=0
+    the proof that the two outputs are the same tokens."""
+    output = _trtspec_json("run", EXAMPLE, "--json", "--max-new-tokens", "32", "--compare-ar")
+    comparison = output["compare_ar"]
+    assert comparison["identical"] is True and comparison["ar_decode_tokens_per_s"] > 0
+    assert comparison["speedup"] == pytest.approx(
+        output["stats"]["decode_tokens_per_s"] / comparison["ar_decode_tokens_per_s"])
+
+
+def test_auto_works_out_of_the_box(tmp_path):
+    """`--block-size auto` needs no policy flag on a fresh install: run, bench, and a default build."""
+    assert _trtspec_json("run", EXAMPLE, "--json", "--max-new-tokens", "24", "--block-size", "auto")[
+        "stats"]["block_size_auto"]
+    report = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", "bench", "--block-sizes", "12,16,auto",
+                             "--limit", "2", "--max-new-tokens", "16", "--repeats", "1", "--json", report],
+                            capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr.decode()
+    assert "auto" in result.stdout.decode() and report.is_file()
 
 
 def test_demo_engine_built_with_defaults_reproduces_eager(demo, tmp_path):
@@ -64,6 +97,7 @@ def test_demo_engine_built_with_defaults_reproduces_eager(demo, tmp_path):
     assert "B=12 (target profile 2, draft profile 0)" in result.stdout.decode()
     engine = Pipeline(resolve_target(None), resolve_drafter(None, None), engine=tmp_path / "engine")
     assert engine.backend == "onnxruntime" and engine.runner.block_sizes == (12, 16, 20, 24)
+    assert engine.policy is not None and engine.default_block_size == AUTO  # the demo policy, embedded
     _, prompts = load_prompts("humaneval", limit=6)
     for prompt in prompts:
         for block_size in (12, 24):
