@@ -82,10 +82,15 @@ TARGET_CASES = [
 
 @pytest.mark.parametrize("field, value, message", TARGET_CASES, ids=[f"{c[0]}={c[1]!r}" for c in TARGET_CASES])
 def test_bad_target_config_fields_are_named(field, value, message, target_dir, drafter_dir, prompt_file, tmp_path):
-    target = tmp_path / "target"
-    shutil.copytree(target_dir, target)
-    _edit(target, "config.json", _set(field, value))
+    target = _edited_copy(target_dir, tmp_path / "target", field, value)
     assert_one_line_error(trtspec("run", prompt_file, "--target", target, "--drafter", drafter_dir), message)
+
+
+def _edited_copy(source, copy, field, value):
+    """A copy of a checkpoint directory whose config.json has `field` set to `value`."""
+    shutil.copytree(source, copy)
+    _edit(copy, "config.json", _set(field, value))
+    return copy
 
 
 DRAFTER_CASES = [
@@ -102,9 +107,7 @@ DRAFTER_CASES = [
 
 @pytest.mark.parametrize("field, value, message", DRAFTER_CASES, ids=[f"{c[0]}={c[1]!r}" for c in DRAFTER_CASES])
 def test_bad_drafter_config_fields_are_named(field, value, message, target_dir, drafter_dir, prompt_file, tmp_path):
-    drafter = tmp_path / "drafter"
-    shutil.copytree(drafter_dir, drafter)
-    _edit(drafter, "config.json", _set(field, value))
+    drafter = _edited_copy(drafter_dir, tmp_path / "drafter", field, value)
     assert_one_line_error(trtspec("run", prompt_file, "--target", target_dir, "--drafter", drafter), message)
 
 
