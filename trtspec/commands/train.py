@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import click
 
 from trtspec import limits
@@ -18,6 +20,22 @@ def _layer_ids(value: str | None) -> tuple[int, ...]:
         return tuple(int(v) for v in value.split(","))
     except ValueError:
         raise TrtspecError(f"--target-layer-ids must be comma-separated integers, got {value!r}") from None
+
+
+def _initial_drafter(path: str | None, target, block_size: int, layer_ids: tuple[int, ...]):
+    """The drafter `--init-from` names, checked against the flags that would otherwise shape it."""
+    if path is None:
+        return None
+    from trtspec.models import load_drafter
+
+    drafter = load_drafter(path, target)
+    if drafter.config.block_size != block_size:
+        raise TrtspecError(f"--init-from drafter has block size {drafter.config.block_size}, not {block_size}; "
+                           "use expand-block to change a drafter's block size")
+    if layer_ids and tuple(layer_ids) != tuple(drafter.config.target_layer_ids):
+        raise TrtspecError(f"--target-layer-ids {','.join(map(str, layer_ids))} differs from the --init-from "
+                           f"drafter's taps {','.join(map(str, drafter.config.target_layer_ids))}")
+    return drafter
 
 
 @click.command("generate-data", epilog="""\b
@@ -73,17 +91,24 @@ Examples:
 @click.option("--seed", type=Ranged(limits.SEED), default=0, show_default=True)
 @click.option("--checkpoint-every", type=Ranged(limits.COUNT), default=100, show_default=True, help="Steps between resumable checkpoints.")
 @click.option("--work", "work_dir", metavar="DIR", help="Checkpoint directory. [default: OUTPUT.work]")
+@click.option("--init-from", metavar="DIR",
+              help="Start from this drafter's weights (same block size; its layers and taps are kept), "
+                   "e.g. to adapt a drafter to a changed target or to new data.")
 @device_options
 def train_drafter(target, data_file, block_size, output, layers, num_features, target_layer_ids, steps,
                   batch_size, anchors, max_length, lr, gamma, mask_token_id, seed, checkpoint_every, work_dir,
-                  dtype, device) -> None:
+                  init_from, dtype, device) -> None:
     """Train a DFlash drafter for a frozen target (resumes from --work when restarted)."""
     from trtspec.fileio import CHECKPOINT, check_output_dir
     from trtspec.training.data import read_training_data
     from trtspec.training.trainer import TrainConfig, train_drafter as train
 
-    check_output_dir(output, CHECKPOINT, (target, data_file, work_dir))
+    check_output_dir(output, CHECKPOINT, (target, data_file, work_dir, init_from))
     pipeline = load_pipeline(target, None, "float32" if dtype == "auto" else dtype, device, with_drafter=False)
+    start = _initial_drafter(init_from, pipeline.target, block_size, _layer_ids(target_layer_ids))
+    if start is not None:
+        layers, mask_token_id = start.config.num_hidden_layers, start.config.mask_token_id
+        target_layer_ids = ",".join(map(str, start.config.target_layer_ids))
     if mask_token_id is None:
         mask_token_id = pipeline.codec.tokenizer.token_to_id("<|mask|>")
         if mask_token_id is None:
@@ -91,7 +116,10 @@ def train_drafter(target, data_file, block_size, output, layers, num_features, t
     config = TrainConfig(block_size=block_size, num_layers=layers, num_features=num_features,
                          target_layer_ids=_layer_ids(target_layer_ids), mask_token_id=mask_token_id,
                          steps=steps, batch_size=batch_size, anchors_per_sequence=anchors, max_length=max_length,
-                         lr=lr, gamma=gamma, seed=seed, checkpoint_every=checkpoint_every)
+                         lr=lr, gamma=gamma, seed=seed, checkpoint_every=checkpoint_every,
+                         lineage={"initialised_from": dict(start.config.lineage)} if start else {})
     sequences = read_training_data(data_file, pipeline.codec, pipeline.target.config.vocab_size)
-    path = train(pipeline.target, sequences, config, output, work_dir)
+    if start is not None:
+        start.config = replace(start.config, lineage=dict(config.lineage))
+    path = train(pipeline.target, sequences, config, output, work_dir, drafter=start)
     click.echo(f"wrote drafter to {path}", err=True)
