@@ -38,15 +38,15 @@ def profile_keys(block_sizes: list[int]) -> dict[str, list[ProfileKey]]:
 
 
 def _axis_ranges(graph: str, key: ProfileKey, max_context: int, max_batch: int) -> dict[str, tuple[int, int, int]]:
-    """(min, opt, max) of each dynamic axis under one profile. Prefill (or one chunk of it, after
-    earlier chunks) runs one request; decode calls batch up to `max_batch` requests; the cache
-    buffers hold `max_batch` slots."""
+    """(min, opt, max) of each dynamic axis under one profile. Prefill (a chunk of a prompt, maybe
+    after earlier chunks; short prompts of one length together) and decode calls batch up to
+    `max_batch` requests; the cache buffers hold `max_batch` slots."""
     capacity = max_context + MAX_BLOCK_SIZE
     half = max(1, max_context // 2)
     batch = (1, max(1, max_batch // 2), max_batch)
     slots = {"slots": (1, max_batch, max_batch)}
     if graph == TARGET and key == PREFILL:
-        return {"batch": (1, 1, 1), "tokens": (1, min(PREFILL_OPT_TOKENS, max_context), max_context),
+        return {"batch": (1, 1, max_batch), "tokens": (1, min(PREFILL_OPT_TOKENS, max_context), max_context),
                 "past": (0, 0, capacity), **slots}
     if graph == TARGET:
         return {"batch": batch, "tokens": (key, key, key), "past": (1, half, capacity), **slots}

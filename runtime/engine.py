@@ -1,8 +1,9 @@
 """The serving engine: many requests decoded together, each with its own block size.
 
 A background thread runs the loop: schedule -> run -> step -> emit. The *scheduler* admits
-queued requests between cycles into free cache slots (up to `max_running`), runs at most one
-prefill chunk per iteration (a long prompt never stalls the others for more than one chunk), and
+queued requests between cycles into free cache slots (up to `max_running`), prefills at most one
+chunk of prompt tokens per iteration (so a long prompt never stalls the others for more than one
+chunk; several short prompts share it), and
 groups the decoding requests by their current block size. The *runner*
 (`trtspec.runtime.runners.batched`) makes one batched draft call and one batched verify call per
 group. Each request's own *controller* (the native core) accepts and commits its tokens, and the
@@ -28,7 +29,8 @@ import torch
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.runtime.controller import Controller, Stepper, native_controller
-from trtspec.runtime.decode import Generation, GenerationConfig, check_built_size, check_request
+from trtspec.runtime.decode import (ControllerFactory, Generation, GenerationConfig, check_built_size,
+                                    check_request)
 from trtspec.runtime.runners.batched import BatchRunner
 from trtspec.runtime.sampling import Sampler
 from trtspec.runtime.schedule import AUTO, BlockPolicy
@@ -45,7 +47,7 @@ class Busy(TrtspecError):
 class EngineConfig:
     max_running: int = 8        # requests decoding together (cache slots)
     max_queued: int = 64        # waiting requests beyond which submit() raises Busy
-    prefill_chunk: int = 256    # prompt tokens prefilled per loop iteration
+    prefill_chunk: int = 256    # prompt tokens prefilled per loop iteration (over all new requests)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_queued", "prefill_chunk"):
@@ -131,11 +133,13 @@ class Engine:
     """Continuous batching over one `BatchRunner`: submit from any thread, decode on one."""
 
     def __init__(self, runner: BatchRunner, policy: BlockPolicy | None = None, config: EngineConfig = EngineConfig(),
-                 stop_ids: tuple[int, ...] = (), chooser: Callable | None = None):
+                 stop_ids: tuple[int, ...] = (), chooser: Callable | None = None,
+                 controller: ControllerFactory = native_controller):
         if config.max_running > runner.slots:
             raise TrtspecError(f"max-running {config.max_running} exceeds the runner's {runner.slots} cache slots")
         self.runner, self.policy, self.config, self.stop_ids = runner, policy, config, tuple(stop_ids)
-        self.chooser = chooser  # load-aware BlockPilot: (choice, load) -> choice (trtspec.blockpilot.load)
+        self.chooser = chooser  # load-aware BlockPilot: (choice, load) -> choice
+        self.controller = controller  # the per-request core (trtspec.runtime.reference has the Python one)
         self._queue: deque[Request] = deque()
         self._active: list[_Active] = []
         self._free = list(range(config.max_running - 1, -1, -1))
@@ -216,9 +220,7 @@ class Engine:
                                         limit))
 
     def _iteration(self) -> None:
-        prefilling = next((a for a in self._active if a.core is None), None)
-        if prefilling is not None:
-            self._prefill_chunk(prefilling)
+        self._prefill()
         groups: dict[int, list[_Active]] = {}
         for active in self._active:
             if active.core is not None and active.core.running:
@@ -231,20 +233,31 @@ class Engine:
         for active in list(self._active):
             self._emit(active)
 
-    def _prefill_chunk(self, active: _Active) -> None:
-        """One chunk of a prompt; after the last, the first token and the request's block size."""
-        request, began = active.request, time.perf_counter()
-        chunk = request.prompt[active.prefilled:active.prefilled + self.config.prefill_chunk]
+    def _prefill(self) -> None:
+        """The next chunk of each new request's prompt, `prefill_chunk` tokens in all (so a long prompt
+        never stalls the others for more than that); chunks of equal length share one call. A request
+        whose prompt is done gets its first token and its block size."""
+        budget, chunks = self.config.prefill_chunk, {}
+        for active in [a for a in self._active if a.core is None]:
+            if budget <= 0:
+                break
+            chunk = active.request.prompt[active.prefilled:active.prefilled + budget]
+            chunks.setdefault(len(chunk), []).append((active, chunk))
+            budget -= len(chunk)
         with torch.inference_mode():
-            logits, features = self.runner.prefill(active.slot, chunk, active.prefilled)
-            active.prefilled += len(chunk)
-            if self.runner.mask_token_id is not None:
-                active.features.append(features.clone())
-            active.tail_logits = [torch.cat(active.tail_logits + [logits])[-PREFILL_LOGITS:].clone()]
-            active.prefill_s += time.perf_counter() - began
-            if active.prefilled < len(request.prompt):
-                return
-            self._start_decoding(active)
+            for rows in chunks.values():
+                began = time.perf_counter()
+                logits, features = self.runner.prefill([a.slot for a, _ in rows], [c for _, c in rows],
+                                                       [a.prefilled for a, _ in rows])
+                took = (time.perf_counter() - began) / len(rows)
+                for row, (active, chunk) in enumerate(rows):
+                    active.prefilled += len(chunk)
+                    active.prefill_s += took
+                    if self.runner.mask_token_id is not None:
+                        active.features.append(features[row].clone())
+                    active.tail_logits = [torch.cat(active.tail_logits + [logits[row]])[-PREFILL_LOGITS:].clone()]
+                    if active.prefilled == len(active.request.prompt):
+                        self._start_decoding(active)
 
     def _start_decoding(self, active: _Active) -> None:
         request, config, began = active.request, active.request.config, time.perf_counter()
@@ -263,7 +276,7 @@ class Engine:
                                    prefill_s=active.prefill_s, auto=chosen,
                                    policy_s=time.perf_counter() - began if chosen else 0.0,
                                    queue_s=active.began - request.submitted)
-        active.core = native_controller([block_size], [active.limit], [config.stop_ids],
+        active.core = self.controller([block_size], [active.limit], [config.stop_ids],
                                         self.runner.mask_token_id or 0, [grow_to])
         active.core.begin(0, bonus, len(request.prompt))
         active.stepper = Stepper(active.core, None if config.sampling.greedy else active.sampler.sample)

@@ -271,10 +271,10 @@ def test_tensorrt_profile_table(pair):
     assert [p["key"] for p in table[DRAFT]] == [12, 16]
     layers, heads, dim = pair[0].config.num_hidden_layers, pair[0].config.num_key_value_heads, pair[0].config.head_dim
     prefill, ar, b12, _ = table[TARGET]
-    # Prefill (a chunk of one request's prompt, maybe after earlier chunks) into a cache of 8 slots.
-    assert prefill["shapes"]["tokens"] == {"min": [1, 1], "opt": [1, 256], "max": [1, 512]}
+    # Prefill (chunks of prompts, maybe after earlier chunks) into a cache of 8 slots.
+    assert prefill["shapes"]["tokens"] == {"min": [1, 1], "opt": [1, 256], "max": [8, 512]}
     assert prefill["shapes"]["past_k"]["max"] == [512 + 64, 8, layers, heads, dim]
-    assert prefill["shapes"]["slots"] == {"min": [1], "opt": [1], "max": [1]}  # the batch axis: one request
+    assert prefill["shapes"]["slots"] == {"min": [1], "opt": [1], "max": [8]}  # the batch axis
     assert ar["shapes"]["tokens"] == {"min": [1, 1], "opt": [4, 1], "max": [8, 1]}
     assert b12["shapes"]["tokens"] == {"min": [1, 12], "opt": [4, 12], "max": [8, 12]}  # pinned B, batch 1..8
     assert b12["shapes"]["starts"]["max"] == [8]

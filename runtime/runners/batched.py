@@ -81,14 +81,15 @@ class BatchRunner:
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def prefill(self, slot: int, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chunk of a prompt at start..start+T-1 (earlier chunks already cached): logits [T, V]
-        and drafter features [T, F]."""
-        token_ids, starts, slots = self._long([tokens]), self._long([start]), self._long([slot])
-        out = self._run(TARGET, PREFILL, {"batch": 1, "tokens": len(tokens), "slots": self.slots}, start,
-                        {"tokens": token_ids, "starts": starts, "slots": slots})
-        self._store(TARGET, starts[:, None] + torch.arange(len(tokens), device=self.device), slots, out)
-        return out["logits"][0], out["features"][0]
+    def prefill(self, slots: list[int], chunks: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk of each row's prompt, all of one length T, at its start (earlier chunks already
+        cached): logits [b, T, V] and drafter features [b, T, F]."""
+        tokens, start_ids, slot_ids = self._long(chunks), self._long(starts), self._long(slots)
+        batch, count = tokens.shape
+        out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots}, max(starts),
+                        {"tokens": tokens, "starts": start_ids, "slots": slot_ids})
+        self._store(TARGET, start_ids[:, None] + torch.arange(count, device=self.device), slot_ids, out)
+        return out["logits"], out["features"]
 
     def verify(self, slots: list[int], blocks: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [b, B, V] and drafter features [b, B, F] of each row's block at its start (B = 1: AR steps)."""

@@ -1,0 +1,185 @@
+"""Continuous batching (trtspec.runtime.engine): lossless, isolated, bounded.
+
+Requests join and leave a running batch, with every kind of block size side by side (AR, fixed,
+growing, BlockPilot's auto), prompts prefilled in chunks, and stops and limits landing mid-block.
+Every greedy request must produce exactly the tokens it produces decoded alone; at T = 1 the
+tokens must follow the target's own distribution inside a batch of others (and a broken
+acceptance rule must be caught there too). A bad request, a failing callback, a full queue and a
+cancellation each affect only their own request.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from helpers import predictable_pair
+from test_sampling import PROMPT, exact_three_token_distribution, pvalues
+
+from trtspec.api import Pipeline
+from trtspec.assets import resolve_drafter, resolve_target
+from trtspec.bench import load_prompts
+from trtspec.errors import Cancelled, TrtspecError
+from trtspec.runtime import reference as oracle
+from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.engine import Busy, Engine, EngineConfig
+from trtspec.runtime.reference import PythonController
+from trtspec.runtime.runners.batched import BatchRunner
+from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.schedule import AUTO
+
+# (block size, grow_to): AR, fixed, growing and BlockPilot's choice, cycled over the prompts.
+SCHEDULES = [(1, 0), (4, 0), (8, 0), (16, 0), (6, 16), (AUTO, 0)]
+LIMITS = [24, 37, 50, 61]  # token limits that land mid-block for most block sizes
+
+
+@pytest.fixture(scope="module")
+def demo_eager():
+    return Pipeline(resolve_target(None), resolve_drafter(None, None))
+
+
+@pytest.fixture(scope="module")
+def demo_ort(tmp_path_factory):
+    pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
+    from trtspec.build import BuildConfig, build_engine
+
+    output = tmp_path_factory.mktemp("engines") / "demo-ort"
+    build_engine(resolve_target(None), resolve_drafter(None, None), output,
+                 BuildConfig(block_sizes=(4, 6, 8, 12, 16, 20, 24), backend="onnxruntime", max_batch=8),
+                 progress=False)
+    return Pipeline(engine=output)
+
+
+def _alone(pipeline, ids, config):
+    """The request decoded by itself: the single-request loop, with the engine's stop ids."""
+    return generate(pipeline.runner, ids, config.with_stop_ids(tuple(pipeline.codec.stop_ids)), policy=pipeline.policy)
+
+
+def _requests(pipeline, count):
+    """HumanEval prompts with mixed schedules, limits and (for a third of them) an extra stop id."""
+    stop = pipeline.codec.encode(" return")[-1]
+    requests = []
+    for i, prompt in enumerate(load_prompts("humaneval", count)[1]):
+        size, grow_to = SCHEDULES[i % len(SCHEDULES)]
+        config = GenerationConfig(block_size=size, grow_to=grow_to, max_new_tokens=LIMITS[i % len(LIMITS)],
+                                  stop_ids=(stop,) if i % 3 == 2 else ())
+        requests.append((pipeline.codec.encode(prompt), config))
+    return requests
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["eager", "onnxruntime"])
+def test_batched_greedy_equals_each_request_alone(backend, request):
+    pipeline = request.getfixturevalue("demo_eager" if backend == "eager" else "demo_ort")
+    requests = _requests(pipeline, 32)
+    # Six slots for 32 requests: requests join as others leave; prompts prefill in chunks of 48.
+    with pipeline.engine(EngineConfig(max_running=6, max_queued=32, prefill_chunk=48)) as engine:
+        handles = [engine.submit(ids, config) for ids, config in requests]
+        batched = [h.result(timeout=600) for h in handles]
+    for (ids, config), generation in zip(requests, batched):
+        alone = _alone(pipeline, ids, config)
+        assert generation.tokens == alone.tokens
+        assert generation.stats.new_tokens == len(alone.tokens)
+    stats = [g.stats for g in batched]
+    assert max(s.batch_mean for s in stats) > 1.5  # cycles really were shared
+    assert {s.finish_reason for s in stats} == {"stop", "length"}
+    assert any(s.auto for s in stats) and any(s.grow_to for s in stats)
+    assert any(s.new_tokens % max(s.block_size, 1) for s in stats if s.finish_reason == "length")
+
+
+@pytest.fixture(scope="module")
+def predictable():
+    return predictable_pair(vocab_size=8, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1)
+
+
+def _sample_in_batches(pair, count: int, controller=None) -> np.ndarray:
+    """First three tokens of `count` seeded T = 1 requests at B = 4, each decoded among greedy
+    requests at other block sizes and other sampled ones."""
+    options = {"controller": controller} if controller is not None else {}
+    engine = Engine(BatchRunner.eager(*pair, slots=16), config=EngineConfig(max_running=16, max_queued=count * 2),
+                    **options)
+    try:
+        sampled = []
+        for seed in range(count):
+            sampled.append(engine.submit(PROMPT, GenerationConfig(
+                block_size=4, max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=seed))))
+            if seed % 4 == 0:  # neighbours: greedy at other sizes, and longer
+                engine.submit(PROMPT + [seed % 8], GenerationConfig(block_size=(2, 3, 1)[seed % 3], max_new_tokens=9))
+        return np.array([r.result(timeout=600).tokens for r in sampled])
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_sampling_inside_a_batch_follows_the_target(predictable):
+    joint = exact_three_token_distribution(predictable[0])
+    results = pvalues(_sample_in_batches(predictable, 6_000), joint)
+    assert min(results.values()) > 1e-3, results
+
+
+def test_a_broken_acceptance_rule_is_caught_inside_a_batch(predictable, monkeypatch):
+    monkeypatch.setattr(oracle, "accepted_length",
+                        lambda drafts, posterior: (drafts == posterior[1:]).long().cumprod(-1).sum(-1))
+    joint = exact_three_token_distribution(predictable[0])
+    results = pvalues(_sample_in_batches(predictable, 1_500, controller=PythonController), joint)
+    assert min(results.values()) < 1e-3, results
+
+
+@pytest.fixture(scope="module")
+def tiny(target_dir, drafter_dir):
+    return Pipeline(target_dir, drafter_dir)
+
+
+def test_bad_requests_fail_alone_and_the_batch_finishes_unchanged(tiny):
+    prompts = [[5, 9, 33, 2, 7], [100, 3], [8] * 30]
+    config = GenerationConfig(block_size=4, max_new_tokens=40)
+    alone = [_alone(tiny, p, config).tokens for p in prompts]
+    calls = []
+
+    def failing_callback(tokens):
+        calls.append(tokens)
+        raise RuntimeError("the client went away")
+
+    with tiny.engine(EngineConfig(max_running=4)) as engine:
+        good = [engine.submit(p, config) for p in prompts]
+        for bad, message in (([], "empty"), ([5] * 5000, "context holds"),
+                             ([5, 6], "needs a BlockPilot policy")):
+            with pytest.raises(TrtspecError, match=message):
+                engine.submit(bad, GenerationConfig(block_size=AUTO) if "policy" in message else config)
+        failing = engine.submit([5, 6, 7], config, on_commit=failing_callback)
+        with pytest.raises(RuntimeError, match="went away"):
+            failing.result(timeout=120)
+        assert [r.result(timeout=120).tokens for r in good] == alone
+    assert len(calls) == 1  # the failing request stopped at its first commit
+
+
+def test_a_full_queue_answers_busy(tiny):
+    with tiny.engine(EngineConfig(max_running=1, max_queued=1)) as engine:
+        config = GenerationConfig(block_size=4, max_new_tokens=200)
+        with pytest.raises(Busy, match="busy"):
+            for _ in range(3):  # one runs (once admitted), one waits, the next is refused
+                engine.submit([5, 9, 33], config)
+
+
+def test_cancelling_frees_the_slot_within_a_cycle(tiny):
+    started = threading.Event()
+    with tiny.engine(EngineConfig(max_running=1)) as engine:
+        long = engine.submit([5, 9, 33], GenerationConfig(block_size=4, max_new_tokens=1000),
+                             on_commit=lambda tokens: started.set())
+        assert started.wait(60)
+        long.cancel()
+        with pytest.raises(Cancelled):
+            long.result(timeout=60)
+        assert len(long.tokens) < 1000
+        after = engine.submit([5, 9, 33], GenerationConfig(block_size=4, max_new_tokens=5))
+        assert len(after.result(timeout=60).tokens) == 5  # the one slot was free again
+        assert engine.load().running == 0
+
+
+def test_the_engine_needs_its_slots(tiny):
+    runner = BatchRunner.eager(tiny.target, tiny.drafter, slots=2)
+    with pytest.raises(TrtspecError, match="cache slots"):
+        Engine(runner, config=EngineConfig(max_running=3))
+    with pytest.raises(TrtspecError, match="max-running"):
+        EngineConfig(max_running=0)
+    torch.manual_seed(0)
