@@ -61,6 +61,9 @@ def serve(target, drafter, engine, dtype, device, policy, host, port, max_concur
     from trtspec.runtime.engine import EngineConfig
     from trtspec.serving.openai_server import OpenAIServer, serve as run_server
 
+    import prometheus_client
+
+    prometheus_client.disable_created_metrics()  # *_created series: one per label set, noise to a scraper
     config = EngineConfig(max_running=max_concurrency, max_queued=max_queued)
     pipeline = load_pipeline(target, drafter, dtype, device, max_context=max_context, engine=engine, policy=policy)
     if block_size is not None and block_size.size != 1 and not pipeline.has_drafter:
