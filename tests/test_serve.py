@@ -346,6 +346,10 @@ def test_a_disconnect_frees_the_slot(one_slot):
     stream.close()  # the client goes away mid-stream
     key = ("trtspec_request_failure_total", (("reason", "cancelled"),))
     wait_for(lambda: metrics(one_slot).get(key, 0) == before.get(key, 0) + 1, "the cancelled request", 20)
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1500}
+    with pytest.raises(OSError):  # a non-streamed request whose client gives up after a second
+        post(one_slot.url + "/v1/completions", body, timeout=1)
+    wait_for(lambda: metrics(one_slot).get(key, 0) == before.get(key, 0) + 2, "the second cancelled request", 20)
     began = time.monotonic()
     ok = one_slot.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
     assert ok.usage.completion_tokens == 8 and time.monotonic() - began < 20

@@ -295,7 +295,8 @@ def trtspec_extension(stats: DecodeStats | None) -> dict:
     if stats is None:
         return {}
     out = {"block_size": stats.schedule if stats.block_size > 1 else "AR", "block_size_auto": stats.auto,
-           "tau": stats.tau, "histogram": list(stats.histogram), "ceiling_fraction": stats.ceiling_fraction,
+           "tau": stats.tau, "histogram": list(stats.histogram),
+           "ceiling_fraction": stats.ceiling_fraction if stats.block_size > 1 else None,  # AR has no block
            "cycles": stats.cycles, "grown_cycles": stats.grown_cycles, "prefill_s": stats.prefill_s,
            "decode_s": stats.decode_s, "decode_tokens_per_s": stats.decode_tokens_per_s}
     for name in ("queue_s", "ttft_s", "batch_mean"):  # the batched engine's fields
@@ -349,6 +350,10 @@ class OpenAIServer:
         async def http_error(request, exc: HTTPException):
             kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
             return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()
+
+        @app.exception_handler(Exception)
+        async def internal_error(request, exc: Exception):  # a bug: logged by uvicorn, answered in OpenAI's shape
+            return ApiError(500, f"internal error ({type(exc).__name__})", "internal_error").response()
 
         @app.exception_handler(RequestValidationError)
         async def validation_error(request, exc):
