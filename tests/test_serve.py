@@ -427,3 +427,17 @@ def test_metrics_per_position_and_draft_tokens_of_a_growing_block():
     assert 'trtspec_spec_decode_num_drafts_total 8.0' in text
     assert 'trtspec_num_requests_running_by_block_size{block_size="4"} 2.0' in text
     assert 'trtspec_spec_decode_stranded_tau_estimate{block_size="4"}' in text
+
+
+def test_serve_refuses_bad_options_and_a_busy_port_before_loading():
+    import socket
+
+    from helpers import assert_one_line_error, trtspec_in_process
+
+    assert_one_line_error(trtspec_in_process("serve", "--max-concurrency", 0), "--max-concurrency")
+    assert_one_line_error(trtspec_in_process("serve", "--block-size", 99), "--block-size")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_one_line_error(trtspec_in_process("serve", "--port", port), f"cannot listen on 127.0.0.1:{port}")

@@ -58,25 +58,32 @@ def serve(target, drafter, engine, dtype, device, policy, host, port, max_concur
     plus /health and Prometheus /metrics, until Ctrl-C or SIGTERM."""
     from pathlib import Path
 
-    from trtspec.runtime.engine import EngineConfig
-    from trtspec.serving.openai_server import OpenAIServer, serve as run_server
+    try:
+        import prometheus_client
 
-    import prometheus_client
+        from trtspec.serving.openai_server import OpenAIServer, listen_socket, serve as run_server, socket_url
+    except ImportError as exc:
+        raise TrtspecError(f"trtspec serve needs the serve extra (pip install 'trtspec[serve]'): {exc}") from None
+    from trtspec.runtime.engine import EngineConfig
 
     prometheus_client.disable_created_metrics()  # *_created series: one per label set, noise to a scraper
     config = EngineConfig(max_running=max_concurrency, max_queued=max_queued)
-    pipeline = load_pipeline(target, drafter, dtype, device, max_context=max_context, engine=engine, policy=policy)
-    if block_size is not None and block_size.size != 1 and not pipeline.has_drafter:
-        raise TrtspecError("--block-size needs a drafter; give --drafter DIR, or --block-size AR")
-    if served_model_name is None:
-        from trtspec.assets import resolve_target
+    sock = listen_socket(host, port)  # before the model loads: a port in use is refused at once
+    try:
+        pipeline = load_pipeline(target, drafter, dtype, device, max_context=max_context, engine=engine,
+                                 policy=policy)
+        if block_size is not None and block_size.size != 1 and not pipeline.has_drafter:
+            raise TrtspecError("--block-size needs a drafter; give --drafter DIR, or --block-size AR")
+        if served_model_name is None:
+            from trtspec.assets import resolve_target
 
-        source = engine if engine is not None and target is None else resolve_target(target)
-        served_model_name = Path(source).resolve().name
-    server = OpenAIServer(pipeline, config, model_name=served_model_name, block_size=block_size)
-
-    def listening(url: str) -> None:
-        click.echo(f"trtspec serve: {served_model_name} on {url} (OpenAI API at {url}/v1, metrics at {url}/metrics)",
-                   err=True)
-
-    run_server(server, host, port, on_listening=listening, graceful_s=graceful_shutdown)
+            source = engine if engine is not None and target is None else resolve_target(target)
+            served_model_name = Path(source).resolve().name
+        server = OpenAIServer(pipeline, config, model_name=served_model_name, block_size=block_size)
+    except BaseException:
+        sock.close()
+        raise
+    url = socket_url(sock)
+    click.echo(f"trtspec serve: {served_model_name} on {url} (OpenAI API at {url}/v1, metrics at {url}/metrics)",
+               err=True)
+    run_server(server, sock, graceful_s=graceful_shutdown)

@@ -570,10 +570,9 @@ class _Uvicorn(uvicorn.Server):
                 signal.signal(number, handler)
 
 
-def serve(server: OpenAIServer, host: str, port: int, *, on_listening=None, graceful_s: float = 10.0) -> None:
-    """Run uvicorn on host:port (0: any free port) until SIGINT/SIGTERM; `on_listening(url)` is
-    called once the socket is bound. In-flight requests get `graceful_s` seconds to finish, then
-    are cancelled; the engine stops last."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (0: any free port), made before the model loads so that a
+    port in use is refused at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -582,14 +581,21 @@ def serve(server: OpenAIServer, host: str, port: int, *, on_listening=None, grac
     except OSError as exc:
         sock.close()
         raise TrtspecError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    bound = sock.getsockname()[1]
+    return sock
+
+
+def socket_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if sock.family == socket.AF_INET6 else host}:{port}"
+
+
+def serve(server: OpenAIServer, sock: socket.socket, *, graceful_s: float = 10.0) -> None:
+    """Run uvicorn on a bound socket (`listen_socket`) until SIGINT/SIGTERM. In-flight requests get
+    `graceful_s` seconds to finish, then are cancelled; the engine stops last."""
     config = uvicorn.Config(server.app, log_level="warning", access_log=False, timeout_graceful_shutdown=graceful_s,
                             lifespan="on")
-    runner = _Uvicorn(config)
-    if on_listening is not None:
-        on_listening(f"http://{host if family == socket.AF_INET else f'[{host}]'}:{bound}")
     try:
-        runner.run(sockets=[sock])
+        _Uvicorn(config).run(sockets=[sock])
     finally:
         sock.close()
         server.close()
