@@ -120,7 +120,8 @@ def server(tmp_path_factory):
     try:
         yield running
     finally:
-        assert running.stop() == 0, running.output()[-3000:]
+        assert running.stop(signal.SIGINT) == 0, running.output()[-3000:]  # as Ctrl-C: exit 0, no traceback
+        assert "Traceback" not in running.output(), running.output()[-3000:]
 
 
 @pytest.fixture(scope="module")
