@@ -375,14 +375,14 @@ def test_a_full_queue_answers_429_and_the_server_recovers(one_slot):
 
 def test_sigterm_stops_the_server_with_a_request_in_flight(one_slot):
     stream, iterator = _long_stream(one_slot)
-    ended = threading.Event()
+    ended, raised = threading.Event(), []
 
     def drain():
         try:
             for _ in iterator:
                 pass
-        except Exception:  # noqa: BLE001 - the server went away mid-stream: that is the point
-            pass
+        except Exception as exc:  # noqa: BLE001 - the server cancels it: that is the point
+            raised.append(exc)
         ended.set()
 
     threading.Thread(target=drain, daemon=True).start()
@@ -391,6 +391,9 @@ def test_sigterm_stops_the_server_with_a_request_in_flight(one_slot):
     assert time.monotonic() - began < 20  # 2 s of grace, then the request is cancelled
     assert ended.wait(10), "the client's stream did not end"
     stream.close()
+    # the grace period over, the request was cancelled and its stream ended with an error event
+    assert len(raised) == 1 and isinstance(raised[0], openai.APIError) and "shutting down" in str(raised[0])
+    assert "Traceback" not in one_slot.output(), one_slot.output()[-3000:]
 
 
 def test_text_stops_hold_back_a_possible_stop_and_cut_before_it():

@@ -317,6 +317,7 @@ class OpenAIServer:
         self.engine = None
         self.created = int(time.time())
         self.closing = False
+        self._close_lock = threading.Lock()
         self.app = self._make_app()
 
     # -- life cycle ----------------------------------------------------------------------------
@@ -327,9 +328,10 @@ class OpenAIServer:
     def close(self) -> None:
         """Stop the engine: what is still queued or running is cancelled (clients get their error)."""
         self.closing = True
-        if self.engine is not None:
-            self.engine.close(cancel=True)
-            self.engine = None
+        with self._close_lock:
+            if self.engine is not None:
+                self.engine.close(cancel=True)
+                self.engine = None
 
     def _make_app(self) -> FastAPI:
         @asynccontextmanager
@@ -553,9 +555,24 @@ class OpenAIServer:
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, except that after a graceful shutdown on SIGINT/SIGTERM it returns (exit
-    status 0) instead of raising the signal again (which Python turns into a KeyboardInterrupt
-    traceback for SIGINT)."""
+    """uvicorn's server, except that on SIGINT/SIGTERM the front end stops taking requests at once,
+    and when the grace period is over the engine is closed, which cancels what is still running:
+    each of those clients gets its error (a stream: an error event and [DONE]) rather than a cut
+    connection. Afterwards it returns (exit status 0) instead of raising the signal again (which
+    Python turns into a KeyboardInterrupt traceback for SIGINT)."""
+
+    def __init__(self, config: uvicorn.Config, front_end: "OpenAIServer", graceful_s: float):
+        super().__init__(config)
+        self.front_end, self.graceful_s = front_end, graceful_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.front_end.closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.call_later(self.graceful_s, lambda: loop.run_in_executor(None, self.front_end.close))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -592,10 +609,11 @@ def socket_url(sock: socket.socket) -> str:
 def serve(server: OpenAIServer, sock: socket.socket, *, graceful_s: float = 10.0) -> None:
     """Run uvicorn on a bound socket (`listen_socket`) until SIGINT/SIGTERM. In-flight requests get
     `graceful_s` seconds to finish, then are cancelled; the engine stops last."""
-    config = uvicorn.Config(server.app, log_level="warning", access_log=False, timeout_graceful_shutdown=graceful_s,
-                            lifespan="on")
+    # uvicorn's own deadline is a backstop: by then the closed engine has ended every request.
+    config = uvicorn.Config(server.app, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=graceful_s + 10, lifespan="on")
     try:
-        _Uvicorn(config).run(sockets=[sock])
+        _Uvicorn(config, server, graceful_s).run(sockets=[sock])
     finally:
         sock.close()
         server.close()
