@@ -65,26 +65,33 @@ class TextCodec:
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
-            return self.tokenizer.encode(self.apply_chat_template(text), add_special_tokens=False).ids
+            return self.encode_chat([{"role": "user", "content": text}])
         return self.tokenizer.encode(text).ids
+
+    def encode_chat(self, messages: list[dict], label: str = "--chat") -> list[int]:
+        """The ids of a conversation ({role, content} messages) in the chat template, ready for the reply."""
+        return self.tokenizer.encode(self.apply_chat_template(messages, label), add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, user_message: str) -> str:
+    def apply_chat_template(self, messages: str | list[dict], label: str = "--chat") -> str:
+        """The prompt text of one user message, or of a conversation of {role, content} messages."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
         if not self.chat_template:
-            raise TrtspecError("--chat: the target has no chat_template (tokenizer_config.json or chat_template.jinja)")
+            raise TrtspecError(f"{label}: the target has no chat_template (tokenizer_config.json or chat_template.jinja)")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         try:
             text = env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": user_message}], add_generation_prompt=True,
+                messages=messages, add_generation_prompt=True,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except Exception as exc:  # noqa: BLE001 - a template is user code: it may raise anything while rendering
             message = " ".join(str(exc).split()) or type(exc).__name__
-            raise TrtspecError(f"--chat: the target's chat template failed ({type(exc).__name__}: {message})") from None
+            raise TrtspecError(f"{label}: the target's chat template failed ({type(exc).__name__}: {message})") from None
         if not isinstance(text, str):
-            raise TrtspecError("--chat: the target's chat template did not render text")
+            raise TrtspecError(f"{label}: the target's chat template did not render text")
         return text
 
     def stop_id(self, value: str) -> int:

@@ -1,0 +1,447 @@
+"""`trtspec serve` end to end: a real server subprocess on a free loopback port, the bundled demo
+pair, driven by the official `openai` client (and raw HTTP where a client would refuse to send the
+request). Every wait is bounded; servers are stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from helpers import trtspec
+
+openai = pytest.importorskip("openai", reason="the serve tests need the [test] extra (openai)")
+pytest.importorskip("uvicorn", reason="trtspec serve needs the [serve] extra")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+MODEL = "demo-target"
+PROMPT = "def fibonacci(n):\n"
+LONG_PROMPT = "import os\n"  # greedy demo output repeats `import sys` lines: it never stops by itself
+MAX_TOKENS = 24
+
+
+class Server:
+    """`trtspec serve --port 0 ...` in its own session; the URL is read from its first line."""
+
+    def __init__(self, log: Path, *args):
+        self.log = log
+        self.stream = open(log, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "trtspec", "--threads", "1", "serve", "--port", "0", *map(str, args)],
+            stdout=self.stream, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        self.url = None
+        while self.url is None:
+            found = re.search(r"on (http://127\.0\.0\.1:\d+) ", log.read_text(errors="replace"))
+            if found:
+                self.url = found.group(1)
+            elif self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"trtspec serve did not start:\n{self.output()[-3000:]}")
+            else:
+                time.sleep(0.2)
+        while True:
+            try:
+                if get(self.url + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"trtspec serve never became healthy:\n{self.output()[-3000:]}")
+            time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)  # never leave a server behind
+            self.process.wait(10)
+            raise AssertionError(f"trtspec serve did not stop on {sig!r}:\n{self.output()[-3000:]}")
+        finally:
+            self.stream.close()
+
+
+def get(url: str, timeout: float = 30) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def post(url: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def metrics(server: Server) -> dict[tuple[str, tuple], float]:
+    """/metrics parsed by prometheus_client: {(sample name, sorted labels): value}."""
+    status, text = get(server.url + "/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def wait_for(condition, what: str, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The demo pair with 8 slots (block size auto: its bundled BlockPilot policy)."""
+    running = Server(tmp_path_factory.mktemp("serve") / "server.log", "--max-concurrency", 8, "--max-queued", 32)
+    try:
+        yield running
+    finally:
+        assert running.stop(signal.SIGINT) == 0, running.output()[-3000:]  # as Ctrl-C: exit 0, no traceback
+        assert "Traceback" not in running.output(), running.output()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """`trtspec run --json` on the same prompt: the greedy text and tokens the server must reproduce."""
+    prompt = tmp_path_factory.mktemp("prompt") / "prompt.txt"
+    prompt.write_text(PROMPT)
+    result = trtspec("--threads", 1, "run", prompt, "--max-new-tokens", MAX_TOKENS, "--json")
+    assert result.returncode == 0, result.stderr.decode()
+    return json.loads(result.stdout)
+
+
+def test_models_health_and_unknown_route(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert get(server.url + "/health") == (200, '{"status":"ok"}')
+    status, body = get(server.url + "/v1/nothing")
+    assert status == 404 and json.loads(body)["error"]["message"]
+
+
+def test_greedy_completion_equals_trtspec_run(server, reference):
+    response = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    choice = response.choices[0]
+    assert choice.text == reference["text"]
+    assert choice.finish_reason == reference["stats"]["finish_reason"]
+    assert response.usage.prompt_tokens == reference["stats"]["prompt_tokens"]
+    assert response.usage.completion_tokens == len(reference["tokens"]) == reference["stats"]["new_tokens"]
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    extension = response.model_extra["trtspec"]
+    assert extension["block_size_auto"] is True  # the demo drafter's bundled policy chose it
+    assert extension["cycles"] == sum(extension["histogram"]) >= 1
+    assert 1 <= extension["tau"] and 0 <= extension["ceiling_fraction"] <= 1
+
+
+def test_block_size_field_and_token_id_prompt(server, reference):
+    for block in ("8", "12:24", "AR"):
+        response = server.client.completions.create(model=MODEL, prompt=PROMPT,
+                                                    max_tokens=MAX_TOKENS, extra_body={"block_size": block})
+        assert response.choices[0].text == reference["text"], block  # greedy is lossless at any block size
+        extension = response.model_extra["trtspec"]
+        assert extension["block_size"] == block and extension["block_size_auto"] is False
+        assert len(extension["histogram"]) == {"8": 8, "12:24": 24, "AR": 1}[block]
+    ids = server.client.completions.create(model=MODEL, prompt=[[int(t) for t in _encode(PROMPT)]],
+                                           max_tokens=MAX_TOKENS)
+    assert ids.choices[0].text == reference["text"]
+
+
+def _encode(text: str) -> list[int]:
+    from trtspec.assets import resolve_target
+    from trtspec.tokenizer import TextCodec
+
+    return TextCodec(resolve_target(None)).encode(text)
+
+
+def test_streaming_pieces_join_to_the_whole(server, reference):
+    stream = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
+                                              stream_options={"include_usage": True})
+    chunks = list(stream)
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert len([p for p in pieces if p]) > 1 and "".join(pieces) == reference["text"]
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["trtspec"]["cycles"] >= 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reference["tokens"])
+
+    messages = [{"role": "user", "content": PROMPT}]  # the demo template is the messages' text
+    whole = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == reference["text"]
+    assert whole.usage.completion_tokens == len(reference["tokens"])
+    streamed = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                                     stream=True)
+    chunks = list(streamed)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_stop_strings_and_stop_ids(server, reference):
+    text = reference["text"]
+    cut = text.index("(", 1) if "(" in text[1:] else len(text) // 2
+    stop = text[cut:cut + 2]
+    response = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, stop=[stop])
+    assert response.choices[0].text == text[:text.index(stop)] and response.choices[0].finish_reason == "stop"
+    streamed = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, stop=stop,
+                                                stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == response.choices[0].text
+    third = reference["tokens"][2]
+    by_id = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                             extra_body={"stop_token_ids": [third]})
+    assert by_id.usage.completion_tokens == reference["tokens"].index(third) + 1
+    assert by_id.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_streams_with_mixed_block_sizes(server, reference):
+    blocks = ["auto", "AR", "8", "16", "12:24", "6:16", "24", "12"]
+
+    def one(i: int) -> tuple[str, str | None, dict]:
+        stream = server.client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16 + i % 3 * 8, stream=True, temperature=0 if i % 2 else 0.8,
+            seed=i, top_p=0.95, extra_body={"block_size": blocks[i % len(blocks)]})
+        pieces, finish, extension = [], None, {}
+        for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+            if chunk.choices[0].finish_reason:
+                finish, extension = chunk.choices[0].finish_reason, chunk.model_extra["trtspec"]
+        return "".join(pieces), finish, extension
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16), timeout=300))
+    for i, (text, finish, extension) in enumerate(results):
+        assert finish in ("stop", "length") and extension["cycles"] >= 1, i
+        if i % 2 and 16 + i % 3 * 8 == MAX_TOKENS:  # greedy, same length as the reference
+            assert text == reference["text"], i
+
+
+BAD_REQUESTS = [  # (route, body, status, the field named)
+    ("completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("completions", {"prompt": "x"}, 400, "model"),
+    ("completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("completions", {"model": MODEL, "prompt": "x", "seed": -3}, 400, "seed"),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("completions", {"model": MODEL, "prompt": "x", "block_size": "65"}, 400, "block_size"),
+    ("completions", {"model": MODEL, "prompt": "x", "block_size": "16:8"}, 400, "block_size"),
+    ("completions", {"model": MODEL, "prompt": "x", "block_size": "huge"}, 400, "block_size"),
+    ("completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+    ("completions", {"model": MODEL, "prompt": "x", "stop": {"a": 1}}, 400, "stop"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, 400, "messages"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages"),
+]
+
+
+def test_every_bad_request_gets_its_error_and_the_server_keeps_serving(server):
+    for route, body, status, param in BAD_REQUESTS:
+        code, answer = post(f"{server.url}/v1/{route}", body)
+        assert code == status, (body, answer)
+        assert answer["error"]["param"] == param and answer["error"]["message"], (body, answer)
+        ok = server.client.completions.create(model=MODEL, prompt="x = ", max_tokens=2)
+        assert ok.choices[0].finish_reason in ("stop", "length")
+    code, answer = post(f"{server.url}/v1/completions", b"{not json")
+    assert code == 400 and "JSON" in answer["error"]["message"]
+    long_prompt = "x = 1\n" * 1500  # more tokens than the demo target's context
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        server.client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        server.client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    assert server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+
+
+def test_metrics_parse_and_agree_with_the_responses(server):
+    before = metrics(server)
+    served = []
+    for block, temperature in (("8", 0.0), ("12:24", 0.0), ("AR", 0.0), ("auto", 0.7), ("16", 0.7)):
+        response = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, seed=5,
+                                                    temperature=temperature, extra_body={"block_size": block})
+        served.append((response, response.model_extra["trtspec"]))
+    after = metrics(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    spec = [e for _, e in served if e["block_size"] != "AR"]
+    histograms = [e["histogram"] for e in spec]
+    assert delta("trtspec_spec_decode_num_drafts_total") == sum(map(sum, histograms))
+    assert delta("trtspec_spec_decode_num_accepted_tokens_total") == sum(
+        a * n for h in histograms for a, n in enumerate(h))
+    for position in range(23):
+        assert delta("trtspec_spec_decode_num_accepted_tokens_per_pos_total", position=str(position)) == sum(
+            sum(h[position + 1:]) for h in histograms)
+    def drafts(e):  # B-1 per cycle at B, G-1 per grown cycle at G
+        size, _, grown = e["block_size"].partition(":")
+        return (e["cycles"] - e["grown_cycles"]) * (int(size) - 1) + e["grown_cycles"] * (int(grown or 1) - 1)
+
+    assert delta("trtspec_spec_decode_num_draft_tokens_total") == sum(map(drafts, spec))
+    for e in spec:
+        if ":" not in e["block_size"] and [o["block_size"] for o in spec].count(e["block_size"]) == 1:
+            assert delta("trtspec_spec_decode_ceiling_cycles_total", block_size=e["block_size"]) == e["histogram"][-1]
+    ar = next(e for _, e in served if e["block_size"] == "AR")
+    assert delta("trtspec_spec_decode_cycles_total", block_size="1") == ar["cycles"]
+    assert delta("trtspec_blockpilot_choices_total", block_size=served[3][1]["block_size"]) == 1
+    assert delta("trtspec_generation_tokens_total") == sum(r.usage.completion_tokens for r, _ in served)
+    assert delta("trtspec_prompt_tokens_total") == sum(r.usage.prompt_tokens for r, _ in served)
+    assert sum(delta("trtspec_request_success_total", finished_reason=f) for f in ("stop", "length")) == 5
+    assert delta("trtspec_time_to_first_token_seconds_count") == 5
+    assert delta("trtspec_e2e_request_latency_seconds_count") == 5
+    assert after[("trtspec_spec_decode_stranded_tau_estimate", (("block_size", "8"),))] >= \
+        after[("trtspec_spec_decode_tau", (("block_size", "8"),))] >= 1
+    assert after[("trtspec_num_requests_running", ())] == 0 and after[("trtspec_num_requests_waiting", ())] == 0
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory):
+    """A server with one slot and one queue place: the queue fills at three requests."""
+    running = Server(tmp_path_factory.mktemp("serve1") / "server.log", "--max-concurrency", 1, "--max-queued", 1,
+                     "--block-size", "AR", "--graceful-shutdown", 2)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _long_stream(server: Server):
+    """A streaming request that would run for a long time (AR, 1500 tokens): its first chunk has arrived."""
+    stream = server.client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1500, stream=True)
+    iterator = iter(stream)
+    next(iterator)
+    return stream, iterator
+
+
+def test_a_disconnect_frees_the_slot(one_slot):
+    before = metrics(one_slot)
+    stream, _ = _long_stream(one_slot)
+    stream.close()  # the client goes away mid-stream
+    key = ("trtspec_request_failure_total", (("reason", "cancelled"),))
+    wait_for(lambda: metrics(one_slot).get(key, 0) == before.get(key, 0) + 1, "the cancelled request", 20)
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1500}
+    with pytest.raises(OSError):  # a non-streamed request whose client gives up after a second
+        post(one_slot.url + "/v1/completions", body, timeout=1)
+    wait_for(lambda: metrics(one_slot).get(key, 0) == before.get(key, 0) + 2, "the second cancelled request", 20)
+    began = time.monotonic()
+    ok = one_slot.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
+    assert ok.usage.completion_tokens == 8 and time.monotonic() - began < 20
+
+
+def test_a_full_queue_answers_429_and_the_server_recovers(one_slot):
+    running, _ = _long_stream(one_slot)
+    waiting = one_slot.client.completions.with_raw_response.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1500,
+                                                                   stream=True)
+    try:
+        wait_for(lambda: metrics(one_slot)[("trtspec_num_requests_waiting", ())] == 1, "the queued request")
+        with pytest.raises(openai.RateLimitError) as error:
+            one_slot.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        assert error.value.status_code == 429 and "queue" in error.value.message
+    finally:
+        running.close()
+        waiting.http_response.close()
+    wait_for(lambda: metrics(one_slot)[("trtspec_num_requests_running", ())] == 0
+             and metrics(one_slot)[("trtspec_num_requests_waiting", ())] == 0, "both to be cancelled", 30)
+    assert one_slot.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+
+
+def test_sigterm_stops_the_server_with_a_request_in_flight(one_slot):
+    stream, iterator = _long_stream(one_slot)
+    ended, raised = threading.Event(), []
+
+    def drain():
+        try:
+            for _ in iterator:
+                pass
+        except Exception as exc:  # noqa: BLE001 - the server cancels it: that is the point
+            raised.append(exc)
+        ended.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    began = time.monotonic()
+    assert one_slot.stop(signal.SIGTERM, timeout=30) == 0, one_slot.output()[-3000:]
+    assert time.monotonic() - began < 20  # 2 s of grace, then the request is cancelled
+    assert ended.wait(10), "the client's stream did not end"
+    stream.close()
+    # the grace period over, the request was cancelled and its stream ended with an error event
+    assert len(raised) == 1 and isinstance(raised[0], openai.APIError) and "shutting down" in str(raised[0])
+    assert "Traceback" not in one_slot.output(), one_slot.output()[-3000:]
+
+
+def test_text_stops_hold_back_a_possible_stop_and_cut_before_it():
+    from trtspec.assets import resolve_target
+    from trtspec.serving.openai_server import TextStops
+    from trtspec.tokenizer import TextCodec
+
+    codec = TextCodec(resolve_target(None))
+    text = "def add(a, b):\n    return a + b\n"
+    ids = codec.encode(text)
+    for stop, expected in (("return", "def add(a, b):\n    "), (" + b\n", "def add(a, b):\n    return a"),
+                           ("missing", text)):
+        stops = TextStops(codec, (stop,))
+        pieces = [stops.push([token]) for token in ids]
+        pieces.append(stops.finish(ids))
+        assert "".join(pieces) == expected, stop
+        assert all(stop not in "".join(pieces[:i]) for i in range(len(pieces)))
+        assert stops.stopped == (stop != "missing")
+
+
+def test_metrics_per_position_and_draft_tokens_of_a_growing_block():
+    from trtspec.runtime.stats import DecodeStats
+    from trtspec.serving.metrics import ServingMetrics, accepted_per_position, draft_tokens
+
+    assert accepted_per_position([2, 1, 0, 3]) == [4, 3, 3]  # position p: cycles accepting > p drafts
+    grown = DecodeStats(block_size=4, grow_to=8, histogram=[1, 0, 0, 2, 0, 0, 0, 1], grown_cycles=1, ceilings=2)
+    assert draft_tokens(grown) == 3 * 3 + 1 * 7
+    assert draft_tokens(DecodeStats(block_size=1, histogram=[5])) == 0
+    served = ServingMetrics()
+    served.observe_finished(grown, latency_s=0.5, ttft_s=0.1)
+    served.observe_finished(DecodeStats(block_size=4, histogram=[0, 1, 0, 3], finish_reason="length"), latency_s=1)
+    served.observe_load(2, 3, (4, 4, 8))
+    text = served.render().decode()
+    assert 'trtspec_spec_decode_ceiling_cycles_total{block_size="4:8"} 2.0' in text
+    assert 'trtspec_spec_decode_num_drafts_total 8.0' in text
+    assert 'trtspec_num_requests_running_by_block_size{block_size="4"} 2.0' in text
+    assert 'trtspec_spec_decode_stranded_tau_estimate{block_size="4"}' in text
+
+
+def test_serve_refuses_bad_options_and_a_busy_port_before_loading():
+    import socket
+
+    from helpers import assert_one_line_error, trtspec_in_process
+
+    assert_one_line_error(trtspec_in_process("serve", "--max-concurrency", 0), "--max-concurrency")
+    assert_one_line_error(trtspec_in_process("serve", "--block-size", 99), "--block-size")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_one_line_error(trtspec_in_process("serve", "--port", port), f"cannot listen on 127.0.0.1:{port}")

@@ -1,0 +1,89 @@
+"""`trtspec serve`: the OpenAI-compatible HTTP server (trtspec.serving.openai_server)."""
+
+from __future__ import annotations
+
+import click
+
+from trtspec import limits
+from trtspec.commands.options import BlockSizeType, Ranged, load_pipeline, model_options, policy_option
+from trtspec.errors import TrtspecError
+
+
+class ServeBlockSizeType(BlockSizeType):
+    """Like --block-size elsewhere, plus AR (or 1): serve with the target alone by default."""
+
+    def convert(self, value, param, ctx):
+        from trtspec.runtime.schedule import BlockChoice
+
+        if isinstance(value, str) and value.strip() in ("AR", "1"):
+            return BlockChoice(1)
+        return super().convert(value, param, ctx)
+
+
+@click.command(epilog="""\b
+Examples:
+  trtspec serve                                     # bundled demo pair on http://127.0.0.1:8000
+  trtspec --threads 2 serve --port 8080 --max-concurrency 4
+  trtspec serve --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16 --served-model-name qwen3-4b
+  trtspec serve --engine build/engine --block-size 12:24
+  curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "demo-target", "prompt": "def fib(n):", "max_tokens": 32}'
+  curl -s http://127.0.0.1:8000/metrics | grep spec_decode
+\b
+Requests take OpenAI's fields (max_tokens, temperature [default 0: greedy], top_p, top_k, seed,
+stop, stream, stream_options) plus block_size ("16", "6:16", "auto", "AR"); every response
+carries a "trtspec" object with the block size run, tau, histogram and ceiling fraction.
+""")
+@model_options
+@policy_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Listen address (loopback by default).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Listen port (0: any free port; the URL is printed).")
+@click.option("--max-concurrency", type=Ranged(limits.COUNT), default=8, show_default=True, metavar="N",
+              help="Requests decoded together (the engine's slots).")
+@click.option("--max-queued", type=Ranged(limits.COUNT), default=64, show_default=True, metavar="N",
+              help="Requests waiting for a slot; beyond this a request gets HTTP 429.")
+@click.option("--block-size", type=ServeBlockSizeType(),
+              help="Default block size of requests without a block_size field: B, B:G, auto or AR. "
+                   "[default: auto with a policy, else the drafter's]")
+@click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N",
+              help="Cap on prompt + output tokens. [default: the model's]")
+@click.option("--served-model-name", metavar="NAME",
+              help="The model name clients give. [default: the target's directory name]")
+@click.option("--graceful-shutdown", type=Ranged(limits.NON_NEGATIVE_REAL), default=10.0, show_default=True,
+              metavar="S", help="On SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled.")
+def serve(target, drafter, engine, dtype, device, policy, host, port, max_concurrency, max_queued, block_size,
+          max_context, served_model_name, graceful_shutdown) -> None:
+    """Serve the model over HTTP with OpenAI's API (completions, chat completions, streaming),
+    plus /health and Prometheus /metrics, until Ctrl-C or SIGTERM."""
+    from pathlib import Path
+
+    try:
+        import prometheus_client
+
+        from trtspec.serving.openai_server import OpenAIServer, listen_socket, serve as run_server, socket_url
+    except ImportError as exc:
+        raise TrtspecError(f"trtspec serve needs the serve extra (pip install 'trtspec[serve]'): {exc}") from None
+    from trtspec.runtime.engine import EngineConfig
+
+    prometheus_client.disable_created_metrics()  # *_created series: one per label set, noise to a scraper
+    config = EngineConfig(max_running=max_concurrency, max_queued=max_queued)
+    sock = listen_socket(host, port)  # before the model loads: a port in use is refused at once
+    try:
+        pipeline = load_pipeline(target, drafter, dtype, device, max_context=max_context, engine=engine,
+                                 policy=policy)
+        if block_size is not None and block_size.size != 1 and not pipeline.has_drafter:
+            raise TrtspecError("--block-size needs a drafter; give --drafter DIR, or --block-size AR")
+        if served_model_name is None:
+            from trtspec.assets import resolve_target
+
+            source = engine if engine is not None and target is None else resolve_target(target)
+            served_model_name = Path(source).resolve().name
+        server = OpenAIServer(pipeline, config, model_name=served_model_name, block_size=block_size)
+    except BaseException:
+        sock.close()
+        raise
+    url = socket_url(sock)
+    click.echo(f"trtspec serve: {served_model_name} on {url} (OpenAI API at {url}/v1, metrics at {url}/metrics)",
+               err=True)
+    run_server(server, sock, graceful_s=graceful_shutdown)

@@ -1,0 +1,619 @@
+"""`trtspec serve`: an OpenAI-compatible HTTP front end over the batched engine.
+
+A front end only translates and streams: a request body is checked field by field at the door
+(`parse_request`), becomes prompt ids and a `GenerationConfig`, and is submitted to the engine;
+the engine's thread hands each cycle's committed tokens to the event loop (`_Bridge`), where they
+are detokenized, cut at stop strings (`TextStops`) and sent as one response or as server-sent
+events in OpenAI's chunk format. Every response carries a `trtspec` object (block size and
+whether BlockPilot chose it, tau, histogram, ceiling fraction). `/metrics` is
+`trtspec.serving.metrics` in Prometheus' text format.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+Errors use OpenAI's JSON shape: 400 bad request, 404 unknown model or route, 429 queue full,
+503 shutting down. A client that disconnects cancels its request, which frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from trtspec import limits
+from trtspec.errors import Cancelled, TrtspecError
+from trtspec.runtime.decode import GenerationConfig
+from trtspec.runtime.engine import Busy
+from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.stats import DecodeStats
+from trtspec.serving.metrics import CONTENT_TYPE, ServingMetrics
+
+MAX_STOPS = 16  # stop strings and stop token ids per request
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=headers)
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclass
+class ParsedRequest:
+    """A request body after the door: what to submit and how to answer."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    stops: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    chat: bool = False
+
+
+# Fields of OpenAI's API that this server does not implement: refused unless given their default.
+_UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+                "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                "logit_bias": (None, {}), "tools": (None, []), "functions": (None, [])}
+
+
+def _number(body: dict, name: str, limit: limits.Limit, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not limit.integer and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    try:
+        return limit.check(value, name)
+    except TrtspecError as exc:
+        raise _bad(str(exc), name) from None
+
+
+def _prompt_ids(body: dict, codec) -> list[int]:
+    """`prompt`: a string, or token ids, or a list holding exactly one of them."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = codec.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab = codec.tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise _bad(f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise _bad("prompt: one prompt per request (a list of several prompts is not supported)", "prompt")
+    else:
+        raise _bad("prompt must be a string or a list of token ids", "prompt")
+    if not ids:
+        raise _bad("the prompt is empty", "prompt")
+    return ids
+
+
+def _chat_ids(body: dict, codec) -> list[int]:
+    """`messages`: [{role, content}], content a string or a list of {"type": "text", "text"} parts."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list of {role, content} objects", "messages")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _bad(f"messages[{i}] must be an object with a string role", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        plain.append({"role": message["role"], "content": content})
+    try:
+        ids = codec.encode_chat(plain, label="chat")
+    except TrtspecError as exc:
+        raise _bad(str(exc), "messages") from None
+    if not ids:
+        raise _bad("the chat prompt is empty", "messages")
+    return ids
+
+
+def _stops(body: dict, codec) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """`stop`: a string or a list of strings and token ids; `stop_token_ids`: token ids (vLLM's field).
+    Text stops are matched in the text (and a stop that is exactly one token also stops the engine)."""
+    stop = body.get("stop")
+    items = [] if stop is None else [stop] if isinstance(stop, (str, int)) else stop
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(items, list) or not isinstance(ids, list):
+        raise _bad("stop must be a string or a list of strings and token ids", "stop")
+    texts, tokens = [], []
+    vocab = codec.tokenizer.get_vocab_size(with_added_tokens=True)
+    for name, values in (("stop", items), ("stop_token_ids", ids)):
+        for value in values:
+            if isinstance(value, str) and name == "stop":
+                if not value:
+                    raise _bad("stop strings must not be empty", name)
+                texts.append(value)
+                single = codec.tokenizer.encode(value, add_special_tokens=False).ids
+                if len(single) == 1 and codec.decode(single) == value:
+                    tokens.append(single[0])
+            elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab:
+                tokens.append(value)
+            else:
+                raise _bad(f"{name}: {value!r} is neither a stop string nor a token id in 0..{vocab - 1}", name)
+    if len(texts) + len(tokens) > 2 * MAX_STOPS:
+        raise _bad(f"at most {MAX_STOPS} stops per request", "stop")
+    return tuple(dict.fromkeys(texts)), tuple(dict.fromkeys(tokens))
+
+
+def parse_request(body, codec, default_block: BlockChoice, chat: bool) -> ParsedRequest:
+    """Check a completions / chat completions body field by field; ApiError(400) names the field."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    for name, allowed in _UNSUPPORTED.items():
+        if body.get(name, None) not in allowed:
+            raise _bad(f"{name} is not supported by trtspec serve", name)
+    n = body.get("n")
+    if n not in (None, 1):
+        raise _bad("n must be 1 (one choice per request)", "n")
+    ids = _chat_ids(body, codec) if chat else _prompt_ids(body, codec)
+    default_tokens = limits.MAX_NEW_TOKENS.high if chat else 16  # OpenAI's defaults: the context, and 16
+    max_tokens = body.get("max_completion_tokens") if chat and body.get("max_tokens") is None else body.get("max_tokens")
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", limits.MAX_NEW_TOKENS, default_tokens)
+    sampling = SamplingConfig(
+        temperature=_number(body, "temperature", limits.TEMPERATURE, 0.0),
+        top_k=_number(body, "top_k", limits.TOP_K, 0) if body.get("top_k") != -1 else 0,  # -1: vLLM's "off"
+        top_p=_number(body, "top_p", limits.TOP_P, 1.0),
+        seed=_number(body, "seed", limits.SEED, None))
+    block = default_block
+    if body.get("block_size") is not None:
+        try:
+            block = BlockChoice.parse(body["block_size"], allow_ar=True, label="block_size")
+        except TrtspecError as exc:
+            raise _bad(str(exc), "block_size") from None
+    texts, stop_ids = _stops(body, codec)
+    try:
+        config = GenerationConfig(block_size=block.size, grow_to=block.grow_to, max_new_tokens=max_tokens,
+                                  stop_ids=stop_ids, sampling=sampling)
+    except TrtspecError as exc:
+        raise _bad(str(exc), "block_size") from None
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise _bad("stream_options is an object, and only with stream: true", "stream_options")
+    return ParsedRequest(ids, config, texts, stream, bool((options or {}).get("include_usage")), chat)
+
+
+class TextStops:
+    """Token ids in, text out: incremental detokenization, cut before the first stop string.
+
+    Text that could still be the beginning of a stop string is held back until it cannot."""
+
+    def __init__(self, codec, stops: tuple[str, ...]):
+        self.codec, self.stops = codec, stops
+        self.decoder = codec.streamer()
+        self.text = ""       # all decoded text so far (until a stop: then the text before it)
+        self.sent = 0        # characters of `text` handed out
+        self.tokens: list[int] = []
+        self.stopped = False
+
+    def push(self, tokens: list[int]) -> str:
+        """The text that can be sent after these tokens ('' when none); stops at a stop string."""
+        for token in tokens:
+            if self.stopped:
+                break
+            self.tokens.append(token)
+            piece = self.decoder.step(self.codec.tokenizer, token)
+            if piece:
+                self._extend(piece)
+        return self._take(final=False)
+
+    def finish(self, tokens: list[int]) -> str:
+        """The rest once the request has ended (`tokens`: all it committed)."""
+        if not self.stopped:
+            whole = self.codec.decode(tokens)
+            if whole.startswith(self.text) and len(whole) > len(self.text):  # bytes the decoder held back
+                self._extend(whole[len(self.text):])
+            self.tokens = list(tokens)
+        return self._take(final=True)
+
+    def _extend(self, piece: str) -> None:
+        start = max(0, len(self.text) - max(map(len, self.stops), default=0))
+        self.text += piece
+        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if found:
+            self.text, self.stopped = self.text[:min(found)], True
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and not self.stopped:
+            for stop in self.stops:  # hold back a tail that may begin a stop string
+                for k in range(min(len(stop) - 1, end), 0, -1):
+                    if self.text.endswith(stop[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return piece
+
+
+class _Bridge:
+    """Carries a request's committed tokens from the engine thread to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def _put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def on_commit(self, tokens: list[int]) -> None:
+        self._put(list(tokens))
+
+    def on_finish(self, request) -> None:
+        self._put(None)
+
+
+@dataclass
+class _Outcome:
+    text_parts: list[str] = field(default_factory=list)
+    finish_reason: str = "stop"
+    completion_tokens: int = 0
+    stats: DecodeStats | None = None
+
+
+def trtspec_extension(stats: DecodeStats | None) -> dict:
+    """The `trtspec` object of a response: the block size actually run and its acceptance statistics."""
+    if stats is None:
+        return {}
+    out = {"block_size": stats.schedule if stats.block_size > 1 else "AR", "block_size_auto": stats.auto,
+           "tau": stats.tau, "histogram": list(stats.histogram),
+           "ceiling_fraction": stats.ceiling_fraction if stats.block_size > 1 else None,  # AR has no block
+           "cycles": stats.cycles, "grown_cycles": stats.grown_cycles, "prefill_s": stats.prefill_s,
+           "decode_s": stats.decode_s, "decode_tokens_per_s": stats.decode_tokens_per_s}
+    for name in ("queue_s", "ttft_s", "batch_mean"):  # the batched engine's fields
+        if getattr(stats, name, None) is not None:
+            out[name] = getattr(stats, name)
+    return out
+
+
+class OpenAIServer:
+    """The ASGI app over one pipeline and its engine. `app` is what uvicorn serves."""
+
+    def __init__(self, pipeline, engine_config, *, model_name: str, block_size: BlockChoice | None = None,
+                 metrics: ServingMetrics | None = None):
+        self.pipeline, self.codec, self.engine_config = pipeline, pipeline.codec, engine_config
+        self.model_name = model_name
+        self.default_block = block_size or BlockChoice(pipeline.default_block_size)
+        self.metrics = metrics or ServingMetrics()
+        self.engine = None
+        self.created = int(time.time())
+        self.closing = False
+        self._close_lock = threading.Lock()
+        self.app = self._make_app()
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.engine is None:
+            self.engine = self.pipeline.engine(self.engine_config)
+
+    def close(self) -> None:
+        """Stop the engine: what is still queued or running is cancelled (clients get their error)."""
+        self.closing = True
+        with self._close_lock:
+            if self.engine is not None:
+                self.engine.close(cancel=True)
+                self.engine = None
+
+    def _make_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app):
+            self.start()
+            try:
+                yield
+            finally:
+                await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+        app = FastAPI(title="trtspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(ApiError)
+        async def api_error(request, exc: ApiError):
+            return exc.response()
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request, exc: HTTPException):
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()
+
+        @app.exception_handler(Exception)
+        async def internal_error(request, exc: Exception):  # a bug: logged by uvicorn, answered in OpenAI's shape
+            return ApiError(500, f"internal error ({type(exc).__name__})", "internal_error").response()
+
+        @app.exception_handler(RequestValidationError)
+        async def validation_error(request, exc):
+            return _bad(str(exc)).response()
+
+        @app.get("/health")
+        async def health():
+            if self.closing or self.engine is None:
+                raise ApiError(503, "the server is shutting down", "service_unavailable")
+            return {"status": "ok"}
+
+        @app.get("/metrics")
+        async def metrics():
+            if self.engine is not None:
+                load = self.engine.load()
+                self.metrics.observe_load(load.queued, load.running, load.block_sizes)
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{name:path}")
+        async def model(name: str):
+            self._check_model(name)
+            return self._model_card()
+
+        @app.post("/v1/completions")
+        async def completions(request: HttpRequest):
+            return await self._handle(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: HttpRequest):
+            return await self._handle(request, chat=True)
+
+        return app
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtspec"}
+
+    def _check_model(self, name) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"The model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # -- requests ------------------------------------------------------------------------------
+    async def _handle(self, http: HttpRequest, chat: bool):
+        try:
+            body = json.loads(await http.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _bad(f"the request body is not valid JSON ({exc})") from None
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            raise _bad("model must be given, as a string", "model")
+        self._check_model(body["model"])
+        parsed = parse_request(body, self.codec, self.default_block, chat)
+        if self.closing or self.engine is None:
+            raise ApiError(503, "the server is shutting down", "service_unavailable")
+        bridge = _Bridge(asyncio.get_running_loop())
+        try:
+            handle = self.engine.submit(parsed.prompt_ids, parsed.config, bridge.on_commit, bridge.on_finish)
+        except TrtspecError as exc:
+            if isinstance(exc, Busy):
+                self.metrics.observe_failed("rejected")
+                raise ApiError(429, str(exc), "rate_limit_exceeded", code="queue_full") from None
+            raise _bad(str(exc)) from None
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if parsed.stream:
+            return StreamingResponse(self._stream(http, parsed, handle, bridge, ident),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._complete(http, parsed, handle, bridge, ident)
+
+    async def _events(self, parsed: ParsedRequest, handle, bridge: _Bridge, outcome: _Outcome):
+        """Text pieces as the engine commits tokens; `outcome` is filled in at the end. Cancels the
+        request when it stops at a stop string, or when the consumer goes away."""
+        stops = TextStops(self.codec, parsed.stops)
+        finished = False
+        try:
+            while True:
+                tokens = await bridge.queue.get()
+                if tokens is None:
+                    break
+                piece = stops.push(tokens)
+                if piece:
+                    yield piece
+                if stops.stopped:
+                    handle.cancel()  # a stop string: the rest is not wanted
+                    break
+            finished = True
+        finally:
+            if not finished:
+                handle.cancel()
+                self.metrics.observe_failed("cancelled")
+        if stops.stopped:
+            outcome.finish_reason, outcome.stats = "stop", handle.stats
+            outcome.completion_tokens = len(stops.tokens)
+            self._observe(handle, outcome, parsed)
+            return
+        try:
+            generation = handle.result(timeout=0)  # done: on_finish came last
+        except Cancelled:
+            self.metrics.observe_failed("cancelled")
+            raise ApiError(503, "the request was cancelled (the server is shutting down)", "service_unavailable")
+        except TrtspecError as exc:
+            self.metrics.observe_failed("error")
+            raise _bad(str(exc)) from None
+        except Exception:
+            self.metrics.observe_failed("error")
+            raise
+        piece = stops.finish(generation.tokens)
+        if piece:
+            yield piece
+        outcome.stats = generation.stats
+        outcome.finish_reason = "stop" if stops.stopped else (generation.stats.finish_reason or "stop")
+        outcome.completion_tokens = len(stops.tokens)
+        self._observe(handle, outcome, parsed)
+
+    def _observe(self, handle, outcome: _Outcome, parsed: ParsedRequest) -> None:
+        stats = outcome.stats
+        if stats is None:  # cut at a stop string before the engine reported: count the request, no cycles
+            stats = DecodeStats(block_size=1, prompt_tokens=len(parsed.prompt_ids),
+                                new_tokens=outcome.completion_tokens)
+        now = time.perf_counter()
+        ttft = handle.first_token_at - handle.submitted if handle.first_token_at is not None else None
+        if outcome.finish_reason != stats.finish_reason:
+            from dataclasses import replace
+            stats = replace(stats, finish_reason=outcome.finish_reason)
+        self.metrics.observe_finished(stats, latency_s=now - handle.submitted, ttft_s=ttft,
+                                      queue_s=getattr(stats, "queue_s", None))
+
+    def _usage(self, parsed: ParsedRequest, outcome: _Outcome) -> dict:
+        prompt = len(parsed.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": outcome.completion_tokens,
+                "total_tokens": prompt + outcome.completion_tokens}
+
+    async def _complete(self, http: HttpRequest, parsed: ParsedRequest, handle, bridge: _Bridge, ident: str):
+        outcome = _Outcome()
+
+        async def collect():
+            async for piece in self._events(parsed, handle, bridge, outcome):
+                outcome.text_parts.append(piece)
+
+        async def disconnected():
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, watch):
+                if not task.done():
+                    task.cancel()
+        if not work.done() or work.cancelled():
+            await asyncio.gather(work, return_exceptions=True)  # its cleanup cancels the engine request
+            return Response(status_code=499)  # nobody is listening
+        work.result()  # raises the request's ApiError
+        text = "".join(outcome.text_parts)
+        choice = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if parsed.chat else {"text": text})
+        return {"id": ident, "object": "chat.completion" if parsed.chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": [choice],
+                "usage": self._usage(parsed, outcome), "trtspec": trtspec_extension(outcome.stats)}
+
+    async def _stream(self, http: HttpRequest, parsed: ParsedRequest, handle, bridge: _Bridge, ident: str):
+        created, outcome = int(time.time()), _Outcome()
+        kind = "chat.completion.chunk" if parsed.chat else "text_completion"
+
+        def chunk(piece: str | None, finish: str | None = None, **extra) -> str:
+            if parsed.chat:
+                delta = {} if piece is None else {"content": piece}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+            body = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [choice],
+                    **extra}
+            if parsed.include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body)}\n\n"
+
+        if parsed.chat:
+            first = json.loads(chunk("")[6:])
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            yield f"data: {json.dumps(first)}\n\n"
+        try:
+            async for piece in self._events(parsed, handle, bridge, outcome):
+                yield chunk(piece)
+        except ApiError as exc:  # the status line is sent: report the error as an event, as OpenAI does
+            yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind, 'code': exc.code}})}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        yield chunk(None, outcome.finish_reason, trtspec=trtspec_extension(outcome.stats))
+        if parsed.include_usage:
+            usage = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [],
+                     "usage": self._usage(parsed, outcome)}
+            yield f"data: {json.dumps(usage)}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, except that on SIGINT/SIGTERM the front end stops taking requests at once,
+    and when the grace period is over the engine is closed, which cancels what is still running:
+    each of those clients gets its error (a stream: an error event and [DONE]) rather than a cut
+    connection. Afterwards it returns (exit status 0) instead of raising the signal again (which
+    Python turns into a KeyboardInterrupt traceback for SIGINT)."""
+
+    def __init__(self, config: uvicorn.Config, front_end: "OpenAIServer", graceful_s: float):
+        super().__init__(config)
+        self.front_end, self.graceful_s = front_end, graceful_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.front_end.closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.call_later(self.graceful_s, lambda: loop.run_in_executor(None, self.front_end.close))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {number: signal.signal(number, self.handle_exit) for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for number, handler in original.items():
+                signal.signal(number, handler)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (0: any free port), made before the model loads so that a
+    port in use is refused at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise TrtspecError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def socket_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if sock.family == socket.AF_INET6 else host}:{port}"
+
+
+def serve(server: OpenAIServer, sock: socket.socket, *, graceful_s: float = 10.0) -> None:
+    """Run uvicorn on a bound socket (`listen_socket`) until SIGINT/SIGTERM. In-flight requests get
+    `graceful_s` seconds to finish, then are cancelled; the engine stops last."""
+    # uvicorn's own deadline is a backstop: by then the closed engine has ended every request.
+    config = uvicorn.Config(server.app, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=graceful_s + 10, lifespan="on")
+    try:
+        _Uvicorn(config, server, graceful_s).run(sockets=[sock])
+    finally:
+        sock.close()
+        server.close()
