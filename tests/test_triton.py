@@ -74,7 +74,7 @@ def server(long_engine_dir, tmp_path_factory):
     process = subprocess.Popen([sys.executable, "-m", "trtspec", "triton-serve", repo, "--http-port", str(http_port),
                                 "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    client = http.InferenceServerClient(f"127.0.0.1:{http_port}", concurrency=8)
+    client = http.InferenceServerClient(f"127.0.0.1:{http_port}")
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -87,6 +87,7 @@ def server(long_engine_dir, tmp_path_factory):
                 raise AssertionError("tritonserver did not become ready:\n" +
                                      (repo.parent / "server.log").read_text(errors="replace")[-3000:])
             time.sleep(0.5)
+        client.close()  # an open connection would hold the server's shutdown for its 30 s exit timeout
         yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "process": process,
                "engine": long_engine_dir}
     finally:
