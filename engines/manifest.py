@@ -18,12 +18,12 @@ from pathlib import Path
 
 from trtspec.device import MODEL_DTYPES
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec, graph_specs
+from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, GraphSpec, graph_specs
 from trtspec.fileio import MARKER
 from trtspec.models.config import DFlashConfig, Qwen3Config
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: batched step graphs (batch and slot axes)
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
@@ -54,6 +54,7 @@ class Manifest:
     dtype: str
     max_context: int
     block_sizes: list[int]
+    max_batch: int                     # requests one call may batch (the TensorRT profiles' batch axis)
     profiles: dict[str, list]          # graph -> ordered profile keys ("prefill", 1, B, ...)
     target_config: dict
     drafter_config: dict               # z-lab layout
@@ -124,7 +125,7 @@ def validate_fields(data: dict, path: Path) -> None:
         return TrtspecError(f"{path}: field {field_name} must be {expected}, got {data.get(field_name)!r:.80}; "
                             "the manifest is damaged or edited: rebuild the engine")
 
-    for name in ("backend", "dtype", "max_context", "block_sizes", "profiles", "target_config", "drafter_config",
+    for name in ("backend", "dtype", "max_context", "block_sizes", "max_batch", "profiles", "target_config", "drafter_config",
                  "sources", "artifacts", "graphs"):
         if name not in data:
             raise TrtspecError(f"{path}: field {name} is missing; rebuild the engine")
@@ -134,6 +135,8 @@ def validate_fields(data: dict, path: Path) -> None:
         raise bad("dtype", "one of " + ", ".join(DTYPES))
     if not _is_int(data["max_context"], 2):
         raise bad("max_context", "an integer >= 2")
+    if not _is_int(data["max_batch"], 1) or data["max_batch"] > MAX_BATCH:
+        raise bad("max_batch", f"an integer in [1, {MAX_BATCH}]")
     sizes = data["block_sizes"]
     if (not isinstance(sizes, list) or not sizes or not all(_is_int(b, 2) and b <= MAX_BLOCK_SIZE for b in sizes)
             or sorted(set(sizes)) != sizes):

@@ -37,24 +37,31 @@ def profile_keys(block_sizes: list[int]) -> dict[str, list[ProfileKey]]:
     return {TARGET: [PREFILL, 1, *block_sizes], DRAFT: list(block_sizes)}
 
 
-def _axis_ranges(graph: str, key: ProfileKey, max_context: int) -> dict[str, tuple[int, int, int]]:
-    """(min, opt, max) of each dynamic axis under one profile."""
+def _axis_ranges(graph: str, key: ProfileKey, max_context: int, max_batch: int) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) of each dynamic axis under one profile. Prefill (or one chunk of it, after
+    earlier chunks) runs one request; decode calls batch up to `max_batch` requests; the cache
+    buffers hold `max_batch` slots."""
     capacity = max_context + MAX_BLOCK_SIZE
     half = max(1, max_context // 2)
+    batch = (1, max(1, max_batch // 2), max_batch)
+    slots = {"slots": (1, max_batch, max_batch)}
     if graph == TARGET and key == PREFILL:
-        return {"tokens": (1, min(PREFILL_OPT_TOKENS, max_context), max_context), "past": (0, 0, 0)}
+        return {"batch": (1, 1, 1), "tokens": (1, min(PREFILL_OPT_TOKENS, max_context), max_context),
+                "past": (0, 0, capacity), **slots}
     if graph == TARGET:
-        return {"tokens": (key, key, key), "past": (1, half, capacity)}
-    return {"block": (key, key, key), "context": (1, key, max_context), "past": (0, half, capacity)}
+        return {"batch": batch, "tokens": (key, key, key), "past": (1, half, capacity), **slots}
+    return {"batch": batch, "block": (key, key, key), "context": (1, key, max_context), "past": (0, half, capacity),
+            **slots}
 
 
-def profile_table(specs: Mapping[str, GraphSpec], block_sizes: list[int], max_context: int) -> dict:
+def profile_table(specs: Mapping[str, GraphSpec], block_sizes: list[int], max_context: int,
+                  max_batch: int = 1) -> dict:
     """{graph: [{"key", "shapes": {input: {"min", "opt", "max"}}}]} for every dynamic input."""
     table = {}
     for graph, keys in profile_keys(block_sizes).items():
         spec, profiles = specs[graph], []
         for key in keys:
-            axes = _axis_ranges(graph, key, max_context)
+            axes = _axis_ranges(graph, key, max_context, max_batch)
             shapes = {}
             for tensor in spec.inputs:
                 if any(isinstance(d, str) for d in tensor.dims):

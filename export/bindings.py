@@ -5,18 +5,21 @@ table reads their dynamic dimensions, and the executors allocate output buffers 
 dimension is either a fixed size or the name of a dynamic axis ("tokens", "past", ...); the
 runtime gives each dynamic axis its value per call.
 
-Two graphs cover the whole decode loop:
+Two graphs cover the whole decode loop, for a batch of requests at once:
 
-* `target` runs T tokens at positions start..start+T-1 over `past` cached positions. With past 0
-  it is the prefill; with T = B it is verify(B); with T = 1 it is an autoregressive step.
-* `draft` projects the new context features into the drafter's cache and proposes B-1 tokens
-  for a block [bonus, MASK x (B-1)] starting at `start`.
+* `target` runs T tokens per request, row r at positions starts[r]..starts[r]+T-1 over the
+  positions its cache slot `slots[r]` holds. One request from position 0 is a prefill (or, from
+  a later position, one chunk of it); T = B is verify(B); T = 1 is an autoregressive step.
+* `draft` projects each request's new context features into the drafter's cache and proposes
+  B-1 tokens for its block [bonus, MASK x (B-1)] starting at starts[r]. Context rows are
+  left-padded to the batch's longest: row r's last counts[r] entries are real.
 
-Caches are position-major ([positions, layers, kv_heads, head_dim]) so that the valid prefix of
-a preallocated buffer is one contiguous slice: the graphs read `past` in place and return only
-the keys/values of the new positions, which the runtime writes straight into the buffer.
-Slots at or after `start` (target) / the context start (draft) are masked out, so the graphs
-also accept a whole fixed-size buffer, which is what CUDA-graph replay needs.
+Caches are position-major ([positions, slots, layers, kv_heads, head_dim]): every request owns a
+slot, and the valid prefix of the preallocated buffer (up to the longest request) is one
+contiguous slice that the graphs read in place. Row r sees only its own slot's positions below
+starts[r] (target) or below its context (draft); the rest is masked out, so the graphs also
+accept the whole fixed-size buffer, which is what CUDA-graph replay needs. The graphs return
+only the keys/values of the new positions; the runtime writes them into the buffer.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from trtspec.limits import MAX_BLOCK_SIZE  # noqa: F401 - the largest block any 
 from trtspec.models.config import DFlashConfig, Qwen3Config
 
 Dim = int | str
+MAX_BATCH = 64  # requests one graph call (and one runtime's cache) may hold
 PREFILL_LOGITS = 64  # prefill returns the logits of the prompt's last this-many positions (BlockPilot reads them)
 
 
@@ -58,33 +62,41 @@ class GraphSpec:
 TARGET, DRAFT = "target", "draft"
 
 
+def _cache(config: Qwen3Config) -> tuple[Dim, ...]:
+    """A KV cache buffer: [positions, slots, layers, kv_heads, head_dim] (its valid prefix is `past`)."""
+    return ("past", "slots", config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+
+
 def target_graph(config: Qwen3Config, num_features: int) -> GraphSpec:
-    cache = ("past", config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-    new = ("tokens",) + cache[1:]
+    cache = _cache(config)
+    new = ("batch", "tokens") + cache[2:]
     return GraphSpec(TARGET, inputs=(
-        TensorSpec("tokens", "int64", ("tokens",)),
-        TensorSpec("start", "int64", (1,)),
+        TensorSpec("tokens", "int64", ("batch", "tokens")),
+        TensorSpec("starts", "int64", ("batch",)),
+        TensorSpec("slots", "int64", ("batch",)),
         TensorSpec("past_k", "model", cache),
         TensorSpec("past_v", "model", cache),
     ), outputs=(
-        TensorSpec("logits", "float32", ("tokens", config.vocab_size)),
-        TensorSpec("features", "model", ("tokens", num_features * config.hidden_size)),
+        TensorSpec("logits", "float32", ("batch", "tokens", config.vocab_size)),
+        TensorSpec("features", "model", ("batch", "tokens", num_features * config.hidden_size)),
         TensorSpec("new_k", "model", new),
         TensorSpec("new_v", "model", new),
     ))
 
 
 def draft_graph(config: DFlashConfig) -> GraphSpec:
-    cache = ("past", config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-    new = ("context",) + cache[1:]
+    cache = _cache(config)
+    new = ("batch", "context") + cache[2:]
     return GraphSpec(DRAFT, inputs=(
-        TensorSpec("context", "model", ("context", config.num_features * config.hidden_size)),
-        TensorSpec("block", "int64", ("block",)),
-        TensorSpec("start", "int64", (1,)),
+        TensorSpec("context", "model", ("batch", "context", config.num_features * config.hidden_size)),
+        TensorSpec("counts", "int64", ("batch",)),
+        TensorSpec("block", "int64", ("batch", "block")),
+        TensorSpec("starts", "int64", ("batch",)),
+        TensorSpec("slots", "int64", ("batch",)),
         TensorSpec("past_k", "model", cache),
         TensorSpec("past_v", "model", cache),
     ), outputs=(
-        TensorSpec("drafts", "int64", ("proposals",)),  # proposals = block - 1
+        TensorSpec("drafts", "int64", ("batch", "proposals")),  # proposals = block - 1
         TensorSpec("new_k", "model", new),
         TensorSpec("new_v", "model", new),
     ))

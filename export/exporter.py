@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec
+from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, GraphSpec
 from trtspec.export.steps import DraftStep, TargetStep
 from trtspec.models import DFlashDrafter, Qwen3Target
 
 # Example sizes for tracing: any values inside the ranges that are not 0 or 1 (which torch.export
 # would treat as special) and differ from each other, so no two axes get unified by accident.
-EXAMPLE_SIZES = {"tokens": 5, "past": 7, "context": 3, "block": 4}
+EXAMPLE_SIZES = {"tokens": 5, "past": 7, "context": 3, "block": 4, "batch": 2, "slots": 6}
 
 
 # torch.export specialises axes of size 1, and a block of 2 makes the proposals axis (B - 1) one;
@@ -37,6 +37,8 @@ def dim_ranges(max_context: int) -> dict[str, tuple[int, int]]:
         "past": (0, max_context + MAX_BLOCK_SIZE),
         "context": (1, max_context),           # first draft: the prompt's features; then 1..B
         "block": (MIN_COMPILED_BLOCK_SIZE, MAX_BLOCK_SIZE),
+        "batch": (1, MAX_BATCH),               # requests in one call
+        "slots": (1, MAX_BATCH),               # cache slots (concurrent requests) of the runtime's buffers
     }
 
 
@@ -49,8 +51,12 @@ def _example(spec: GraphSpec, dtype: torch.dtype, device: torch.device) -> tuple
     tensors = []
     for t in spec.inputs:
         shape = t.shape(EXAMPLE_SIZES)
-        if t.name == "start":
-            tensors.append(torch.tensor([EXAMPLE_SIZES["past"] + EXAMPLE_SIZES["context"]], device=device))
+        if t.name == "starts":
+            tensors.append(torch.full(shape, EXAMPLE_SIZES["past"] + EXAMPLE_SIZES["context"], device=device))
+        elif t.name == "counts":
+            tensors.append(torch.full(shape, EXAMPLE_SIZES["context"], device=device))
+        elif t.name == "slots":
+            tensors.append(torch.arange(shape[0], device=device) % EXAMPLE_SIZES["slots"])
         elif t.dtype == "int64":
             tensors.append(torch.ones(shape, dtype=torch.long, device=device))
         else:

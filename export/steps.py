@@ -13,75 +13,82 @@ from torch import nn
 from trtspec.models import DFlashDrafter, Qwen3Target
 
 
+def _gather_past(past: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Each row's cache slot: past [P, slots, layers, kv, D] -> [b, layers, kv, P, D]."""
+    return past.index_select(1, slots).permute(1, 2, 3, 0, 4)
+
+
 def _attend_past(past_k: torch.Tensor, past_v: torch.Tensor, new_k: list, new_v: list):
-    """A KV hook that prepends layer i's cached keys/values and collects the new ones."""
+    """A KV hook that prepends layer i's cached keys/values ([b, layers, kv, P, D]) and collects the new ones."""
     def hook(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         new_k.append(k)
         new_v.append(v)
-        # past [P, layers, kv_heads, D] -> layer i as [1, kv_heads, P, D]
-        k_past = past_k[:, i].transpose(0, 1)[None].to(k.dtype)
-        v_past = past_v[:, i].transpose(0, 1)[None].to(v.dtype)
-        return torch.cat((k_past, k), dim=2), torch.cat((v_past, v), dim=2)
+        return torch.cat((past_k[:, i].to(k.dtype), k), dim=2), torch.cat((past_v[:, i].to(v.dtype), v), dim=2)
     return hook
 
 
 def _position_major(per_layer: list[torch.Tensor]) -> torch.Tensor:
-    """Layers' [1, kv_heads, T, D] -> [T, layers, kv_heads, D] (the cache layout)."""
-    return torch.stack(per_layer, dim=0)[:, 0].permute(2, 0, 1, 3).contiguous()
+    """Layers' [b, kv_heads, T, D] -> [b, T, layers, kv_heads, D] (rows of the cache layout)."""
+    return torch.stack(per_layer, dim=1).permute(0, 3, 1, 2, 4).contiguous()
 
 
-def _valid_past(past: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """Which cache slots hold real positions: those before `end` (the rest of a fixed buffer is stale)."""
-    return torch.arange(past.shape[0], device=past.device) < end
+def _below(past: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """[b, P]: which cache positions hold real entries for each row (those before its end)."""
+    return torch.arange(past.shape[0], device=past.device)[None, :] < ends[:, None]
 
 
 class TargetStep(nn.Module):
-    """target(tokens, start, past_k, past_v) -> logits, features, new_k, new_v."""
+    """target(tokens, starts, slots, past_k, past_v) -> logits, features, new_k, new_v."""
 
     def __init__(self, target: Qwen3Target, feature_layers: tuple[int, ...]):
         super().__init__()
         self.target, self.feature_layers = target, tuple(feature_layers)
 
-    def forward(self, tokens, start, past_k, past_v):
-        positions = start + torch.arange(tokens.shape[0], device=tokens.device)
-        key_positions = torch.cat((torch.arange(past_k.shape[0], device=tokens.device), positions))
-        key_valid = torch.cat((_valid_past(past_k, start), torch.ones_like(positions, dtype=torch.bool)))
-        mask = (key_positions[None, :] <= positions[:, None]) & key_valid[None, :]
+    def forward(self, tokens, starts, slots, past_k, past_v):
+        batch, count = tokens.shape
+        offsets = torch.arange(count, device=tokens.device)
+        positions = starts[:, None] + offsets[None, :]                                   # [b, T]
+        causal = (offsets[None, :] <= offsets[:, None])[None].expand(batch, count, count)
+        mask = torch.cat((_below(past_k, starts)[:, None, :].expand(batch, count, past_k.shape[0]), causal), dim=2)
         new_k, new_v = [], []
-        hidden, features = self.target.decode(tokens[None], positions, _attend_past(past_k, past_v, new_k, new_v),
-                                              mask, self.feature_layers)
-        logits = self.target.logits(hidden)[0].float()
-        return logits, features[0], _position_major(new_k), _position_major(new_v)
+        hook = _attend_past(_gather_past(past_k, slots), _gather_past(past_v, slots), new_k, new_v)
+        hidden, features = self.target.decode(tokens, positions, hook, mask[:, None], self.feature_layers)
+        if features is None:  # a target without a drafter: no features, an empty axis keeps the outputs fixed
+            features = hidden.new_zeros(batch, count, 0)
+        return self.target.logits(hidden).float(), features, _position_major(new_k), _position_major(new_v)
 
 
 class DraftStep(nn.Module):
-    """draft(context, block, start, past_k, past_v) -> drafts, new_k, new_v.
+    """draft(context, counts, block, starts, slots, past_k, past_v) -> drafts, new_k, new_v.
 
-    `context` holds the target features of positions start-n..start-1 (those the drafter cache
-    lacks); `block` = [bonus, MASK x (B-1)] sits at start..start+B-1. Proposals are greedy
-    (argmax), as the decode loop uses at every temperature.
+    Row r's context holds, in its last counts[r] entries, the target features of positions
+    starts[r]-counts[r]..starts[r]-1 (those the drafter cache lacks); its block [bonus, MASK x
+    (B-1)] sits at starts[r]..starts[r]+B-1. Proposals are greedy (argmax), as the decode loop
+    uses at every temperature.
     """
 
     def __init__(self, drafter: DFlashDrafter):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, context, block, start, past_k, past_v):
+    def forward(self, context, counts, block, starts, slots, past_k, past_v):
         device = block.device
-        context_start = start - context.shape[0]
-        context_positions = context_start + torch.arange(context.shape[0], device=device)
-        projected = self.drafter.project_context(context[None])
+        batch, width = context.shape[:2]
+        offsets = torch.arange(width, device=device)
+        context_positions = starts[:, None] - width + offsets[None, :]                  # left-padded
+        context_valid = offsets[None, :] >= (width - counts)[:, None]
+        projected = self.drafter.project_context(context)
         cos, sin = self.drafter.rotary(context_positions, self.drafter.dtype)
         new_k, new_v = [], []
-        extend = _attend_past(past_k, past_v, new_k, new_v)
+        extend = _attend_past(_gather_past(past_k, slots), _gather_past(past_v, slots), new_k, new_v)
 
         def context_kv(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
             return extend(i, *attn.project_kv(projected, cos, sin))
 
-        # Non-causal: every block position sees every valid context slot and the whole block.
-        valid = torch.cat((_valid_past(past_k, context_start),
-                           torch.ones(context.shape[0] + block.shape[0], dtype=torch.bool, device=device)))
-        positions = start + torch.arange(block.shape[0], device=device)
-        hidden = self.drafter.block_pass(block[None], positions, context_kv, valid[None, :])
-        drafts = self.drafter.lm_head(hidden[0, 1:]).argmax(dim=-1)
+        # Non-causal: every block position sees its row's cached context, its new context and the whole block.
+        valid = torch.cat((_below(past_k, starts - counts), context_valid,
+                           torch.ones(batch, block.shape[1], dtype=torch.bool, device=device)), dim=1)
+        positions = starts[:, None] + torch.arange(block.shape[1], device=device)[None, :]
+        hidden = self.drafter.block_pass(block, positions, context_kv, valid[:, None, None, :])
+        drafts = self.drafter.lm_head(hidden[:, 1:]).argmax(dim=-1)
         return drafts, _position_major(new_k), _position_major(new_v)

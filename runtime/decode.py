@@ -83,18 +83,7 @@ def generate(runner: Runner, prompt: list[int], config: GenerationConfig,
     `policy` chooses the block size after prefill when the config asks for AUTO; `controller`
     makes the per-cycle core (the native one; trtspec.runtime.reference is the Python one)."""
     block_size, grow_to = config.block_size, config.grow_to
-    if not prompt:
-        raise TrtspecError("the prompt is empty")
-    if len(prompt) >= runner.max_context:
-        raise TrtspecError(f"the prompt is {len(prompt)} tokens; the context holds {runner.max_context}")
-    if block_size != 1 and runner.mask_token_id is None:
-        raise TrtspecError("speculative decoding needs a drafter (or use block size 1 / --ar)")
-    if block_size == AUTO and policy is None:
-        raise TrtspecError("block size auto needs a BlockPilot policy (trtspec train-policy; then --policy DIR "
-                           "or trtspec build --policy DIR)")
-    for size in (block_size, grow_to):
-        _check_block_size(runner, size)
-    limit = min(config.max_new_tokens, runner.max_context - len(prompt))
+    limit = check_request(runner, prompt, config, policy)
     sampler = Sampler(config.sampling, runner.device)
     runner.reset(len(prompt) + limit)
 
@@ -110,7 +99,7 @@ def generate(runner: Runner, prompt: list[int], config: GenerationConfig,
             choice = policy.choose(context, prompt_logits)
             block_size, grow_to = choice.size, choice.grow_to
             for size in choice.sizes:
-                _check_block_size(runner, size)
+                check_built_size(runner, size)
         stats = DecodeStats(block_size=block_size, grow_to=grow_to, prompt_tokens=len(prompt), prefill_s=prefill_s,
                             auto=chosen, policy_s=time.perf_counter() - began if chosen else 0.0)
         core = controller([block_size], [limit], [config.stop_ids], runner.mask_token_id or 0, [grow_to])
@@ -124,6 +113,22 @@ def generate(runner: Runner, prompt: list[int], config: GenerationConfig,
     stats.new_tokens = count
     stats.finish_reason = core.finish_reason(0)
     return Generation(core.tokens[0, :count].tolist(), stats)
+
+
+def check_request(runner: Runner, prompt: list[int], config: GenerationConfig, policy: BlockPolicy | None) -> int:
+    """Refuse a request this runner cannot decode (one line saying why); else its token limit."""
+    if not prompt:
+        raise TrtspecError("the prompt is empty")
+    if len(prompt) >= runner.max_context:
+        raise TrtspecError(f"the prompt is {len(prompt)} tokens; the context holds {runner.max_context}")
+    if config.block_size != 1 and runner.mask_token_id is None:
+        raise TrtspecError("speculative decoding needs a drafter (or use block size 1 / --ar)")
+    if config.block_size == AUTO and policy is None:
+        raise TrtspecError("block size auto needs a BlockPilot policy (trtspec train-policy; then --policy DIR "
+                           "or trtspec build --policy DIR)")
+    for size in (config.block_size, config.grow_to):
+        check_built_size(runner, size)
+    return min(config.max_new_tokens, runner.max_context - len(prompt))
 
 
 def _cycles(runner: Runner, core: Controller, context: torch.Tensor | None,
@@ -164,7 +169,7 @@ def _emit(core: Controller, tokens: np.ndarray, on_commit: Callable[[list[int]],
         on_commit(tokens[count - core.committed(0):count].tolist())
 
 
-def _check_block_size(runner: Runner, block_size: int) -> None:
+def check_built_size(runner: Runner, block_size: int) -> None:
     if block_size > 1 and runner.block_sizes is not None and block_size not in runner.block_sizes:
         raise TrtspecError(f"the engine was built for block sizes {', '.join(map(str, runner.block_sizes))}; "
                            f"block size {block_size} is not among them (rebuild with --block-sizes)")

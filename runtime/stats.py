@@ -30,6 +30,11 @@ class DecodeStats:
     grow_to: int = 0        # the grown block size (0: the block never grows)
     grown_cycles: int = 0   # cycles run at grow_to
     ceilings: int | None = None  # cycles that accepted their whole block (None: the histogram's last bin)
+    # Under continuous batching (trtspec.runtime.engine): requests that shared this one's verify
+    # calls, on average (0: decoded alone, outside the engine), and its waits.
+    batch_mean: float = 0.0
+    queue_s: float = 0.0    # submitted -> admitted into a slot
+    ttft_s: float = 0.0     # submitted -> first token
 
     def __post_init__(self) -> None:
         if not self.histogram:
@@ -82,6 +87,9 @@ class DecodeStats:
             "decode_s": self.decode_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "finish_reason": self.finish_reason,
+            "batch_mean": self.batch_mean,
+            "queue_s": self.queue_s,
+            "ttft_s": self.ttft_s,
         }
 
     def summary(self) -> str:

@@ -37,37 +37,59 @@ def ort_engine(ort_engine_dir):
     return ort_engine_dir  # built once per session in conftest, at BLOCK_SIZES
 
 
-def _position_major(cache, layer_count_end):
+def _rows(cache, end):
     """Eager KVCache [layers, 1, heads, T, D] -> the graphs' [T, layers, heads, D] for positions < end."""
-    return cache.k[:, 0, :, :layer_count_end].permute(2, 0, 1, 3), cache.v[:, 0, :, :layer_count_end].permute(2, 0, 1, 3)
+    return cache.k[:, 0, :, :end].permute(2, 0, 1, 3), cache.v[:, 0, :, :end].permute(2, 0, 1, 3)
 
 
-def test_step_graphs_match_eager_including_a_stale_fixed_buffer(pair):
+def test_step_graphs_match_eager_for_a_batch_of_slots_over_a_stale_buffer(pair):
+    """Two requests at different positions, in slots 2 and 0 of a buffer whose other entries are
+    garbage: each row equals its own eager run (target: logits, features, new keys; draft: proposals
+    from a left-padded context, and the new keys of its real context entries)."""
     target, drafter = pair
     layers = tuple(drafter.config.target_layer_ids)
-    tokens = torch.randint(2, target.config.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
-    cache = target.new_cache(1, 64)
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(2, target.config.vocab_size, (n,), generator=generator) for n in (30, 23)]
+    starts, slots, contexts = [22, 15], [2, 0], [(20, 29), (10, 15)]
+    eager, caches = [], []
     with torch.inference_mode():
-        logits, features = target(tokens[None], 0, cache, layers)
-        past_k, past_v = _position_major(cache, 22)
+        for tokens in sequences:
+            cache = target.new_cache(1, 64)
+            eager.append(target(tokens[None], 0, cache, layers))
+            caches.append(cache)
+        width = (40, 3, *_rows(caches[0], 1)[0].shape[1:])
+        buffer_k, buffer_v = torch.full(width, 9.0), torch.full(width, -9.0)
+        for cache, start, slot in zip(caches, starts, slots):
+            buffer_k[:start, slot], buffer_v[:start, slot] = _rows(cache, start)
         step = TargetStep(target, layers)
-        out = step(tokens[22:], torch.tensor([22]), past_k.contiguous(), past_v.contiguous())
-        assert (out[0] - logits[0, 22:]).abs().max() < 1e-5 and (out[1] - features[0, 22:]).abs().max() < 1e-5
-        assert torch.allclose(out[2], _position_major(cache, 30)[0][22:], atol=1e-6)
-        # A whole fixed-size buffer whose slots from `start` on hold garbage gives the same answer.
-        buffer_k, buffer_v = torch.full((40, *past_k.shape[1:]), 9.0), torch.full((40, *past_v.shape[1:]), -9.0)
-        buffer_k[:22], buffer_v[:22] = past_k, past_v
-        assert (step(tokens[22:], torch.tensor([22]), buffer_k, buffer_v)[0] - logits[0, 22:]).abs().max() < 1e-5
+        tokens = torch.stack([seq[start:start + 8] for seq, start in zip(sequences, starts)])
+        for past in (max(starts), 40):  # the valid prefix, and the whole fixed buffer
+            logits, features, new_k, _ = step(tokens, torch.tensor(starts), torch.tensor(slots),
+                                              buffer_k[:past], buffer_v[:past])
+            for row, ((want_logits, want_features), cache, start) in enumerate(zip(eager, caches, starts)):
+                assert (logits[row] - want_logits[0, start:start + 8]).abs().max() < 1e-5
+                assert (features[row] - want_features[0, start:start + 8]).abs().max() < 1e-5
+                assert torch.allclose(new_k[row], _rows(cache, start + 8)[0][start:], atol=1e-6)
 
-        draft_cache = drafter.new_cache(1, 64)
-        block = torch.tensor([int(tokens[29])] + [drafter.config.mask_token_id] * 7)
-        drafter(features[:, :20], block[None], 20, draft_cache)  # the drafter cache now holds 20 positions
-        expected = drafter(features[:, 20:29], block[None], 29, draft_cache).argmax(-1)[0]
-        ctx_k, ctx_v = _position_major(draft_cache, 20)
-        drafts, new_k, _ = DraftStep(drafter)(features[0, 20:29], block, torch.tensor([29]), ctx_k.contiguous(),
-                                              ctx_v.contiguous())
-        assert drafts.tolist() == expected.tolist()
-        assert torch.allclose(new_k, _position_major(draft_cache, 29)[0][20:], atol=1e-6)
+        mask = drafter.config.mask_token_id
+        draft_buffer_k, draft_buffer_v = torch.full(width, 9.0), torch.full(width, -9.0)
+        blocks, expected, wanted_keys, padded = [], [], [], torch.zeros(2, 9, features.shape[-1])
+        for row, ((_, feats), seq, (first, end), slot) in enumerate(zip(eager, sequences, contexts, slots)):
+            cache = drafter.new_cache(1, 64)
+            block = torch.tensor([int(seq[end])] + [mask] * 7)
+            drafter(feats[:, :first], block[None], first, cache)  # the drafter cache holds `first` positions
+            draft_buffer_k[:first, slot], draft_buffer_v[:first, slot] = _rows(cache, first)
+            expected.append(drafter(feats[:, first:end], block[None], end, cache).argmax(-1)[0].tolist())
+            wanted_keys.append(_rows(cache, end)[0][first:])
+            padded[row, 9 - (end - first):] = feats[0, first:end]
+            blocks.append(block)
+        counts = torch.tensor([end - first for first, end in contexts])
+        drafts, new_k, _ = DraftStep(drafter)(padded, counts, torch.stack(blocks),
+                                              torch.tensor([end for _, end in contexts]), torch.tensor(slots),
+                                              draft_buffer_k[:29], draft_buffer_v[:29])
+        assert drafts.tolist() == expected
+        for row, keys in enumerate(wanted_keys):
+            assert torch.allclose(new_k[row, 9 - len(keys):], keys, atol=1e-6)
 
 
 def test_build_writes_a_manifest_with_one_profile_per_block_size(ort_engine, pair):
@@ -244,21 +266,25 @@ def test_manifest_fields_are_validated_one_line_naming_file_and_field(ort_engine
 
 def test_tensorrt_profile_table(pair):
     specs = graph_specs(*(m.config for m in pair))
-    table = trt_engine.profile_table(specs, [12, 16], max_context=512)
+    table = trt_engine.profile_table(specs, [12, 16], max_context=512, max_batch=8)
     assert [p["key"] for p in table[TARGET]] == ["prefill", 1, 12, 16]
     assert [p["key"] for p in table[DRAFT]] == [12, 16]
     layers, heads, dim = pair[0].config.num_hidden_layers, pair[0].config.num_key_value_heads, pair[0].config.head_dim
     prefill, ar, b12, _ = table[TARGET]
-    assert prefill["shapes"]["tokens"] == {"min": [1], "opt": [256], "max": [512]}
-    assert prefill["shapes"]["past_k"]["max"] == [0, layers, heads, dim]
-    assert ar["shapes"]["tokens"] == {"min": [1], "opt": [1], "max": [1]}
-    assert b12["shapes"]["tokens"] == {"min": [12], "opt": [12], "max": [12]}
-    assert b12["shapes"]["past_v"]["min"] == [1, layers, heads, dim]
+    # Prefill (a chunk of one request's prompt, maybe after earlier chunks) into a cache of 8 slots.
+    assert prefill["shapes"]["tokens"] == {"min": [1, 1], "opt": [1, 256], "max": [1, 512]}
+    assert prefill["shapes"]["past_k"]["max"] == [512 + 64, 8, layers, heads, dim]
+    assert prefill["shapes"]["slots"] == {"min": [1], "opt": [1], "max": [1]}  # the batch axis: one request
+    assert ar["shapes"]["tokens"] == {"min": [1, 1], "opt": [4, 1], "max": [8, 1]}
+    assert b12["shapes"]["tokens"] == {"min": [1, 12], "opt": [4, 12], "max": [8, 12]}  # pinned B, batch 1..8
+    assert b12["shapes"]["starts"]["max"] == [8]
+    assert b12["shapes"]["past_v"]["min"] == [1, 1, layers, heads, dim]
+    assert b12["shapes"]["past_v"]["opt"][1] == 8 and b12["shapes"]["past_v"]["max"][1] == 8  # every slot
     assert b12["shapes"]["past_v"]["max"][0] >= 512 + 12  # verify near the end of the context still fits
     d16 = table[DRAFT][1]["shapes"]
-    assert d16["block"] == {"min": [16], "opt": [16], "max": [16]}
-    assert d16["context"]["min"][0] == 1 and d16["context"]["max"][0] == 512  # first draft: the whole prompt
-    assert set(d16) == {"context", "block", "past_k", "past_v"}  # every input with a dynamic axis, no more
+    assert d16["block"] == {"min": [1, 16], "opt": [4, 16], "max": [8, 16]}
+    assert d16["context"]["min"][1] == 1 and d16["context"]["max"][1] == 512  # first draft: the whole prompt
+    assert set(d16) == {"context", "counts", "block", "starts", "slots", "past_k", "past_v"}  # every dynamic input
     for graph, profiles in table.items():
         for profile in profiles:
             for shape in profile["shapes"].values():

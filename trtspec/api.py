@@ -20,6 +20,8 @@ from trtspec.models import load_drafter, load_target
 from trtspec.blockpilot.policy import drafter_policy, load_policy
 from trtspec.device import resolve_device, resolve_dtype
 from trtspec.runtime.decode import Generation, GenerationConfig, generate
+from trtspec.runtime.engine import Engine, EngineConfig
+from trtspec.runtime.runners.batched import BatchRunner
 from trtspec.runtime.runners.compiled import open_runner
 from trtspec.runtime.schedule import AUTO
 from trtspec.tokenizer import TextCodec
@@ -94,6 +96,26 @@ class Pipeline:
             baseline.runner = self.runner.without_drafter()
         baseline.default_block_size, baseline.policy = 1, None
         return baseline
+
+    def engine(self, config: EngineConfig = EngineConfig(), chooser=None) -> Engine:
+        """A continuous-batching engine over this pair and backend (its own caches, `config.max_running`
+        slots); the tokenizer's stop ids apply to every request. Close it when done."""
+        if isinstance(self.runner, EagerRunner):
+            runner = BatchRunner.eager(self.target, self.drafter if self.has_drafter else None, config.max_running)
+            runner.max_context = self.runner.max_context
+        else:
+            runner = BatchRunner.compiled(self.runner, config.max_running)
+        return Engine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
+
+    def generate_batch(self, prompts: list[str], configs: list[GenerationConfig], *, chat: bool = False,
+                       max_running: int = 8) -> list[TextResult]:
+        """Decode many prompts together (continuous batching); results in the prompts' order."""
+        if len(prompts) != len(configs):
+            raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
+        with self.engine(EngineConfig(max_running=max_running, max_queued=max(1, len(prompts)))) as engine:
+            requests = [engine.submit(self.codec.encode(p, chat=chat), c) for p, c in zip(prompts, configs)]
+            generations = [r.result() for r in requests]
+        return [TextResult(self.codec.decode(g.tokens), g) for g in generations]
 
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
                  on_text: Callable[[str], None] | None = None,

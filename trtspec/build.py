@@ -21,7 +21,7 @@ from trtspec.engines import onnxruntime as ort_engine
 from trtspec.engines import tensorrt as trt_engine
 from trtspec.device import MODEL_DTYPES, resolve_device, resolve_dtype
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import MAX_BLOCK_SIZE, graph_specs
+from trtspec.export.bindings import MAX_BATCH, MAX_BLOCK_SIZE, graph_specs
 from trtspec.export.exporter import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
 from trtspec.fileio import ENGINE, check_output_dir, staged_directory
 from trtspec.engines.manifest import BACKENDS, TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
@@ -42,6 +42,7 @@ class BuildConfig:
     device: str = "auto"
     max_context: int | None = None
     policy: Path | None = None  # a BlockPilot policy directory to ship inside the engine
+    max_batch: int = 16         # requests one decode call may batch (TensorRT profiles; serving)
 
     def __post_init__(self) -> None:
         if not self.block_sizes or any(not MIN_COMPILED_BLOCK_SIZE <= b <= MAX_BLOCK_SIZE for b in self.block_sizes):
@@ -49,6 +50,8 @@ class BuildConfig:
                                f"got {list(self.block_sizes)}")
         if self.backend not in ("auto", *BACKENDS):
             raise TrtspecError(f"backend must be auto, {', '.join(BACKENDS)}; got {self.backend!r}")
+        if not 1 <= self.max_batch <= MAX_BATCH:
+            raise TrtspecError(f"--max-batch must be in [1, {MAX_BATCH}], got {self.max_batch}")
         if self.max_context is not None and self.max_context < 2:
             raise TrtspecError(f"--max-context must be >= 2, got {self.max_context}")
 
@@ -97,7 +100,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     specs = graph_specs(target.config, drafter.config)
     # The TensorRT optimization profiles of these graphs; recorded for every backend (a TensorRT
     # build uses exactly this table), so it can be inspected and checked on any machine.
-    table = trt_engine.profile_table(specs, block_sizes, max_context)
+    table = trt_engine.profile_table(specs, block_sizes, max_context, config.max_batch)
     steps = [(name, stage) for name in modules for stage in
              (("export",) if backend != "tensorrt" else ("export", "compile"))] + [("engine", "self-check")]
     with staged_directory(output, ENGINE, inputs) as staging, tqdm(
@@ -124,7 +127,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
         if policy is not None:
             policy.save(staging / POLICY_DIR)
         manifest = Manifest(
-            backend=backend, dtype=dtype, max_context=max_context, block_sizes=block_sizes,
+            backend=backend, dtype=dtype, max_context=max_context, block_sizes=block_sizes, max_batch=config.max_batch,
             profiles=trt_engine.profile_keys(block_sizes),
             target_config=target.config.to_dict(), drafter_config=drafter.config.to_zlab(),
             sources={"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir)},

@@ -84,21 +84,25 @@ def random_pair(target_config: Qwen3Config, drafter_cfg: DFlashConfig, device: t
 
 
 def cycle_inputs(target: Qwen3Target, drafter: DFlashDrafter, block_size: int, past: int,
-                 device: torch.device) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Static inputs of verify(B) and draft(B) over whole fixed-size caches with `past` valid
-    positions (the shapes CUDA-graph replay needs: nothing depends on how much is cached)."""
+                 device: torch.device, batch: int = 1) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Static inputs of verify(B) and draft(B) for `batch` requests over whole fixed-size caches
+    with `past` valid positions each (the shapes CUDA-graph replay needs: nothing depends on how
+    much is cached)."""
     t, d = target.config, drafter.config
     capacity, dtype = past + 64, target.dtype
 
     def cache(layers: int, heads: int, dim: int) -> torch.Tensor:
-        return torch.randn(capacity, layers, heads, dim, device=device, dtype=dtype)
+        return torch.randn(capacity, batch, layers, heads, dim, device=device, dtype=dtype)
 
-    target_in = (torch.randint(2, t.vocab_size, (block_size,), device=device), torch.tensor([past], device=device),
+    slots = torch.arange(batch, device=device)
+    starts = torch.full((batch,), past, device=device)
+    target_in = (torch.randint(2, t.vocab_size, (batch, block_size), device=device), starts, slots,
                  cache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim),
                  cache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim))
-    draft_in = (torch.randn(block_size, d.num_features * d.hidden_size, device=device, dtype=dtype),
-                torch.full((block_size,), d.mask_token_id, device=device),
-                torch.tensor([past + block_size], device=device),
+    draft_in = (torch.randn(batch, block_size, d.num_features * d.hidden_size, device=device, dtype=dtype),
+                torch.full((batch,), block_size, device=device),
+                torch.full((batch, block_size), d.mask_token_id, device=device),
+                starts + block_size, slots,
                 cache(d.num_hidden_layers, d.num_key_value_heads, d.head_dim),
                 cache(d.num_hidden_layers, d.num_key_value_heads, d.head_dim))
     return target_in, draft_in
@@ -281,7 +285,7 @@ def runtime_engine(target: Qwen3Target, drafter: DFlashDrafter, block_sizes: tup
     specs = graph_specs(target.config, drafter.config)
     executor = TorchExecutor(step_modules(target, drafter), target.device, specs, cuda_graphs=cuda_graphs)
     manifest = Manifest(backend="torch", dtype=str(target.dtype).removeprefix("torch."), max_context=max_context,
-                        block_sizes=list(block_sizes), profiles={}, target_config=target.config.to_dict(),
+                        block_sizes=list(block_sizes), max_batch=1, profiles={}, target_config=target.config.to_dict(),
                         drafter_config=drafter.config.to_zlab(), sources={}, artifacts={})
     return CompiledRunner(executor, manifest, static=cuda_graphs)
 

@@ -99,6 +99,7 @@ SEED = Limit("seed", 0, SEED_MAX)
 MAX_NEW_TOKENS = Limit("max new tokens", 1, INT32_MAX)
 MAX_CONTEXT = Limit("max context", 2, INT32_MAX)
 LIMIT = Limit("limit", 1, INT32_MAX)             # first N prompts
+BATCH = Limit("batch", 1, 64)                    # requests decoded together (export.bindings.MAX_BATCH)
 COUNT = Limit("count", 1, INT32_MAX)             # repeats, batch sizes, steps, layers, instances, ...
 NON_NEGATIVE = Limit("count", 0, INT32_MAX)      # optional steps, threads (0 = default)
 POSITIVE_REAL = Limit("value", 0.0, math.inf, integer=False, low_open=True)  # learning rates

@@ -34,14 +34,18 @@ class CompiledRunner:
         self.mask_token_id: int | None = manifest.drafter.mask_token_id
         self.specs: dict[str, GraphSpec] = manifest.specs()
         capacity = manifest.max_context + MAX_BLOCK_SIZE
-        self._caches = {graph: [torch.zeros((capacity, *spec.input("past_k").dims[1:]), dtype=self.dtype,
+        # One request: the graphs' batch and slot axes are 1 (trtspec.runtime.runners.batched runs many).
+        self._caches = {graph: [torch.zeros((capacity, 1, *spec.input("past_k").dims[2:]), dtype=self.dtype,
                                             device=self.device) for _ in range(2)]
                         for graph, spec in self.specs.items()}
         self._length = {TARGET: 0, DRAFT: 0}
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._slot = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._count = torch.zeros(1, dtype=torch.long, device=self.device)
         # On the CPU the start position is written through a numpy view: a torch call per graph run
         # costs more than the rest of the cycle's bookkeeping.
         self._start_host = self._start.numpy() if self.device.type == "cpu" else None
+        self._count_host = self._count.numpy() if self.device.type == "cpu" else None
         self._outputs: dict[tuple[str, ProfileKey], dict[str, torch.Tensor]] = {}
 
     def without_drafter(self) -> "CompiledRunner":
@@ -70,7 +74,8 @@ class CompiledRunner:
             self._start_host[0] = start
         else:
             self._start.fill_(start)
-        inputs = {**inputs, "start": self._start, "past_k": cache_k[:cached], "past_v": cache_v[:cached]}
+        inputs = {**inputs, "starts": self._start, "slots": self._slot, "past_k": cache_k[:cached],
+                  "past_v": cache_v[:cached]}
         # Output shapes are fixed per profile (B tokens, B-1 proposals), so each profile keeps one
         # set of buffers; a prompt's length varies, so prefill outputs are allocated per request.
         outputs = self._outputs.get((graph, profile))
@@ -80,8 +85,8 @@ class CompiledRunner:
                        for t in spec.outputs if not t.name.startswith("new_")}
             if profile != PREFILL:
                 self._outputs[(graph, profile)] = outputs
-        outputs = {**outputs, **(into or {}), "new_k": cache_k[cached:cached + count],
-                   "new_v": cache_v[cached:cached + count]}
+        outputs = {**outputs, **(into or {}), "new_k": _as_row(cache_k[cached:cached + count]),
+                   "new_v": _as_row(cache_v[cached:cached + count])}
         self.executor.run(graph, profile, inputs, outputs)
         self._length[graph] = cached + count
         return outputs
@@ -93,7 +98,7 @@ class CompiledRunner:
         key = (graph, profile, count)
         if key not in self._bound:
             static_inputs = {name: torch.empty_like(tensor) for name, tensor in inputs.items()}
-            static_inputs.update(start=self._start, past_k=cache_k, past_v=cache_v)
+            static_inputs.update(starts=self._start, slots=self._slot, past_k=cache_k, past_v=cache_v)
             outputs = {t.name: torch.empty(t.shape(sizes), dtype=TORCH_DTYPES.get(t.dtype, self.dtype),
                                            device=self.device) for t in self.specs[graph].outputs}
             self._bound[key] = static_inputs, outputs
@@ -103,8 +108,8 @@ class CompiledRunner:
         self._start.fill_(start)
         self.executor.run(graph, profile, static_inputs, outputs)
         first = self._length[graph]
-        cache_k[first:first + count].copy_(outputs["new_k"])
-        cache_v[first:first + count].copy_(outputs["new_v"])
+        _as_row(cache_k[first:first + count]).copy_(outputs["new_k"])
+        _as_row(cache_v[first:first + count]).copy_(outputs["new_v"])
         self._length[graph] = first + count
         return outputs
 
@@ -128,16 +133,16 @@ class CompiledRunner:
         """Logits of the last PREFILL_LOGITS prompt positions [<=PREFILL_LOGITS, V] and the drafter
         features of every prompt position [P, F]."""
         tokens, size = self._tokens(prompt)
-        out = self._run(TARGET, PREFILL, 0, size, {"tokens": size}, {"tokens": tokens})
-        return out["logits"][-PREFILL_LOGITS:], out["features"]
+        out = self._run(TARGET, PREFILL, 0, size, _ONE | {"tokens": size}, {"tokens": tokens[None]})
+        return out["logits"][0, -PREFILL_LOGITS:], out["features"][0]
 
     def verify(self, block: list[int] | torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, V] and drafter features [B, F] of `block` placed at start..start+B-1."""
         if start != self._length[TARGET]:
             raise ValueError(f"verify at {start} but the target cache holds {self._length[TARGET]} positions")
         tokens, size = self._tokens(block)
-        out = self._run(TARGET, size, start, size, {"tokens": size}, {"tokens": tokens})
-        return out["logits"], out["features"]
+        out = self._run(TARGET, size, start, size, _ONE | {"tokens": size}, {"tokens": tokens[None]})
+        return out["logits"][0], out["features"][0]
 
     def draft(self, context_features: torch.Tensor, block: list[int] | torch.Tensor, start: int,
               out: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,8 +153,13 @@ class CompiledRunner:
             raise ValueError(f"context starts at {start - count} but the drafter cache holds {self._length[DRAFT]}")
         tokens, size = self._tokens(block)
         direct = out is not None and not self.static and self._tokens(out)[0] is out
-        sizes, inputs = {"context": count, "proposals": size - 1}, {"context": context_features, "block": tokens}
-        drafts = self._run(DRAFT, size, start, count, sizes, inputs, {"drafts": out} if direct else None)["drafts"]
+        if self._count_host is not None:
+            self._count_host[0] = count
+        else:
+            self._count.fill_(count)
+        sizes = _ONE | {"context": count, "proposals": size - 1}
+        inputs = {"context": context_features[None], "counts": self._count, "block": tokens[None]}
+        drafts = self._run(DRAFT, size, start, count, sizes, inputs, {"drafts": out[None]} if direct else None)["drafts"][0]
         return out.copy_(drafts) if out is not None and not direct else drafts
 
     def rollback(self, length: int) -> None:
@@ -157,6 +167,14 @@ class CompiledRunner:
         if not 0 <= length <= self._length[TARGET]:
             raise ValueError(f"cannot roll the target cache of length {self._length[TARGET]} back to {length}")
         self._length[TARGET] = length
+
+
+_ONE = {"batch": 1, "slots": 1}
+
+
+def _as_row(positions: torch.Tensor) -> torch.Tensor:
+    """Cache positions [T, 1, ...] of the one slot as the graphs' new keys/values [1, T, ...] (same memory)."""
+    return positions.view(1, positions.shape[0], *positions.shape[2:])
 
 
 def open_runner(directory: str | Path, device: torch.device, threads: int | None = None,

@@ -26,11 +26,13 @@ Examples:
 @device_options
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N",
               help="Positions a request may fill. [default: the model's]")
+@click.option("--max-batch", type=Ranged(limits.BATCH), default=16, show_default=True, metavar="N",
+              help="Requests one decode call may batch (serving); sizes the TensorRT profiles' batch axis.")
 @click.option("--policy", metavar="DIR", help="BlockPilot policy (trtspec train-policy) to ship in the engine; "
               "its block sizes must all be built. Runs then default to --block-size auto.")
 @click.option("-o", "--output", required=True, metavar="DIR",
               help="Engine directory to write (replaces only a previous engine directory or an empty one).")
-def build(target, drafter, block_sizes, backend, dtype, device, max_context, policy, output) -> None:
+def build(target, drafter, block_sizes, backend, dtype, device, max_context, max_batch, policy, output) -> None:
     """Export the step graphs and compile them into an engine directory.
 
     The directory holds the compiled graphs, the tokenizer and manifest.json (backend, dtype,
@@ -42,7 +44,7 @@ def build(target, drafter, block_sizes, backend, dtype, device, max_context, pol
     from trtspec.build import BuildConfig, build_engine
 
     config = BuildConfig(block_sizes=block_sizes, backend=backend, dtype=dtype, device=device,
-                         max_context=max_context, policy=Path(policy) if policy else None)
+                         max_context=max_context, max_batch=max_batch, policy=Path(policy) if policy else None)
     drafter_dir = resolve_drafter(drafter, target)
     if drafter_dir is None:
         raise TrtspecError("give --drafter DIR: an engine holds the target and its drafter")

@@ -1,0 +1,335 @@
+"""The serving engine: many requests decoded together, each with its own block size.
+
+A background thread runs the loop: schedule -> run -> step -> emit. The *scheduler* admits
+queued requests between cycles into free cache slots (up to `max_running`), runs at most one
+prefill chunk per iteration (a long prompt never stalls the others for more than one chunk), and
+groups the decoding requests by their current block size. The *runner*
+(`trtspec.runtime.runners.batched`) makes one batched draft call and one batched verify call per
+group. Each request's own *controller* (the native core) accepts and commits its tokens, and the
+engine *emits* them to the request's callback. Requests leave on a stop id or their limit, or
+when cancelled, and their slots are reused at once.
+
+Front ends (`trtspec serve`, the Triton model, `Pipeline.generate_batch`, `bench --concurrency`)
+only translate requests and stream: `submit()` returns a `Request` handle; `on_commit` receives
+each cycle's newly committed token ids on the engine thread; `Request.result()` waits for the end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from trtspec.errors import Cancelled, TrtspecError
+from trtspec.export.bindings import PREFILL_LOGITS
+from trtspec.runtime.controller import Controller, Stepper, native_controller
+from trtspec.runtime.decode import Generation, GenerationConfig, check_built_size, check_request
+from trtspec.runtime.runners.batched import BatchRunner
+from trtspec.runtime.sampling import Sampler
+from trtspec.runtime.schedule import AUTO, BlockPolicy
+from trtspec.runtime.stats import DecodeStats
+
+OnCommit = Callable[[list[int]], None]
+
+
+class Busy(TrtspecError):
+    """The engine's queue is full; the caller should retry later (HTTP 429/503)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running: int = 8        # requests decoding together (cache slots)
+    max_queued: int = 64        # waiting requests beyond which submit() raises Busy
+    prefill_chunk: int = 256    # prompt tokens prefilled per loop iteration
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_queued", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise TrtspecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the engine holds right now (a server's gauges)."""
+
+    queued: int
+    running: int
+    block_sizes: tuple[int, ...]  # current block size of each running request that is decoding
+
+
+class Request:
+    """A handle on one submitted request. Thread-safe."""
+
+    def __init__(self, request_id: int, prompt: list[int], config: GenerationConfig,
+                 on_commit: OnCommit | None, on_finish: Callable[["Request"], None] | None):
+        self.id, self.prompt, self.config = request_id, prompt, config
+        self.on_commit, self.on_finish = on_commit, on_finish
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.tokens: list[int] = []
+        self.stats: DecodeStats | None = None
+        self.error: BaseException | None = None
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+
+    def cancel(self) -> None:
+        """Withdraw the request; its slot is freed before the next cycle."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Generation:
+        """The finished generation; raises the request's error, or `Cancelled`."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return Generation(self.tokens, self.stats)
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+        if self.on_finish is not None:
+            self.on_finish(self)
+
+
+@dataclass
+class _Active:
+    """A request in a slot: prefilling, then decoding."""
+
+    request: Request
+    slot: int
+    sampler: Sampler
+    limit: int
+    prefilled: int = 0
+    features: list[torch.Tensor] = field(default_factory=list)  # prefill features, chunk by chunk
+    tail_logits: list[torch.Tensor] = field(default_factory=list)
+    core: Controller | None = None
+    stepper: Stepper | None = None
+    context: torch.Tensor | None = None  # features the drafter cache lacks, [n, F]
+    stats: DecodeStats | None = None
+    began: float = field(default_factory=time.perf_counter)  # admission
+    prefill_s: float = 0.0
+    decoding_since: float = 0.0
+    calls: int = 0          # verify calls this request took part in
+    shared: int = 0         # requests in those calls, summed
+    emitted: int = 0        # committed tokens already handed to on_commit
+
+
+class Engine:
+    """Continuous batching over one `BatchRunner`: submit from any thread, decode on one."""
+
+    def __init__(self, runner: BatchRunner, policy: BlockPolicy | None = None, config: EngineConfig = EngineConfig(),
+                 stop_ids: tuple[int, ...] = (), chooser: Callable | None = None):
+        if config.max_running > runner.slots:
+            raise TrtspecError(f"max-running {config.max_running} exceeds the runner's {runner.slots} cache slots")
+        self.runner, self.policy, self.config, self.stop_ids = runner, policy, config, tuple(stop_ids)
+        self.chooser = chooser  # load-aware BlockPilot: (choice, load) -> choice (trtspec.blockpilot.load)
+        self._queue: deque[Request] = deque()
+        self._active: list[_Active] = []
+        self._free = list(range(config.max_running - 1, -1, -1))
+        self._ids = itertools.count()
+        self._wake = threading.Condition(threading.RLock())  # the engine thread re-enters it in _retire
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="trtspec-engine", daemon=True)
+        self._thread.start()
+
+    # ---- front-end side ------------------------------------------------------------------------
+
+    def submit(self, prompt: list[int], config: GenerationConfig, on_commit: OnCommit | None = None,
+               on_finish: Callable[[Request], None] | None = None) -> Request:
+        """Queue a request; a bad one is refused here (TrtspecError), a full queue raises Busy."""
+        config = config.with_stop_ids(self.stop_ids)
+        check_request(self.runner, list(prompt), config, self.policy)
+        request = Request(next(self._ids), list(prompt), config, on_commit, on_finish)
+        with self._wake:
+            if self._closed:
+                raise TrtspecError("the engine is shut down")
+            if len(self._queue) >= self.config.max_queued:
+                raise Busy(f"the engine is busy: {len(self._queue)} requests are waiting "
+                           f"(max-queued {self.config.max_queued}); retry later")
+            self._queue.append(request)
+            self._wake.notify()
+        return request
+
+    def load(self) -> Load:
+        with self._wake:
+            sizes = tuple(a.core.block_size(0) for a in self._active if a.core is not None)
+            return Load(len(self._queue), len(self._active), sizes)
+
+    def close(self, cancel: bool = True, timeout: float | None = 60.0) -> None:
+        """Stop taking requests; cancel what is queued and running (or let it finish), then stop."""
+        with self._wake:
+            self._closed = True
+            if cancel:
+                for request in list(self._queue) + [a.request for a in self._active]:
+                    request.cancel()
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- engine thread -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        """schedule -> run -> step -> emit, until closed and drained."""
+        while True:
+            with self._wake:
+                self._schedule()
+                if not self._active:
+                    if self._closed and not self._queue:
+                        return
+                    self._wake.wait(0.05)
+                    continue
+            try:
+                self._iteration()
+            except Exception as error:  # a fault of the runtime, not of one request: fail the batch, go on
+                for active in list(self._active):
+                    self._retire(active, error)
+
+    def _schedule(self) -> None:
+        """Drop cancelled requests; admit queued ones into free slots (under the lock)."""
+        for active in [a for a in self._active if a.request.cancelled]:
+            self._retire(active, Cancelled("the request was cancelled"))
+        for request in [r for r in self._queue if r.cancelled]:
+            self._queue.remove(request)
+            request._finish(Cancelled("the request was cancelled"))
+        while self._queue and self._free:
+            request = self._queue.popleft()
+            limit = min(request.config.max_new_tokens, self.runner.max_context - len(request.prompt))
+            self._active.append(_Active(request, self._free.pop(), Sampler(request.config.sampling, self.runner.device),
+                                        limit))
+
+    def _iteration(self) -> None:
+        prefilling = next((a for a in self._active if a.core is None), None)
+        if prefilling is not None:
+            self._prefill_chunk(prefilling)
+        groups: dict[int, list[_Active]] = {}
+        for active in self._active:
+            if active.core is not None and active.core.running:
+                groups.setdefault(active.core.block_size(0), []).append(active)
+        with torch.inference_mode():
+            for size, members in sorted(groups.items()):
+                if size > 1:
+                    self._draft(size, members)
+                self._verify(size, members)
+        for active in list(self._active):
+            self._emit(active)
+
+    def _prefill_chunk(self, active: _Active) -> None:
+        """One chunk of a prompt; after the last, the first token and the request's block size."""
+        request, began = active.request, time.perf_counter()
+        chunk = request.prompt[active.prefilled:active.prefilled + self.config.prefill_chunk]
+        with torch.inference_mode():
+            logits, features = self.runner.prefill(active.slot, chunk, active.prefilled)
+            active.prefilled += len(chunk)
+            if self.runner.mask_token_id is not None:
+                active.features.append(features.clone())
+            active.tail_logits = [torch.cat(active.tail_logits + [logits])[-PREFILL_LOGITS:].clone()]
+            active.prefill_s += time.perf_counter() - began
+            if active.prefilled < len(request.prompt):
+                return
+            self._start_decoding(active)
+
+    def _start_decoding(self, active: _Active) -> None:
+        request, config, began = active.request, active.request.config, time.perf_counter()
+        tail = active.tail_logits[0]
+        bonus = int(active.sampler.sample(tail[-1:])[0])
+        context = torch.cat(active.features) if active.features else None
+        block_size, grow_to, chosen = config.block_size, config.grow_to, config.block_size == AUTO
+        if chosen:
+            choice = self.policy.choose(context, tail)
+            if self.chooser is not None:
+                choice = self.chooser(choice, self.load())
+            block_size, grow_to = choice.size, choice.grow_to
+            for size in choice.sizes:
+                check_built_size(self.runner, size)
+        active.stats = DecodeStats(block_size=block_size, grow_to=grow_to, prompt_tokens=len(request.prompt),
+                                   prefill_s=active.prefill_s, auto=chosen,
+                                   policy_s=time.perf_counter() - began if chosen else 0.0,
+                                   queue_s=active.began - request.submitted)
+        active.core = native_controller([block_size], [active.limit], [config.stop_ids],
+                                        self.runner.mask_token_id or 0, [grow_to])
+        active.core.begin(0, bonus, len(request.prompt))
+        active.stepper = Stepper(active.core, None if config.sampling.greedy else active.sampler.sample)
+        active.context = context
+        active.features, active.tail_logits = [], []
+        active.decoding_since = began
+
+    def _draft(self, size: int, members: list[_Active]) -> None:
+        blocks = torch.stack([torch.from_numpy(a.core.draft_blocks[0, :size]) for a in members])
+        drafts = self.runner.draft([a.slot for a in members], [a.context for a in members], blocks,
+                                   [a.core.start(0) for a in members]).cpu().numpy()
+        for row, active in enumerate(members):
+            active.core.verify_blocks[0, 1:size] = drafts[row]
+            active.context = None  # the drafter cache holds it now
+
+    def _verify(self, size: int, members: list[_Active]) -> None:
+        blocks = torch.stack([torch.from_numpy(a.core.verify_blocks[0, :size]) for a in members])
+        logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
+        for row, active in enumerate(members):
+            active.stepper(logits[row])
+            active.calls += 1
+            active.shared += len(members)
+            if self.runner.mask_token_id is not None:
+                active.context = features[row, :active.core.accepted(0) + 1].clone()
+
+    def _emit(self, active: _Active) -> None:
+        """Hand newly committed tokens to the request; retire it when it has finished."""
+        core, request = active.core, active.request
+        if core is None:
+            return
+        count = core.count(0)
+        if count > active.emitted:
+            fresh = core.tokens[0, active.emitted:count].tolist()
+            active.emitted = count
+            request.tokens.extend(fresh)
+            if request.first_token_at is None:
+                request.first_token_at = time.perf_counter()
+            if request.on_commit is not None:
+                try:
+                    request.on_commit(fresh)
+                except Cancelled as error:
+                    self._retire(active, error)
+                    return
+                except Exception as error:  # the front end's callback failed: this request ends, others go on
+                    self._retire(active, error)
+                    return
+        if not core.running:
+            self._retire(active)
+
+    def _retire(self, active: _Active, error: BaseException | None = None) -> None:
+        """Free the slot at once and finish the request (with its statistics, or its error)."""
+        with self._wake:
+            if active not in self._active:
+                return
+            self._active.remove(active)
+            self._free.append(active.slot)
+        stats, core = active.stats, active.core
+        if stats is not None and core is not None:
+            width = max(stats.block_size, stats.grow_to)
+            stats.histogram = core.histograms[0, :width].tolist()
+            stats.grown_cycles, stats.ceilings = core.grown_cycles(0), core.ceilings(0)
+            stats.new_tokens = core.count(0)
+            stats.finish_reason = core.finish_reason(0) if error is None else "cancelled"
+            stats.decode_s = time.perf_counter() - active.decoding_since
+            stats.batch_mean = active.shared / active.calls if active.calls else 0.0
+            if active.request.first_token_at is not None:
+                stats.ttft_s = active.request.first_token_at - active.request.submitted
+        active.request.stats = stats
+        active.request._finish(error)
