@@ -277,9 +277,41 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cas
     assert server["process"].poll() is None
 
 
-def _max_running(repository) -> int:
+def _engine_parameter(repository, key: str) -> int:
     config = (repository / "trtspec" / "config.pbtxt").read_text()
-    return int(re.search(r'key: "max_running" value \{ string_value: "(\d+)" \}', config)[1])
+    return int(re.search(rf'key: "{key}" value {{ string_value: "(\d+)" }}', config)[1])
+
+
+def test_a_full_queue_answers_busy_at_once_and_queued_requests_can_be_cancelled(server):
+    """Long requests fill every slot and the whole queue: one more is refused at once with HTTP
+    503, and the others are still served; cancelling them all (the queued ones too) ends each."""
+    held = _engine_parameter(server["repo"], "max_running") + _engine_parameter(server["repo"], "max_queued")
+    client, results = grpc.InferenceServerClient(server["grpc"]), queue.Queue()
+    long = _inputs(grpc, PROMPT, max_tokens=np.int32(LONG_CONTEXT), block_size=np.int32(4))
+    calls = [client.async_infer("trtspec", long, callback=lambda result, error: results.put((result, error)))
+             for _ in range(held)]
+    try:
+        time.sleep(1.0)  # all submitted: the first ones decode for many seconds, the rest wait
+        began = time.monotonic()
+        with pytest.raises(InferenceServerException, match="busy") as raised, \
+                http.InferenceServerClient(server["http"]) as refused:
+            _ask(refused)
+        assert raised.value.status() == "503" and time.monotonic() - began < 5.0, raised.value
+        assert results.empty()  # none of the held requests was dropped
+    finally:
+        for call in calls:
+            call.cancel()
+    assert all(results.get(timeout=30)[1] is not None for _ in calls)  # each ends, with the cancellation
+    with http.InferenceServerClient(server["http"]) as fresh:
+        deadline = time.monotonic() + 10.0  # the instance notices within CANCEL_POLL_S: every slot and place frees
+        while True:
+            try:
+                assert _ask(fresh)[0]  # served as usual once they are gone
+                break
+            except InferenceServerException as exc:
+                if exc.status() != "503" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 @pytest.mark.parametrize("model", ["trtspec", "trtspec_stream"])
@@ -287,7 +319,7 @@ def test_cancelled_requests_free_their_slots_at_once(server, model):
     """Every slot of the instance's engine is taken by a request that would decode the whole
     context (many seconds); the clients cancel them all once they run. The next request must be
     admitted at once and decode alone: no cycle shared with a cancelled request."""
-    slots, results = _max_running(server["repo"]), queue.Queue()
+    slots, results = _engine_parameter(server["repo"], "max_running"), queue.Queue()
     long = _inputs(grpc, PROMPT, max_tokens=np.int32(LONG_CONTEXT), block_size=np.int32(4))
     clients = [grpc.InferenceServerClient(server["grpc"]) for _ in range(slots)]
     if model == "trtspec_stream":
