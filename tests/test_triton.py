@@ -277,8 +277,8 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cas
     assert server["process"].poll() is None
 
 
-def _engine_parameter(repository, key: str) -> int:
-    config = (repository / "trtspec" / "config.pbtxt").read_text()
+def _engine_parameter(repository, key: str, model: str = "trtspec") -> int:
+    config = (repository / model / "config.pbtxt").read_text()
     return int(re.search(rf'key: "{key}" value {{ string_value: "(\d+)" }}', config)[1])
 
 
@@ -369,6 +369,24 @@ def test_triton_repo_refuses_a_damaged_engine(tmp_path, ort_engine_dir):
     result = trtspec("triton-repo", "--engine", engine, "-o", tmp_path / "repo")
     assert result.returncode == 1 and b"rebuild the engine" in result.stderr
     assert not (tmp_path / "repo").exists()
+
+
+def test_triton_repo_sizes_each_instance_engine(tmp_path, ort_engine_dir):
+    """The engine settings go into each model's config.pbtxt; more running requests than the
+    engine was built to batch are refused before anything is written."""
+    from trtspec.engines.manifest import read_manifest
+    from trtspec.errors import TrtspecError
+    from trtspec.runtime.engine import EngineConfig
+    from trtspec.serving.triton import write_repository
+
+    write_repository(ort_engine_dir, tmp_path / "repo", engine=EngineConfig(max_running=3, max_queued=5))
+    for model in ("trtspec", "trtspec_stream"):
+        assert _engine_parameter(tmp_path / "repo", "max_running", model) == 3
+        assert _engine_parameter(tmp_path / "repo", "max_queued", model) == 5
+    too_many = read_manifest(ort_engine_dir).max_batch + 1
+    with pytest.raises(TrtspecError, match=f"max-running {too_many} exceeds the {too_many - 1} requests"):
+        write_repository(ort_engine_dir, tmp_path / "other", engine=EngineConfig(max_running=too_many))
+    assert not (tmp_path / "other").exists()
 
 
 def test_dockerfile_lints_clean():

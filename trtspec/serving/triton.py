@@ -79,7 +79,10 @@ def write_repository(engine_dir: Path, output: Path, name: str = "trtspec", inst
         raise TrtspecError(f"--name must be letters, digits, '-' or '_', got {name!r}")
     check_output_dir(output, TRITON_REPOSITORY, [engine_dir])  # before anything else: never replace foreign data
     engine_dir = engine_dir.resolve()
-    read_manifest(engine_dir)  # refuse a missing or damaged engine now, not when Triton loads it
+    manifest = read_manifest(engine_dir)  # refuse a missing or damaged engine now, not when Triton loads it
+    if engine.max_running > manifest.max_batch:
+        raise TrtspecError(f"max-running {engine.max_running} exceeds the {manifest.max_batch} requests the engine "
+                           f"batches (rebuild with --max-batch)")
     models = {name: False, f"{name}_stream": True}
     with staged_directory(output, TRITON_REPOSITORY, [engine_dir]) as staging:
         for model, decoupled in models.items():
