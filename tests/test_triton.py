@@ -283,26 +283,30 @@ def _engine_parameter(repository, key: str, model: str = "trtspec") -> int:
 
 
 def test_a_full_queue_answers_busy_at_once_and_queued_requests_can_be_cancelled(server):
-    """Long requests fill every slot and the whole queue: one more is refused at once with HTTP
-    503, and the others are still served; cancelling them all (the queued ones too) ends each."""
+    """Long requests (many seconds each) fill every slot and the whole queue, and four more come:
+    exactly those four are refused at once, as "busy" (HTTP 503 once the queue is known full), and
+    none of the held ones; cancelling them all (the queued ones too) ends each and frees the
+    instance."""
     held = _engine_parameter(server["repo"], "max_running") + _engine_parameter(server["repo"], "max_queued")
     client, results = grpc.InferenceServerClient(server["grpc"]), queue.Queue()
     long = _inputs(grpc, PROMPT, max_tokens=np.int32(LONG_CONTEXT), block_size=np.int32(4))
     calls = [client.async_infer("trtspec", long, callback=lambda result, error: results.put((result, error)))
-             for _ in range(held)]
+             for _ in range(held + 4)]
     try:
-        time.sleep(1.0)  # all submitted: the first ones decode for many seconds, the rest wait
-        began = time.monotonic()
-        with pytest.raises(InferenceServerException, match="busy") as raised, \
-                http.InferenceServerClient(server["http"]) as refused:
-            _ask(refused)
+        refusals = [results.get(timeout=30) for _ in range(4)]  # in whatever order Triton hands them over
+        assert all(error is not None and "busy" in error.message() for _, error in refusals), refusals
+        with http.InferenceServerClient(server["http"], network_timeout=20.0) as refused:
+            began = time.monotonic()
+            with pytest.raises(InferenceServerException, match="busy") as raised:
+                _ask(refused)
         assert raised.value.status() == "503" and time.monotonic() - began < 5.0, raised.value
         assert results.empty()  # none of the held requests was dropped
     finally:
         for call in calls:
             call.cancel()
-    assert all(results.get(timeout=30)[1] is not None for _ in calls)  # each ends, with the cancellation
-    with http.InferenceServerClient(server["http"]) as fresh:
+    ended = [results.get(timeout=30) for _ in range(held)]
+    assert all(error is not None for _, error in ended)  # each ends, with the cancellation
+    with http.InferenceServerClient(server["http"], network_timeout=20.0) as fresh:
         deadline = time.monotonic() + 10.0  # the instance notices within CANCEL_POLL_S: every slot and place frees
         while True:
             try:
