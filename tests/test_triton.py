@@ -4,6 +4,7 @@ over HTTP and gRPC with tritonclient, started and stopped through `trtspec trito
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -74,7 +75,7 @@ def server(long_engine_dir, tmp_path_factory):
     process = subprocess.Popen([sys.executable, "-m", "trtspec", "triton-serve", repo, "--http-port", str(http_port),
                                 "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    client = http.InferenceServerClient(f"127.0.0.1:{http_port}", concurrency=8)
+    client = http.InferenceServerClient(f"127.0.0.1:{http_port}")
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -87,8 +88,9 @@ def server(long_engine_dir, tmp_path_factory):
                 raise AssertionError("tritonserver did not become ready:\n" +
                                      (repo.parent / "server.log").read_text(errors="replace")[-3000:])
             time.sleep(0.5)
+        client.close()  # an open connection would hold the server's shutdown for its 30 s exit timeout
         yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "process": process,
-               "engine": long_engine_dir}
+               "engine": long_engine_dir, "repo": repo}
     finally:
         process.send_signal(signal.SIGINT)  # as Ctrl-C: triton-serve stops its server cleanly
         try:
@@ -138,54 +140,91 @@ def test_http_greedy_output_equals_trtspec_run(server, tmp_path):
 
 
 def test_grpc_streaming_delivers_the_same_text_in_pieces(server):
-    expected, _ = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(8))
-    client, results = grpc.InferenceServerClient(server["grpc"]), queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    """Four streams at once: each delivers the text of the plain model in pieces, as the cycles
+    it shares with the others commit."""
+    expected, _ = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(8), max_tokens=np.int32(64))
+    clients = [grpc.InferenceServerClient(server["grpc"]) for _ in range(4)]
+    streams = [queue.Queue() for _ in clients]
+    for client, results in zip(clients, streams):
+        client.start_stream(callback=lambda result, error, results=results: results.put((result, error)))
     try:
-        client.async_stream_infer("trtspec_stream", _inputs(grpc, PROMPT, max_tokens=np.int32(MAX_TOKENS),
-                                                            block_size=np.int32(8)))
-        pieces, stats = [], {}
-        while not stats:
-            result, error = results.get(timeout=120)
-            assert error is None, error
-            pieces.append(result.as_numpy("text_output")[0].decode())
-            stats = json.loads(result.as_numpy("stats")[0])
+        for client in clients:
+            client.async_stream_infer("trtspec_stream", _inputs(grpc, PROMPT, max_tokens=np.int32(64),
+                                                                block_size=np.int32(8)))
+        shared = []
+        for results in streams:
+            pieces, stats = [], {}
+            while not stats:
+                result, error = results.get(timeout=120)
+                assert error is None, error
+                pieces.append(result.as_numpy("text_output")[0].decode())
+                stats = json.loads(result.as_numpy("stats")[0])
+            assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1
+            assert stats["new_tokens"] >= 1
+            shared.append(stats["batch_mean"])
     finally:
-        client.stop_stream()
-    assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1
-    assert stats["new_tokens"] >= 1
+        for client in clients:
+            client.stop_stream()
+    assert max(shared) > 1.0, f"the streams shared no cycle: batch_mean {shared}"
 
 
-def test_concurrent_clients_with_mixed_temperatures(server):
+PROMPTS = ["def add(a, b):\n", "class Point:\n", "import os\n", "for i in range(3):\n"]
+SCHEDULES = ({"block_size": np.int32(1)}, {"block_size": np.int32(4)}, {"block_size": np.int32(8)},
+             {"block_size": np.int32(4), "grow_to": np.int32(8)})  # AR, two fixed sizes, a growing block
+# every greedy case: a prompt, a block schedule and a limit (limits that land mid-block)
+GREEDY = [(prompt, schedule, 40 + 3 * p + s) for p, prompt in enumerate(PROMPTS) for s, schedule in enumerate(SCHEDULES)]
+
+
+def _greedy(client, case):
+    prompt, schedule, limit = case
+    return _ask(client, prompt, max_tokens=np.int32(limit), **schedule)
+
+
+def test_sixteen_concurrent_clients_share_batched_cycles(server):
+    """16 clients at once on one model instance: greedy requests with AR, fixed and growing
+    blocks, sampled ones, and bad ones. The greedy texts equal the same requests served alone, the
+    statistics show that requests shared their cycles, and each bad request gets its own error."""
     client = http.InferenceServerClient(server["http"])
-    prompts = ["def add(a, b):\n", "class Point:\n", "import os\n", "for i in range(3):\n"]
-    sequential = {p: _ask(client, p)[0] for p in prompts}
-    outcomes, failures = [], []
+    sequential = [_greedy(client, case) for case in GREEDY]  # each alone: it shares no cycle
+    assert all(stats["batch_mean"] == 1.0 for _, stats in sequential), sequential
+    outcomes, refused, failures = [], [], []
+    start = threading.Barrier(16)
 
     def worker(number: int) -> None:
         own = http.InferenceServerClient(server["http"])  # one client per thread (the HTTP client is gevent-based)
-        for request in range(10):
-            prompt = prompts[(number + request) % len(prompts)]
-            greedy = request % 2 == 0
-            scalars = {} if greedy else {"temperature": np.float32(1.0), "seed": np.int64(number * 100 + request)}
+        start.wait(timeout=60)
+        for request in range(4):
             try:
-                outcomes.append((prompt, greedy, *_ask(own, prompt, **scalars)))
-            except Exception as exc:  # noqa: BLE001 - every failure is reported below
+                if request == 1:  # sampled
+                    outcomes.append((None, *_ask(own, PROMPTS[number % 4], max_tokens=np.int32(48),
+                                                 temperature=np.float32(1.0), seed=np.int64(number))))
+                elif request == 2 and number % 4 == 0:  # bad: a block size the engine lacks
+                    with pytest.raises(InferenceServerException, match="block size 16 is not among them") as bad:
+                        _ask(own, block_size=np.int32(16))
+                    refused.append(bad.value.status())
+                else:
+                    case = (number + 5 * request) % len(GREEDY)
+                    outcomes.append((case, *_greedy(own, GREEDY[case])))
+            except BaseException as exc:  # noqa: BLE001 - every failure is reported below
                 failures.append(repr(exc))
 
     began = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(16)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(timeout=300)
     elapsed = time.perf_counter() - began
-    assert not failures and len(outcomes) == 80
-    for prompt, greedy, text, _ in outcomes:
-        if greedy:
-            assert text == sequential[prompt]
+    assert not failures and len(outcomes) == 16 * 4 - 4 and refused == ["400"] * 4, failures
+    for case, text, _ in outcomes:
+        if case is not None:
+            assert text == sequential[case][0], GREEDY[case]
+    shared = sorted(stats["batch_mean"] for *_, stats in outcomes)
+    assert all({"batch_mean", "queue_s", "ttft_s"} <= set(stats) for *_, stats in outcomes)
+    assert shared[len(shared) // 2] >= 2.0, f"the requests did not share their cycles: batch_mean {shared}"
     tokens = sum(stats["new_tokens"] for *_, stats in outcomes)
-    print(f"\n8 clients x 10 requests: {len(outcomes) / elapsed:.2f} requests/s, {tokens / elapsed:.1f} tokens/s")
+    print(f"\n16 clients x 4 requests: {len(outcomes) / elapsed:.2f} requests/s, {tokens / elapsed:.1f} tokens/s, "
+          f"batch_mean median {shared[len(shared) // 2]:.1f}, max {shared[-1]:.1f}")
 
 
 @pytest.mark.parametrize("case, message", [
@@ -238,35 +277,91 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cas
     assert server["process"].poll() is None
 
 
-@pytest.mark.parametrize("model", ["trtspec", "trtspec_stream"])
-def test_a_cancelled_request_frees_its_instance_at_once(server, model):
-    """Each model has one instance. A request that would decode the whole context (many seconds)
-    is cancelled once it is running; the next request must not wait for it to finish."""
+def _engine_parameter(repository, key: str, model: str = "trtspec") -> int:
+    config = (repository / model / "config.pbtxt").read_text()
+    return int(re.search(rf'key: "{key}" value {{ string_value: "(\d+)" }}', config)[1])
+
+
+def test_a_full_queue_answers_busy_at_once_and_queued_requests_can_be_cancelled(server):
+    """Long requests (many seconds each) fill every slot and the whole queue, and four more come:
+    exactly those four are refused at once, as "busy" (HTTP 503 once the queue is known full), and
+    none of the held ones; cancelling them all (the queued ones too) ends each and frees the
+    instance."""
+    held = _engine_parameter(server["repo"], "max_running") + _engine_parameter(server["repo"], "max_queued")
     client, results = grpc.InferenceServerClient(server["grpc"]), queue.Queue()
     long = _inputs(grpc, PROMPT, max_tokens=np.int32(LONG_CONTEXT), block_size=np.int32(4))
+    calls = [client.async_infer("trtspec", long, callback=lambda result, error: results.put((result, error)))
+             for _ in range(held + 4)]
+    try:
+        refusals = [results.get(timeout=30) for _ in range(4)]  # in whatever order Triton hands them over
+        assert all(error is not None and "busy" in error.message() for _, error in refusals), refusals
+        with http.InferenceServerClient(server["http"], network_timeout=20.0) as refused:
+            began = time.monotonic()
+            with pytest.raises(InferenceServerException, match="busy") as raised:
+                _ask(refused)
+        assert raised.value.status() == "503" and time.monotonic() - began < 5.0, raised.value
+        assert results.empty()  # none of the held requests was dropped
+    finally:
+        for call in calls:
+            call.cancel()
+    ended = [results.get(timeout=30) for _ in range(held)]
+    assert all(error is not None for _, error in ended)  # each ends, with the cancellation
+    with http.InferenceServerClient(server["http"], network_timeout=20.0) as fresh:
+        deadline = time.monotonic() + 10.0  # the instance notices within CANCEL_POLL_S: every slot and place frees
+        while True:
+            try:
+                assert _ask(fresh)[0]  # served as usual once they are gone
+                break
+            except InferenceServerException as exc:
+                if exc.status() != "503" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+
+@pytest.mark.parametrize("model", ["trtspec", "trtspec_stream"])
+def test_cancelled_requests_free_their_slots_at_once(server, model):
+    """Every slot of the instance's engine is taken by a request that would decode the whole
+    context (many seconds); the clients cancel them all once they run. The next request must be
+    admitted at once and decode alone: no cycle shared with a cancelled request."""
+    slots, results = _engine_parameter(server["repo"], "max_running"), queue.Queue()
+    long = _inputs(grpc, PROMPT, max_tokens=np.int32(LONG_CONTEXT), block_size=np.int32(4))
+    clients = [grpc.InferenceServerClient(server["grpc"]) for _ in range(slots)]
     if model == "trtspec_stream":
-        client.start_stream(callback=lambda result, error: results.put((result, error)))
-        client.async_stream_infer(model, long)
-        assert results.get(timeout=120)[1] is None  # the first piece: decoding is under way
-        client.stop_stream(cancel_requests=True)
+        for client in clients:  # one stream per client
+            client.start_stream(callback=lambda result, error: results.put((result, error)))
+            client.async_stream_infer(model, long)
+        for _ in clients:
+            assert results.get(timeout=120)[1] is None  # a first piece: decoding is under way
+        for client in clients:
+            client.stop_stream(cancel_requests=True)
     else:
-        call = client.async_infer(model, long, callback=lambda result, error: results.put((result, error)))
-        time.sleep(1.0)  # let it start decoding
-        call.cancel()
+        calls = [client.async_infer(model, long, callback=lambda result, error: results.put((result, error)))
+                 for client in clients]
+        time.sleep(1.5)  # let them all start decoding
+        for call in calls:
+            call.cancel()
+    time.sleep(0.5)  # the instance notices within CANCEL_POLL_S and frees the slots before its next cycle
     began = time.monotonic()
     short = _inputs(grpc, PROMPT, max_tokens=np.int32(4), block_size=np.int32(4), stream=np.bool_(False))
     fresh = grpc.InferenceServerClient(server["grpc"])
-    if model == "trtspec_stream":
-        done = queue.Queue()
-        fresh.start_stream(callback=lambda result, error: done.put((result, error)))
-        fresh.async_stream_infer(model, short)
-        result, error = done.get(timeout=120)
-        fresh.stop_stream()
-    else:
-        result, error = fresh.infer(model, short), None
+    try:  # bounded: a request that waits for a cancelled one's slot would wait for the whole context
+        if model == "trtspec_stream":
+            done = queue.Queue()
+            fresh.start_stream(callback=lambda result, error: done.put((result, error)))
+            fresh.async_stream_infer(model, short)
+            result, error = done.get(timeout=30)
+            fresh.stop_stream()
+        else:
+            result, error = fresh.infer(model, short, client_timeout=30), None
+    except (queue.Empty, InferenceServerException) as exc:
+        raise AssertionError(f"the next request got no answer within 30 s: the cancelled ones kept their slots "
+                             f"({exc!r})") from None
     waited = time.monotonic() - began
-    assert error is None and json.loads(result.as_numpy("stats")[0])["new_tokens"] == 4
-    assert waited < 5.0, f"the next request waited {waited:.1f} s: the cancelled one kept decoding"
+    assert error is None, error
+    stats = json.loads(result.as_numpy("stats")[0])
+    assert stats["new_tokens"] == 4
+    assert waited < 5.0, f"the next request waited {waited:.1f} s: the cancelled ones kept their slots"
+    assert stats["queue_s"] < 1.0 and stats["batch_mean"] == 1.0, stats
 
 
 def test_triton_repo_refuses_a_damaged_engine(tmp_path, ort_engine_dir):
@@ -278,6 +373,24 @@ def test_triton_repo_refuses_a_damaged_engine(tmp_path, ort_engine_dir):
     result = trtspec("triton-repo", "--engine", engine, "-o", tmp_path / "repo")
     assert result.returncode == 1 and b"rebuild the engine" in result.stderr
     assert not (tmp_path / "repo").exists()
+
+
+def test_triton_repo_sizes_each_instance_engine(tmp_path, ort_engine_dir):
+    """The engine settings go into each model's config.pbtxt; more running requests than the
+    engine was built to batch are refused before anything is written."""
+    from trtspec.engines.manifest import read_manifest
+    from trtspec.errors import TrtspecError
+    from trtspec.runtime.engine import EngineConfig
+    from trtspec.serving.triton import write_repository
+
+    write_repository(ort_engine_dir, tmp_path / "repo", engine=EngineConfig(max_running=3, max_queued=5))
+    for model in ("trtspec", "trtspec_stream"):
+        assert _engine_parameter(tmp_path / "repo", "max_running", model) == 3
+        assert _engine_parameter(tmp_path / "repo", "max_queued", model) == 5
+    too_many = read_manifest(ort_engine_dir).max_batch + 1
+    with pytest.raises(TrtspecError, match=f"max-running {too_many} exceeds the {too_many - 1} requests"):
+        write_repository(ort_engine_dir, tmp_path / "other", engine=EngineConfig(max_running=too_many))
+    assert not (tmp_path / "other").exists()
 
 
 def test_dockerfile_lints_clean():

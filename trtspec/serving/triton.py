@@ -2,7 +2,9 @@
 
 The repository holds two python-backend models over the same engine directory: NAME (one
 response per request; HTTP and gRPC) and NAME_stream (decoupled: committed text streams per
-cycle over gRPC). Their config.pbtxt files are generated here; each `model.py` only imports
+cycle over gRPC). Each model instance decodes all its requests together in one batched engine,
+whose settings (max_running, max_queued, prefill_chunk) are parameters of the model's
+config.pbtxt. The config.pbtxt files are generated here; each `model.py` only imports
 `trtspec.serving.triton_model`, so the serving code is the installed package's.
 
 The server is the one shipped in the nvidia-pytriton wheel, or the `tritonserver` on PATH. Its
@@ -27,6 +29,7 @@ from pathlib import Path
 from trtspec.errors import TrtspecError
 from trtspec.fileio import TRITON_REPOSITORY, check_output_dir, staged_directory
 from trtspec.engines.manifest import read_manifest
+from trtspec.runtime.engine import EngineConfig
 
 INPUTS = (  # name, Triton dtype, optional
     ("text_input", "TYPE_STRING", False),
@@ -44,7 +47,11 @@ from trtspec.serving.triton_model import TritonPythonModel  # noqa: F401
 '''
 
 
-def model_config(name: str, engine_dir: Path, instances: int, decoupled: bool, threads: int) -> str:
+ENGINE_PARAMETERS = ("max_running", "max_queued", "prefill_chunk")  # EngineConfig fields, as model parameters
+
+
+def model_config(name: str, engine_dir: Path, instances: int, decoupled: bool, threads: int,
+                 engine: EngineConfig = EngineConfig()) -> str:
     """config.pbtxt of one model (protobuf text format)."""
     lines = [f'name: "{name}"', 'backend: "python"', "max_batch_size: 0"]
     if decoupled:
@@ -55,27 +62,33 @@ def model_config(name: str, engine_dir: Path, instances: int, decoupled: bool, t
     for tensor, dtype in OUTPUTS:
         lines.append(f'output {{ name: "{tensor}" data_type: {dtype} dims: [ 1 ] }}')
     lines.append(f"instance_group {{ count: {instances} kind: KIND_CPU }}")
-    for key, value in (("engine_dir", str(engine_dir)), ("threads", str(threads))):
+    parameters = [("engine_dir", str(engine_dir)), ("threads", str(threads))]
+    parameters += [(key, str(getattr(engine, key))) for key in ENGINE_PARAMETERS]
+    for key, value in parameters:
         lines.append(f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}')
     return "\n".join(lines) + "\n"
 
 
 def write_repository(engine_dir: Path, output: Path, name: str = "trtspec", instances: int = 1,
-                     threads: int = 0) -> list[str]:
-    """Write the model repository (atomically); returns the model names."""
+                     threads: int = 0, engine: EngineConfig = EngineConfig()) -> list[str]:
+    """Write the model repository (atomically); returns the model names. `engine` sizes the batched
+    engine of each model instance."""
     if instances < 1:
         raise TrtspecError(f"--instances must be >= 1, got {instances}")
     if not name.replace("_", "").replace("-", "").isalnum():
         raise TrtspecError(f"--name must be letters, digits, '-' or '_', got {name!r}")
     check_output_dir(output, TRITON_REPOSITORY, [engine_dir])  # before anything else: never replace foreign data
     engine_dir = engine_dir.resolve()
-    read_manifest(engine_dir)  # refuse a missing or damaged engine now, not when Triton loads it
+    manifest = read_manifest(engine_dir)  # refuse a missing or damaged engine now, not when Triton loads it
+    if engine.max_running > manifest.max_batch:
+        raise TrtspecError(f"max-running {engine.max_running} exceeds the {manifest.max_batch} requests the engine "
+                           f"batches (rebuild with --max-batch)")
     models = {name: False, f"{name}_stream": True}
     with staged_directory(output, TRITON_REPOSITORY, [engine_dir]) as staging:
         for model, decoupled in models.items():
             (staging / model / "1").mkdir(parents=True)
             (staging / model / "config.pbtxt").write_text(
-                model_config(model, engine_dir, instances, decoupled, threads), encoding="utf-8")
+                model_config(model, engine_dir, instances, decoupled, threads, engine), encoding="utf-8")
             (staging / model / "1" / "model.py").write_text(MODEL_PY, encoding="utf-8")
     return list(models)
 

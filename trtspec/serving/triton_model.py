@@ -1,21 +1,34 @@
-"""The Triton python-backend model: one engine per model instance, one request at a time.
+"""The Triton python-backend model: every request of a model instance joins one batched engine.
 
 Triton imports this through the generated `model.py` of a repository made by
 `trtspec triton-repo`. Requests carry `text_input` and optional `max_tokens`, `temperature`,
 `seed`, `block_size` (0 = auto), `grow_to` (a growing block B:G; 0 = none) and `stream`; responses
-carry `text_output` and `stats` (JSON).
-In the decoupled (streaming) model each cycle's committed text is sent as it is produced,
-followed by a final empty response with the statistics. A bad request gets its own error
-response; the instance keeps serving the others. A request the client cancels (a closed stream,
-a dropped call) stops decoding within a cycle or `CANCEL_POLL_S`, so the instance is free for the
-next one instead of finishing work nobody will read.
+carry `text_output` and `stats` (JSON, including `batch_mean`: how many requests shared this
+request's cycles on average, `queue_s` and `ttft_s`).
+
+Each instance owns one `trtspec.runtime.engine.Engine` (a background thread that decodes all its
+requests together). `execute()` only translates each request and submits it, then returns at
+once, so the next requests join the running batch instead of waiting for the instance; every
+response goes back through the request's response sender:
+
+* NAME_stream (decoupled) sends each cycle's committed text as the cycle commits, then a final
+  empty response with the statistics (`stream` false: one response with the whole text).
+* NAME is not decoupled (Triton's HTTP and unary gRPC endpoints refuse decoupled models), but
+  it answers the same way: one response per request, sent when the request finishes.
+
+The engine thread's callbacks only queue events; one *outbox* thread per instance turns them
+into text and responses and sends them, and every CANCEL_POLL_S asks Triton which requests the
+client has cancelled (a closed stream, a dropped call) and withdraws them from the engine, which
+frees their slots before its next cycle. A bad request gets its own error response (HTTP 400; a
+full queue: 503) and the others keep decoding.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
-from typing import Callable
 
 import numpy as np
 
@@ -25,25 +38,11 @@ except ImportError:  # pragma: no cover - imported for documentation or tests ou
     pb_utils = None
 
 from trtspec.errors import Cancelled, TrtspecError
+from trtspec.runtime.engine import Busy
+from trtspec.serving.triton import ENGINE_PARAMETERS
 
 DEFAULT_MAX_TOKENS = 256
 CANCEL_POLL_S = 0.05  # asking Triton is a round trip to the server process: at most this often
-
-
-def cancel_probe(is_cancelled: Callable[[], bool] | None) -> Callable[[], bool] | None:
-    """A `cancelled` callable for `Pipeline.generate` that asks Triton at most every CANCEL_POLL_S."""
-    if is_cancelled is None:  # a python backend older than request cancellation
-        return None
-    last = time.monotonic()
-
-    def cancelled() -> bool:
-        nonlocal last
-        now = time.monotonic()
-        if now - last < CANCEL_POLL_S:
-            return False
-        last = now
-        return bool(is_cancelled())
-    return cancelled
 
 
 def _scalar(request, name: str, default):
@@ -66,11 +65,135 @@ def _text(request) -> str:
         raise TrtspecError("text_input is not valid UTF-8") from None
 
 
+def _error(exc: BaseException, code: str):
+    """An error response in one line, with Triton's error code `code` where the backend has codes
+    (INVALID_ARG: HTTP 400; UNAVAILABLE: 503; CANCELLED; INTERNAL: 500)."""
+    message = " ".join(str(exc).split())
+    code = getattr(pb_utils.TritonError, code, None)
+    error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(error=error)
+
+
+def _response(text: str, stats: dict | None):
+    tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+               pb_utils.Tensor("stats", np.array([json.dumps(stats or {}).encode()], dtype=np.object_))]
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+class _Call:
+    """One Triton request in flight: its response sender, the engine's handle and, when it
+    streams, the text sent so far. Only the outbox thread touches it after submission."""
+
+    def __init__(self, sender, streamer=None):
+        self.sender, self.streamer = sender, streamer
+        self.request = None  # the engine's Request, once submitted
+        self.sent: list[str] = []
+        self.finished = False
+
+
+class _Outbox:
+    """The instance's sending thread: events from the engine thread and from execute() become
+    responses, in order; between events it polls the live calls for cancellation."""
+
+    COMMIT, FINISH, LIVE, REFUSED, STOP = range(5)
+
+    def __init__(self, codec, decoupled: bool):
+        self.codec, self.decoupled = codec, decoupled
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.live: set[_Call] = set()
+        self.thread = threading.Thread(target=self._run, name="trtspec-outbox", daemon=True)
+        self.thread.start()
+
+    def put(self, kind: int, call: _Call | None = None, payload=None) -> None:
+        self.events.put((kind, call, payload))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.put(self.STOP)
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        next_poll = time.monotonic() + CANCEL_POLL_S
+        while True:
+            try:
+                kind, call, payload = self.events.get(timeout=max(next_poll - time.monotonic(), 0.0))
+            except queue.Empty:
+                kind = None
+            if kind == self.STOP:
+                return
+            try:
+                if kind is not None:
+                    self._handle(kind, call, payload)
+                if time.monotonic() >= next_poll:
+                    self._poll_cancelled()
+                    next_poll = time.monotonic() + CANCEL_POLL_S
+            except Exception as exc:  # noqa: BLE001 - one failed send must not stop the others
+                _log_error(f"trtspec: sending a response failed: {exc!r}")
+
+    def _handle(self, kind: int, call: _Call, payload) -> None:
+        if kind == self.LIVE:
+            if not call.finished:  # a request may finish before execute() registers it
+                self.live.add(call)
+        elif kind == self.COMMIT:
+            for token in payload:
+                piece = call.streamer.step(self.codec.tokenizer, token)
+                if piece:
+                    call.sent.append(piece)
+                    call.sender.send(_response(piece, None))
+        elif kind == self.FINISH:
+            call.finished = True
+            self.live.discard(call)
+            self._finish(call, payload)
+        elif kind == self.REFUSED:
+            call.finished = True
+            code = "UNAVAILABLE" if isinstance(payload, Busy) else "INVALID_ARG"
+            call.sender.send(_error(payload, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _finish(self, call: _Call, request) -> None:
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            generation = request.result(timeout=0)
+        except Cancelled as exc:
+            if self.decoupled:
+                call.sender.send(flags=final)  # nobody reads a response any more; only close the stream
+            else:  # a non-decoupled request must be answered once
+                call.sender.send(_error(exc, "CANCELLED"), flags=final)
+            return
+        except TrtspecError as exc:
+            call.sender.send(_error(exc, "INVALID_ARG"), flags=final)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug: the request fails, the instance keeps serving
+            _log_error(f"trtspec: request failed: {exc!r}")
+            call.sender.send(_error(exc, "INTERNAL"), flags=final)
+            return
+        text, stats = self.codec.decode(generation.tokens), generation.stats.to_dict()
+        if call.streamer is None:
+            call.sender.send(_response(text, stats), flags=final)
+            return
+        sent = "".join(call.sent)
+        if text != sent and text.startswith(sent):  # bytes the streamer held back (unfinished UTF-8)
+            call.sender.send(_response(text[len(sent):], None))
+        call.sender.send(_response("", stats), flags=final)
+
+    def _poll_cancelled(self) -> None:
+        for call in list(self.live):
+            is_cancelled = getattr(call.sender, "is_cancelled", None)  # absent before request cancellation
+            if is_cancelled is not None and is_cancelled():
+                call.request.cancel()  # the engine frees its slot and finishes it with Cancelled
+                self.live.discard(call)
+
+
+def _log_error(message: str) -> None:
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is not None:
+        logger.log_error(message)
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         import torch
 
         from trtspec.api import Pipeline
+        from trtspec.runtime.engine import EngineConfig
         from trtspec.runtime.sampling import SamplingConfig
 
         config = json.loads(args["model_config"])
@@ -81,6 +204,9 @@ class TritonPythonModel:
         self.pipeline = Pipeline(engine=parameters["engine_dir"], device=parameters.get("device", "auto"))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self._sampling = SamplingConfig
+        self.engine = self.pipeline.engine(EngineConfig(**{key: int(parameters[key]) for key in ENGINE_PARAMETERS
+                                                           if key in parameters}))
+        self.outbox = _Outbox(self.pipeline.codec, self.decoupled)
 
     def _config(self, request):
         """The request's fields as a GenerationConfig, whose checks (trtspec.limits, shared with the
@@ -94,62 +220,31 @@ class TritonPythonModel:
                                 grow_to=_scalar(request, "grow_to", 0),
                                 max_new_tokens=_scalar(request, "max_tokens", DEFAULT_MAX_TOKENS), sampling=sampling)
 
-    @staticmethod
-    def _error(exc: Exception):
-        """A per-request error, in one line; INVALID_ARG (HTTP 400) where the backend supports error codes."""
-        message = " ".join(str(exc).split())
-        code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
-        error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
-        return pb_utils.InferenceResponse(error=error)
-
-    @staticmethod
-    def _response(text: str, stats: dict | None):
-        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
-        tensors.append(pb_utils.Tensor("stats", np.array([json.dumps(stats or {}).encode()], dtype=np.object_)))
-        return pb_utils.InferenceResponse(output_tensors=tensors)
-
-    def _generate(self, request, on_text=None, is_cancelled=None) -> tuple[str, dict]:
-        result = self.pipeline.generate(_text(request), self._config(request), on_text=on_text,
-                                        cancelled=cancel_probe(is_cancelled))
-        stats = result.generation.stats.to_dict()
-        return result.text, stats
-
-    @staticmethod
-    def _cancelled_response():
-        code = getattr(pb_utils.TritonError, "CANCELLED", None)
-        message = "the request was cancelled"
-        error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
-        return pb_utils.InferenceResponse(error=error)
-
     def execute(self, requests):
-        if self.decoupled:
-            for request in requests:
-                self._stream(request)
-            return None
-        responses = []
+        """Submit every request to the engine and return at once; the outbox answers them."""
         for request in requests:
+            call = _Call(request.get_response_sender())
             try:
-                responses.append(self._response(*self._generate(request, is_cancelled=getattr(
-                    request, "is_cancelled", None))))
-            except TrtspecError as exc:
-                responses.append(self._error(exc))
-            except Cancelled:
-                responses.append(self._cancelled_response())
-        return responses
-
-    def _stream(self, request) -> None:
-        sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        is_cancelled = getattr(sender, "is_cancelled", None)
-        try:
-            stream = bool(_scalar(request, "stream", True))
-            if stream:
-                text, stats = self._generate(request, on_text=lambda piece: sender.send(self._response(piece, None)),
-                                             is_cancelled=is_cancelled)
-                sender.send(self._response("", stats), flags=final)
+                self._submit(request, call)
+            except TrtspecError as exc:  # refused at the door (Busy included): only this request fails
+                self.outbox.put(_Outbox.REFUSED, call, exc)
             else:
-                sender.send(self._response(*self._generate(request, is_cancelled=is_cancelled)), flags=final)
-        except TrtspecError as exc:
-            sender.send(self._error(exc), flags=final)
-        except Cancelled:
-            sender.send(flags=final)  # nobody reads a response any more; only close the stream
+                self.outbox.put(_Outbox.LIVE, call)
+        return None
+
+    def _submit(self, request, call: _Call) -> None:
+        ids = self.pipeline.codec.encode(_text(request))
+        if not ids:
+            raise TrtspecError("the prompt is empty")
+        config = self._config(request)
+        on_commit = None
+        if self.decoupled and bool(_scalar(request, "stream", True)):
+            call.streamer = self.pipeline.codec.streamer()
+            on_commit = lambda tokens: self.outbox.put(_Outbox.COMMIT, call, tokens)  # noqa: E731
+        call.request = self.engine.submit(ids, config, on_commit=on_commit,
+                                          on_finish=lambda request: self.outbox.put(_Outbox.FINISH, call, request))
+
+    def finalize(self) -> None:
+        """Unload: withdraw what is left (its clients get their final response), then stop sending."""
+        self.engine.close(cancel=True)
+        self.outbox.stop()
