@@ -232,7 +232,7 @@ def test_triton_metrics_export_the_serving_metrics(server):
     in Triton's own /metrics, per model and instance."""
     import urllib.request
 
-    pytest.importorskip("prometheus_client", reason="the serving metrics need prometheus_client")
+    pytest.importorskip("trtspec.serving.metrics", reason="the serving metrics need prometheus_client")
     client = http.InferenceServerClient(server["http"])
     for _ in range(2):
         _ask(client, block_size=np.int32(4))
