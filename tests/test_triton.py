@@ -90,7 +90,7 @@ def server(long_engine_dir, tmp_path_factory):
             time.sleep(0.5)
         client.close()  # an open connection would hold the server's shutdown for its 30 s exit timeout
         yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "process": process,
-               "engine": long_engine_dir, "repo": repo}
+               "engine": long_engine_dir, "repo": repo, "metrics": f"127.0.0.1:{metrics_port}"}
     finally:
         process.send_signal(signal.SIGINT)  # as Ctrl-C: triton-serve stops its server cleanly
         try:
@@ -225,6 +225,34 @@ def test_sixteen_concurrent_clients_share_batched_cycles(server):
     tokens = sum(stats["new_tokens"] for *_, stats in outcomes)
     print(f"\n16 clients x 4 requests: {len(outcomes) / elapsed:.2f} requests/s, {tokens / elapsed:.1f} tokens/s, "
           f"batch_mean median {shared[len(shared) // 2]:.1f}, max {shared[-1]:.1f}")
+
+
+def test_triton_metrics_export_the_serving_metrics(server):
+    """trtspec's serving metrics (trtspec.serving.metrics, as `trtspec serve` exports them) appear
+    in Triton's own /metrics, per model and instance."""
+    import urllib.request
+
+    pytest.importorskip("trtspec.serving.metrics", reason="the serving metrics need prometheus_client")
+    client = http.InferenceServerClient(server["http"])
+    for _ in range(2):
+        _ask(client, block_size=np.int32(4))
+    time.sleep(1.0)  # the load gauges refresh every LOAD_POLL_S
+    with urllib.request.urlopen(f"http://{server['metrics']}/metrics", timeout=30) as response:
+        text = response.read().decode()
+
+    def value(name: str, **labels) -> float:
+        found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())]
+        assert found, f"no {name} {labels} in Triton's metrics"
+        return sum(found)
+
+    plain = {"model": "trtspec", "instance": "trtspec_0_0"}
+    assert value("trtspec_request_success_total", **plain) >= 2
+    assert value("trtspec_spec_decode_num_drafts_total", **plain) >= 2
+    assert value("trtspec_spec_decode_cycles_total", block_size="4", **plain) >= 2
+    assert value("trtspec_e2e_request_latency_seconds_count", **plain) >= 2
+    assert value("trtspec_num_requests_running", **plain) == 0
+    assert value("trtspec_num_requests_waiting", model="trtspec_stream") == 0
 
 
 @pytest.mark.parametrize("case, message", [

@@ -43,6 +43,7 @@ from trtspec.serving.triton import ENGINE_PARAMETERS
 
 DEFAULT_MAX_TOKENS = 256
 CANCEL_POLL_S = 0.05  # asking Triton is a round trip to the server process: at most this often
+LOAD_POLL_S = 0.5     # how often the engine's load gauges are refreshed
 
 
 def _scalar(request, name: str, default):
@@ -97,8 +98,8 @@ class _Outbox:
 
     COMMIT, FINISH, LIVE, REFUSED, STOP = range(5)
 
-    def __init__(self, codec, decoupled: bool):
-        self.codec, self.decoupled = codec, decoupled
+    def __init__(self, codec, decoupled: bool, engine, metrics=None):
+        self.codec, self.decoupled, self.engine, self.metrics = codec, decoupled, engine, metrics
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.live: set[_Call] = set()
         self.thread = threading.Thread(target=self._run, name="trtspec-outbox", daemon=True)
@@ -112,7 +113,7 @@ class _Outbox:
         self.thread.join(timeout)
 
     def _run(self) -> None:
-        next_poll = time.monotonic() + CANCEL_POLL_S
+        next_poll = next_load = time.monotonic() + CANCEL_POLL_S
         while True:
             try:
                 kind, call, payload = self.events.get(timeout=max(next_poll - time.monotonic(), 0.0))
@@ -126,6 +127,10 @@ class _Outbox:
                 if time.monotonic() >= next_poll:
                     self._poll_cancelled()
                     next_poll = time.monotonic() + CANCEL_POLL_S
+                if self.metrics is not None and time.monotonic() >= next_load:
+                    load = self.engine.load()
+                    self.metrics.observe_load(load.queued, load.running, load.block_sizes)
+                    next_load = time.monotonic() + LOAD_POLL_S
             except Exception as exc:  # noqa: BLE001 - one failed send must not stop the others
                 _log_error(f"trtspec: sending a response failed: {exc!r}")
 
@@ -146,6 +151,8 @@ class _Outbox:
         elif kind == self.REFUSED:
             call.finished = True
             code = "UNAVAILABLE" if isinstance(payload, Busy) else "INVALID_ARG"
+            if code == "UNAVAILABLE":
+                self._failed("rejected")
             call.sender.send(_error(payload, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _finish(self, call: _Call, request) -> None:
@@ -153,18 +160,26 @@ class _Outbox:
         try:
             generation = request.result(timeout=0)
         except Cancelled as exc:
+            self._failed("cancelled")
             if self.decoupled:
                 call.sender.send(flags=final)  # nobody reads a response any more; only close the stream
             else:  # a non-decoupled request must be answered once
                 call.sender.send(_error(exc, "CANCELLED"), flags=final)
             return
         except TrtspecError as exc:
+            self._failed("error")
             call.sender.send(_error(exc, "INVALID_ARG"), flags=final)
             return
         except Exception as exc:  # noqa: BLE001 - a bug: the request fails, the instance keeps serving
+            self._failed("error")
             _log_error(f"trtspec: request failed: {exc!r}")
             call.sender.send(_error(exc, "INTERNAL"), flags=final)
             return
+        if self.metrics is not None:
+            first = request.first_token_at
+            self.metrics.observe_finished(generation.stats, latency_s=time.perf_counter() - request.submitted,
+                                          ttft_s=None if first is None else first - request.submitted,
+                                          queue_s=generation.stats.queue_s)
         text, stats = self.codec.decode(generation.tokens), generation.stats.to_dict()
         if call.streamer is None:
             call.sender.send(_response(text, stats), flags=final)
@@ -174,12 +189,31 @@ class _Outbox:
             call.sender.send(_response(text[len(sent):], None))
         call.sender.send(_response("", stats), flags=final)
 
+    def _failed(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_failed(reason)
+
     def _poll_cancelled(self) -> None:
         for call in list(self.live):
             is_cancelled = getattr(call.sender, "is_cancelled", None)  # absent before request cancellation
             if is_cancelled is not None and is_cancelled():
                 call.request.cancel()  # the engine frees its slot and finishes it with Cancelled
                 self.live.discard(call)
+
+
+def _metrics(model: str, instance: str):
+    """The instance's serving metrics in Triton's /metrics, or None without prometheus_client
+    (trtspec.serving.metrics' bookkeeping needs it) or custom metrics (a python backend before 22.12)."""
+    if not hasattr(pb_utils, "MetricFamily"):
+        return None
+    try:
+        from trtspec.serving.triton_metrics import TritonMetrics
+    except ImportError as exc:
+        logger = getattr(pb_utils, "Logger", None)
+        if logger is not None:
+            logger.log_warn(f"trtspec: no serving metrics in Triton's /metrics ({exc}; pip install prometheus_client)")
+        return None
+    return TritonMetrics(pb_utils, model, instance)
 
 
 def _log_error(message: str) -> None:
@@ -206,7 +240,8 @@ class TritonPythonModel:
         self._sampling = SamplingConfig
         self.engine = self.pipeline.engine(EngineConfig(**{key: int(parameters[key]) for key in ENGINE_PARAMETERS
                                                            if key in parameters}))
-        self.outbox = _Outbox(self.pipeline.codec, self.decoupled)
+        self.outbox = _Outbox(self.pipeline.codec, self.decoupled, self.engine,
+                              _metrics(args["model_name"], args["model_instance_name"]))
 
     def _config(self, request):
         """The request's fields as a GenerationConfig, whose checks (trtspec.limits, shared with the
