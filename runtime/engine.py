@@ -33,7 +33,7 @@ from trtspec.runtime.decode import (ControllerFactory, Generation, GenerationCon
                                     check_request)
 from trtspec.runtime.runners.batched import BatchRunner
 from trtspec.runtime.sampling import Sampler
-from trtspec.runtime.schedule import AUTO, BlockPolicy
+from trtspec.runtime.schedule import AUTO, BlockChoice, BlockPolicy
 from trtspec.runtime.stats import DecodeStats
 
 OnCommit = Callable[[list[int]], None]
@@ -138,7 +138,7 @@ class Engine:
         if config.max_running > runner.slots:
             raise TrtspecError(f"max-running {config.max_running} exceeds the runner's {runner.slots} cache slots")
         self.runner, self.policy, self.config, self.stop_ids = runner, policy, config, tuple(stop_ids)
-        self.chooser = chooser  # load-aware BlockPilot: (choice, load) -> choice
+        self.chooser = chooser  # load-aware BlockPilot (trtspec.blockpilot.load): (choice, load) -> choice
         self.controller = controller  # the per-request core (trtspec.runtime.reference has the Python one)
         self._queue: deque[Request] = deque()
         self._active: list[_Active] = []
@@ -342,6 +342,8 @@ class Engine:
             stats.finish_reason = core.finish_reason(0) if error is None else "cancelled"
             stats.decode_s = time.perf_counter() - active.decoding_since
             stats.batch_mean = active.shared / active.calls if active.calls else 0.0
+            if stats.auto and error is None and hasattr(self.chooser, "observe"):
+                self.chooser.observe(BlockChoice(stats.block_size, stats.grow_to), stats.tau)
             if active.request.first_token_at is not None:
                 stats.ttft_s = active.request.first_token_at - active.request.submitted
         active.request.stats = stats

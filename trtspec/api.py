@@ -97,14 +97,22 @@ class Pipeline:
         baseline.default_block_size, baseline.policy = 1, None
         return baseline
 
-    def engine(self, config: EngineConfig = EngineConfig(), chooser=None) -> Engine:
+    def engine(self, config: EngineConfig = EngineConfig(), load_aware: bool = True) -> Engine:
         """A continuous-batching engine over this pair and backend (its own caches, `config.max_running`
-        slots); the tokenizer's stop ids apply to every request. Close it when done."""
+        slots); the tokenizer's stop ids apply to every request. With a policy and `load_aware`, the
+        cycle costs of its block sizes are measured here (a few seconds) and `auto` may choose AR when
+        the batch is large enough that speculation no longer pays (trtspec.blockpilot.load).
+        Close it when done."""
         if isinstance(self.runner, EagerRunner):
             runner = BatchRunner.eager(self.target, self.drafter if self.has_drafter else None, config.max_running)
             runner.max_context = self.runner.max_context
         else:
             runner = BatchRunner.compiled(self.runner, config.max_running)
+        chooser = None
+        if self.policy is not None and load_aware:
+            from trtspec.blockpilot.load import LoadAwareChooser, measure_costs
+
+            chooser = LoadAwareChooser(measure_costs(runner, self.policy.block_sizes))
         return Engine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
 
     def generate_batch(self, prompts: list[str], configs: list[GenerationConfig], *, chat: bool = False,

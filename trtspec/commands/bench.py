@@ -13,6 +13,17 @@ from trtspec.errors import TrtspecError
 DEFAULT = BenchConfig()
 
 
+def _concurrencies(text: str) -> tuple[int, ...]:
+    values = []
+    for part in text.split(","):
+        value = limits.parse_int(part.strip())
+        if value is None or not 1 <= value <= limits.BATCH.high:
+            raise TrtspecError(f"--concurrency takes client counts in [1, {limits.BATCH.high:g}] separated by commas, "
+                               f"got {text!r}")
+        values.append(value)
+    return tuple(dict.fromkeys(values))
+
+
 @click.command(epilog="""\b
 Examples:
   trtspec bench                                     # bundled demo pair on HumanEval
@@ -22,6 +33,7 @@ Examples:
   trtspec bench --engine build/engine --block-sizes 12,16,20,24,auto   # BlockPilot beside the fixed sizes
   trtspec bench --engine build/engine --block-sizes 6,16,6:16          # B=6 growing to 16 after a full block
   trtspec --threads 1 bench --engine build/engine --block-sizes 12,16 --profile-host   # model vs host time per cycle
+  trtspec --threads 1 bench --engine build/engine --block-sizes 12,16,auto --concurrency 1,4,8,16 --limit 32
 """)
 @model_options
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE",
@@ -43,9 +55,12 @@ Examples:
               help="With --engine: instead, time each decode cycle's model execution (draft + verify graph runs) "
                    "and host work, through the native controller and the Python reference controller, per block "
                    "size.")
+@click.option("--concurrency", metavar="N,N,...",
+              help="Instead, serve the prompts to N concurrent clients (a closed loop over one continuous-batching "
+                   "engine) for each N, and report throughput, latency and TTFT per block size against AR.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
 def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, policy, temperature, top_k, top_p, seed,
-          max_new_tokens, limit, repeats, against_eager, profile_host, json_path) -> None:
+          max_new_tokens, limit, repeats, against_eager, profile_host, concurrency, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
     Every repeat runs AR and then each block size over all prompts (same backend and loop;
@@ -66,6 +81,22 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy)
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
+    if concurrency:
+        from trtspec.bench import machine_info
+        from trtspec.concurrency import format_table, run_load
+
+        clients = _concurrencies(concurrency)
+        rows = run_load(pipeline, prompts, config.block_sizes, clients, max_new_tokens, config.sampling, repeats,
+                        progress=lambda run: click.echo(f"  {run.concurrency} clients, B={run.choice.name}: "
+                                                        f"{run.throughput_repeats[-1]:.1f} tok/s", err=True))
+        click.echo(f"{name}: {len(prompts)} prompts x {repeats} repeats, closed loop, T={temperature:g}, "
+                   f"max {max_new_tokens} new tokens | {pipeline.backend}")
+        click.echo(format_table(rows))
+        if json_path:
+            report = {"runs": rows, "machine": machine_info(pipeline), "prompts": name, "n_prompts": len(prompts),
+                      "repeats": repeats, "max_new_tokens": max_new_tokens, "temperature": temperature}
+            click.echo(f"wrote {write_json(report, json_path)}", err=True)
+        return
     if profile_host:
         from trtspec.host_profile import run_host_profile
 

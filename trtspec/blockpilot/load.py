@@ -1,0 +1,127 @@
+"""BlockPilot under load: the policy's choice, kept only while speculation still pays at this batch.
+
+The policy was trained on per-request labels measured one request at a time, where a cycle at
+block size B costs about as much as a few autoregressive steps. Batched, the picture changes: an
+autoregressive step for n requests costs little more than for one (the weights are read once), a
+verify of n blocks of B costs n*B tokens of compute. So when a request is admitted, the engine
+asks `LoadAwareChooser` whether the policy's choice c still beats autoregressive decoding at the
+batch it joins:
+
+    tau_c / cost(c, n)  >  1 / cost(AR, n)        (committed tokens per second, per request)
+
+where cost(B, n) is the measured time of one draft(B) + verify(B) call for n requests (verify(1)
+for AR). Precisely, it compares the whole batch's tokens per second with the request in the group
+of c or in the AR group (groups of other sizes cost what they cost either way), so joining a
+large AR group is seen to be nearly free. tau per block size is learnt online from the requests
+that finished at it (a prior of 1.25x the batch-1 break-even tau, worth two requests, starts it).
+The choice is still made once per request, at admission, as in the research.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from trtspec.runtime.schedule import BlockChoice
+
+BATCHES = (1, 2, 4, 8, 16)
+PRIOR_WEIGHT = 2.0       # the prior counts as this many finished requests
+PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (the policy chose speculation)
+
+
+@dataclass
+class CostTable:
+    """Milliseconds per decode cycle (draft + verify; AR: verify(1)) by block size and batch."""
+
+    batches: tuple[int, ...]
+    cycle_ms: dict[int, list[float]]  # block size -> one figure per batch
+
+    def cost(self, block_size: int, batch: int) -> float:
+        """Interpolated over the measured batches (held flat beyond them)."""
+        return float(np.interp(batch, self.batches, self.cycle_ms[block_size]))
+
+    def to_dict(self) -> dict:
+        return {"batches": list(self.batches), "cycle_ms": {str(b): ms for b, ms in self.cycle_ms.items()}}
+
+
+def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...] = BATCHES, context: int = 256,
+                  repeats: int = 3) -> CostTable:
+    """Time draft(B) + verify(B) on the runner itself, for every block size and batch (1 = AR), at
+    `context` cached positions (what the caches hold is irrelevant to the timing)."""
+    batches = tuple(b for b in batches if b <= runner.slots) or (1,)
+    context = min(context, runner.max_context - max(block_sizes) - 1)
+    generator = torch.Generator().manual_seed(0)
+    table = {}
+    with torch.inference_mode():
+        for size in sorted(set(block_sizes) | {1}):
+            row = []
+            for batch in batches:
+                slots, starts = list(range(batch)), [context] * batch
+                blocks = torch.randint(2, 100, (batch, size), generator=generator)
+                features = runner.specs["target"].outputs[1]
+                width = features.shape({"batch": 1, "tokens": 1})[-1]
+                contexts = [torch.zeros(size, width, dtype=runner.dtype, device=runner.device)] * batch
+
+                def cycle() -> None:
+                    if size > 1:
+                        runner.draft(slots, contexts, blocks, [s + size for s in starts])
+                    runner.verify(slots, blocks, starts)
+
+                cycle()  # warm-up (allocations, kernel choice)
+                times = []
+                for _ in range(repeats):
+                    began = time.perf_counter()
+                    cycle()
+                    if runner.device.type == "cuda":
+                        torch.cuda.synchronize(runner.device)
+                    times.append((time.perf_counter() - began) * 1e3)
+                row.append(float(np.median(times)))
+            table[size] = row
+    return CostTable(batches, table)
+
+
+@dataclass
+class LoadAwareChooser:
+    """(the policy's choice, the engine's load) -> the choice to run; learns tau per block size."""
+
+    costs: CostTable
+    _taus: dict[int, list[float]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    decisions: dict[str, int] = field(default_factory=dict)  # "kept" / "ar" counts, for reports
+
+    def tau(self, size: int) -> float:
+        """Expected acceptance length at `size`: what finished requests showed, after a prior."""
+        if size <= 1:
+            return 1.0
+        prior = PRIOR_BREAK_EVEN * self.costs.cost(size, 1) / self.costs.cost(1, 1)
+        with self._lock:
+            seen = self._taus.get(size, [])
+            return (PRIOR_WEIGHT * prior + sum(seen)) / (PRIOR_WEIGHT + len(seen))
+
+    def observe(self, choice: BlockChoice, tau: float) -> None:
+        """A request that ran at `choice` finished with acceptance length `tau`."""
+        if choice.size > 1 and tau > 0:
+            with self._lock:
+                self._taus.setdefault(choice.size, []).append(tau)
+
+    def rate(self, size: int, groups: Counter) -> float:
+        """Tokens per millisecond of the whole batch if the new request runs at `size`: each group
+        of n requests at block size b costs cost(b, n) per cycle and commits n * tau(b) tokens."""
+        groups = groups + Counter({size: 1})
+        cycle = sum(self.costs.cost(b, n) for b, n in groups.items())
+        return sum(n * self.tau(b) for b, n in groups.items()) / cycle
+
+    def __call__(self, choice: BlockChoice, load) -> BlockChoice:
+        if choice.size <= 1 or choice.size not in self.costs.cycle_ms:
+            return choice
+        groups = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes)  # the decoding requests
+        keep = self.rate(choice.size, groups) > self.rate(1, groups)
+        verdict = "kept" if keep else "ar"
+        with self._lock:
+            self.decisions[verdict] = self.decisions.get(verdict, 0) + 1
+        return choice if keep else BlockChoice(1)

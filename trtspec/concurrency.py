@@ -1,0 +1,145 @@
+"""`trtspec bench --concurrency`: throughput and latency under a closed loop of concurrent clients.
+
+For each concurrency c, c clients share one continuous-batching engine (c slots); each client
+sends the next prompt of the set as soon as its previous request finished, until every prompt
+ran once. That is done for AR (through the same backend: the pipeline without its drafter), each
+requested block size and `auto` (BlockPilot, load-aware), `repeats` times, and the medians are
+reported. Greedy requests are also compared with the same request decoded alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trtspec.runtime.decode import Generation, GenerationConfig
+from trtspec.runtime.engine import EngineConfig
+from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.stats import mean_tau, pooled_ceiling_fraction
+
+
+@dataclass
+class LoadRun:
+    """One (concurrency, block size) over the prompt set, `repeats` times."""
+
+    concurrency: int
+    choice: BlockChoice
+    seconds: list[float] = field(default_factory=list)            # wall time per repeat
+    generations: list[list[Generation]] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    identical: int | None = None
+    compared: int = 0
+
+    @property
+    def throughput_repeats(self) -> list[float]:
+        return [sum(g.stats.new_tokens for g in run) / s for run, s in zip(self.generations, self.seconds)]
+
+    @property
+    def throughput(self) -> float:
+        return statistics.median(self.throughput_repeats)
+
+    def to_dict(self, ar: "LoadRun") -> dict:
+        stats = [g.stats for run in self.generations for g in run]
+        return {
+            "concurrency": self.concurrency,
+            "block_size": self.choice.name,
+            "throughput_tokens_per_s": self.throughput,
+            "speedup_vs_ar": self.throughput / ar.throughput,
+            "latency_p50_s": float(np.percentile(self.latencies, 50)),
+            "latency_p99_s": float(np.percentile(self.latencies, 99)),
+            "ttft_p50_s": float(np.percentile(self.ttfts, 50)),
+            "tau": mean_tau(stats),
+            "ceiling_fraction": pooled_ceiling_fraction(stats),
+            "batch_mean": statistics.fmean(s.batch_mean for s in stats),
+            "chosen_block_sizes": {name: [s.schedule for s in stats].count(name)
+                                   for name in sorted({s.schedule for s in stats})},
+            "identical_to_serial": self.identical,
+            "greedy_requests": self.compared,
+            "throughput_repeats": self.throughput_repeats,
+        }
+
+
+def closed_loop(engine, prompts: list[list[int]], config: GenerationConfig, clients: int,
+                run: LoadRun) -> None:
+    """`clients` threads, each submitting the next prompt when its last request finished."""
+    order, lock, results = iter(range(len(prompts))), threading.Lock(), [None] * len(prompts)
+
+    def client() -> None:
+        while True:
+            with lock:
+                index = next(order, None)
+            if index is None:
+                return
+            request = engine.submit(prompts[index], config)
+            results[index] = request.result()
+            run.latencies.append(time.perf_counter() - request.submitted)
+            run.ttfts.append(results[index].stats.ttft_s)
+
+    began = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    run.seconds.append(time.perf_counter() - began)
+    run.generations.append(results)
+
+
+def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], concurrencies: tuple[int, ...],
+             max_new_tokens: int, sampling: SamplingConfig, repeats: int = 1, progress=None) -> list[dict]:
+    """Every (concurrency, AR + choice) run; rows as in `LoadRun.to_dict`."""
+    ids = [pipeline.codec.encode(p) for p in prompts]
+    baseline = pipeline.autoregressive()
+    serial = None
+    if sampling.greedy:  # greedy output is the same at every block size: one AR pass is the reference
+        alone = GenerationConfig(block_size=1, max_new_tokens=max_new_tokens)
+        serial = [baseline.generate(prompt, alone).tokens for prompt in prompts]
+    rows = []
+    for clients in concurrencies:
+        engines = {"ar": baseline.engine(EngineConfig(max_running=clients, max_queued=clients)),
+                   "spec": pipeline.engine(EngineConfig(max_running=clients, max_queued=clients))}
+        try:
+            runs = [LoadRun(clients, BlockChoice(1))] + [LoadRun(clients, c) for c in choices]
+            warm = [ids[0]] * clients
+            for run in runs:  # warm-up: each engine and block size once
+                engine = engines["ar" if run.choice.size == 1 else "spec"]
+                closed_loop(engine, warm, _config(run.choice, 8, sampling), clients, LoadRun(clients, run.choice))
+            for _ in range(repeats):
+                for run in runs:
+                    engine = engines["ar" if run.choice.size == 1 else "spec"]
+                    closed_loop(engine, ids, _config(run.choice, max_new_tokens, sampling), clients, run)
+                    if progress is not None:
+                        progress(run)
+        finally:
+            for engine in engines.values():
+                engine.close()
+        for run in runs:
+            if serial is not None:
+                outputs = [g.tokens for repeat in run.generations for g in repeat]
+                run.compared = len(outputs)
+                run.identical = sum(a == b for a, b in zip(outputs, serial * repeats))
+            rows.append(run.to_dict(runs[0]))
+    return rows
+
+
+def _config(choice: BlockChoice, max_new_tokens: int, sampling: SamplingConfig) -> GenerationConfig:
+    return GenerationConfig(block_size=choice.size, grow_to=choice.grow_to, max_new_tokens=max_new_tokens,
+                            sampling=sampling)
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'clients':>7}  {'B':>6}  {'tok/s':>8}  {'vs AR':>6}  {'p50 s':>6}  {'p99 s':>6}  {'TTFT p50':>8}  "
+             f"{'tau':>5}  {'ceiling':>7}  {'batch':>5}  identical"]
+    for r in rows:
+        identical = "-" if r["identical_to_serial"] is None else f"{r['identical_to_serial']}/{r['greedy_requests']}"
+        lines.append(f"{r['concurrency']:>7}  {r['block_size']:>6}  {r['throughput_tokens_per_s']:>8.1f}  "
+                     f"{r['speedup_vs_ar']:>5.2f}x  {r['latency_p50_s']:>6.2f}  {r['latency_p99_s']:>6.2f}  "
+                     f"{r['ttft_p50_s']:>8.3f}  {r['tau']:>5.2f}  {r['ceiling_fraction']:>7.1%}  "
+                     f"{r['batch_mean']:>5.1f}  {identical}")
+    return "\n".join(lines)
