@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers import trtspec
+from helpers import assert_one_line_error, trtspec
 
 from trtspec.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, run_bench,
                            speedups)
@@ -156,3 +156,21 @@ def test_bad_input_gives_one_clear_line(args, message, target_dir, drafter_dir):
     assert result.returncode == 1 and "Traceback" not in stderr
     assert len(stderr.strip().splitlines()) == 1 and message in stderr, stderr
     assert result.stdout == b""
+
+
+def test_bench_concurrency_through_the_cli(target_dir, drafter_dir, prompts_file, tmp_path):
+    out = tmp_path / "load.json"
+    result = trtspec("--threads", "1", "bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts",
+                     prompts_file, "--block-sizes", "4,8", "--concurrency", "1,3", "--max-new-tokens", "12",
+                     "--repeats", "1", "--json", out)
+    assert result.returncode == 0, result.stderr
+    assert b"clients" in result.stdout and b"TTFT" in result.stdout
+    rows = json.loads(out.read_text())["runs"]
+    assert [(r["concurrency"], r["block_size"]) for r in rows] == [(c, b) for c in (1, 3) for b in ("AR", "4", "8")]
+    for row in rows:
+        assert row["identical_to_serial"] == row["greedy_requests"] == 3  # greedy: equal to each request alone
+        assert row["throughput_tokens_per_s"] > 0 and row["latency_p99_s"] >= row["latency_p50_s"] > 0
+        assert row["speedup_vs_ar"] == pytest.approx(row["throughput_tokens_per_s"] / rows[0 if row["concurrency"] == 1 else 3]["throughput_tokens_per_s"])
+    assert max(r["batch_mean"] for r in rows if r["concurrency"] == 3) > 1.0
+    bad = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--concurrency", "0,4")
+    assert_one_line_error(bad, "--concurrency takes client counts")

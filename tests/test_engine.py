@@ -183,3 +183,25 @@ def test_the_engine_needs_its_slots(tiny):
     with pytest.raises(TrtspecError, match="max-running"):
         EngineConfig(max_running=0)
     torch.manual_seed(0)
+
+
+def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
+    from trtspec.blockpilot.load import CostTable, LoadAwareChooser
+    from trtspec.runtime.engine import Load
+    from trtspec.runtime.schedule import BlockChoice
+
+    # AR: 10 ms + 0.5 ms per request; B=12: 25 ms + 5 ms per request (compute grows with B * batch).
+    batches = (1, 2, 4, 8, 16)
+    costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 12: [25 + 5 * n for n in batches]})
+    chooser = LoadAwareChooser(costs)
+    twelve = BlockChoice(12)
+    for _ in range(20):
+        chooser.observe(twelve, 4.0)  # tau 4 at B=12: 4 / 30 ms beats 1 / 10.5 ms alone
+    assert chooser(twelve, Load(0, 1, ())) == twelve
+    assert chooser(twelve, Load(0, 9, (1,) * 8)) == BlockChoice(1)  # joining eight AR requests is nearly free
+    assert chooser(twelve, Load(0, 3, (12, 12))) == twelve
+    assert chooser(BlockChoice(1), Load(0, 1, ())) == BlockChoice(1)
+    for _ in range(200):
+        chooser.observe(twelve, 1.5)  # it turns out to accept little: AR even alone
+    assert chooser(twelve, Load(0, 1, ())) == BlockChoice(1)
+    assert chooser.decisions == {"kept": 2, "ar": 2}
