@@ -120,7 +120,8 @@ class Pipeline:
         """Decode many prompts together (continuous batching); results in the prompts' order."""
         if len(prompts) != len(configs):
             raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
-        with self.engine(EngineConfig(max_running=max_running, max_queued=max(1, len(prompts)))) as engine:
+        config = EngineConfig(max_running=max_running, max_queued=max(1, len(prompts)))
+        with self.engine(config, load_aware=any(c.block_size == AUTO for c in configs)) as engine:
             requests = [engine.submit(self.codec.encode(p, chat=chat), c) for p, c in zip(prompts, configs)]
             generations = [r.result() for r in requests]
         return [TextResult(self.codec.decode(g.tokens), g) for g in generations]

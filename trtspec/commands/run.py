@@ -42,8 +42,9 @@ Examples:
   trtspec run prompt.txt --ar                       # autoregressive baseline
   trtspec run prompt.txt --compare-ar               # ... and the speed-up over it, same backend
   trtspec run prompt.txt --engine build/engine      # a built engine (trtspec build)
+  trtspec run --batch prompts.jsonl --max-running 8 # many prompts decoded together, JSON lines out
 """)
-@click.argument("prompt_file", metavar="PROMPT_FILE")
+@click.argument("prompt_file", metavar="PROMPT_FILE", required=False)
 @model_options
 @click.option("--block-size", type=BlockSizeType(),
               help="Block size B in [2, 64] (proposes B-1 tokens per cycle); B:G grows to G for the cycle after "
@@ -61,9 +62,14 @@ Examples:
               help="Also decode the prompt autoregressively through the same backend and report the speed-up "
                    "(decode tokens/s over AR's; greedy: whether the outputs are identical).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.option("--batch", "batch_file", metavar="FILE",
+              help='Instead of PROMPT_FILE, decode every prompt of a JSONL file of {"prompt": ...} lines together '
+                   "(continuous batching); one JSON line per prompt, in order, goes to stdout.")
+@click.option("--max-running", type=Ranged(limits.BATCH), default=8, show_default=True, metavar="N",
+              help="With --batch: requests decoded together.")
 def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy, temperature, top_k, top_p, seed,
-        max_new_tokens, max_context, stop, chat, ar, compare_ar, as_json) -> None:
-    """Generate a continuation of PROMPT_FILE ('-' reads stdin).
+        max_new_tokens, max_context, stop, chat, ar, compare_ar, as_json, batch_file, max_running) -> None:
+    """Generate a continuation of PROMPT_FILE ('-' reads stdin), or of every prompt of --batch FILE.
 
     Text streams to stdout as it is committed and statistics go to stderr; with --json one
     object {"text", "tokens", "stats"} is printed at the end.
@@ -72,8 +78,17 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy,
         raise TrtspecError("--ar decodes one token at a time; drop --block-size")
     if ar and compare_ar:
         raise TrtspecError("--compare-ar compares speculative decoding with --ar; drop one of them")
+    if (prompt_file is None) == (batch_file is None):
+        raise TrtspecError("give one PROMPT_FILE, or --batch FILE for a JSONL file of prompts")
+    if batch_file is not None and compare_ar:
+        raise TrtspecError("--compare-ar compares one request; for many, use trtspec bench --concurrency")
     sampling = sampling_config(temperature, top_k, top_p, seed)
-    prompt = read_prompt(prompt_file)
+    if batch_file is not None:
+        from trtspec.training.data import read_prompt_set
+
+        prompts = [record["prompt"] for record in read_prompt_set(batch_file)]
+    else:
+        prompt = read_prompt(prompt_file)
     pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context,
                              engine=engine, policy=policy)
     if not ar and not pipeline.has_drafter:
@@ -85,6 +100,10 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy,
         stop_ids=tuple(pipeline.codec.stop_id(s) for s in stop),
         sampling=sampling,
     )
+
+    if batch_file is not None:
+        _run_batch(pipeline, prompts, config, chat, max_running)
+        return
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)
@@ -102,6 +121,23 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy,
             speedup = "n/a" if comparison["speedup"] is None else f"{comparison['speedup']:.2f}x"
             click.echo(f"AR through the same backend: {comparison['ar_decode_tokens_per_s']:.1f} tok/s; "
                        f"speed-up {speedup}{same}", err=True)
+
+
+def _run_batch(pipeline, prompts: list[str], config: GenerationConfig, chat: bool, max_running: int) -> None:
+    """Every prompt through one continuous-batching engine; JSON lines in the file's order."""
+    import time
+
+    from trtspec.runtime.stats import mean_tau
+
+    began = time.perf_counter()
+    results = pipeline.generate_batch(prompts, [config] * len(prompts), chat=chat, max_running=max_running)
+    seconds = time.perf_counter() - began
+    for result in results:
+        click.echo(json.dumps(result.to_dict()))
+    stats = [r.generation.stats for r in results]
+    tokens = sum(s.new_tokens for s in stats)
+    click.echo(f"{len(results)} prompts, {tokens} new tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s, "
+               f"up to {max_running} together), mean tau {mean_tau(stats):.2f}", err=True)
 
 
 def _compare_with_ar(pipeline, prompt: str, config: GenerationConfig, chat: bool, result) -> dict:
