@@ -45,6 +45,25 @@ def cycle_timings(target, drafter, block_size: int, past: int) -> dict:
     return {"block_size": block_size, "past": past, "eager_ms": eager_ms, "cuda_graph_ms": graph_ms}
 
 
+def batched_check(pipeline, reference, prompts: list[str], choices, max_new_tokens: int) -> dict:
+    """The prompts decoded together by `pipeline`'s continuous-batching engine (mixed block sizes, 8 at
+    a time) against each decoded alone by `reference`: identical tokens and acceptance histograms."""
+    from trtspec.runtime.decode import GenerationConfig
+
+    configs = [GenerationConfig(block_size=c.size, grow_to=c.grow_to, max_new_tokens=max_new_tokens)
+               for c in (choices * len(prompts))[:len(prompts)]]
+    began = time.perf_counter()
+    batched = pipeline.generate_batch(prompts, configs, max_running=8)
+    seconds = time.perf_counter() - began
+    alone = [reference.generate(p, c) for p, c in zip(prompts, configs)]
+    return {"requests": len(prompts),
+            "identical": sum(a.tokens == b.tokens for a, b in zip(batched, alone)),
+            "same_histogram": sum(a.generation.stats.histogram == b.generation.stats.histogram
+                                  for a, b in zip(batched, alone)),
+            "batch_mean": sum(r.generation.stats.batch_mean for r in batched) / len(batched),
+            "tokens_per_s": sum(r.generation.stats.new_tokens for r in batched) / seconds}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-sizes", default="12,16,20,24")
@@ -100,6 +119,17 @@ def main() -> int:
     if len(block_sizes) > 1:
         choices.append(BlockChoice(min(block_sizes), max(block_sizes)))
     failed = False
+    report["batched"] = {}
+    for cuda_graphs in (False, True) if cuda else (False,):  # eager batches, then replayed from CUDA graphs
+        name = "eager" + ("+cuda-graphs" if cuda_graphs else "")
+        try:
+            batcher = Pipeline(target_dir, drafter_dir, dtype="float32", device=args.device, cuda_graphs=cuda_graphs)
+            report["batched"][name] = row = batched_check(batcher, eager, prompts, choices, args.max_new_tokens)
+            failed |= row["identical"] != row["requests"] or row["same_histogram"] != row["requests"]
+        except Exception as error:  # noqa: BLE001 - reported; the other checks still run
+            report["batched"][name], failed = {"error": f"{type(error).__name__}: {error}"}, True
+        print(f"batched {name}: {report['batched'][name]}", flush=True)
+        save()
     for backend in backends:
         began = time.perf_counter()
         try:  # a backend that fails to build is reported, and the other backends are still checked
@@ -133,6 +163,14 @@ def main() -> int:
                 print(f"{name} B={choice.name}: identical {same}/{len(prompts)}", flush=True)
                 report["engines"][name] = {"build_s": built_s, "checks": rows}
                 save()
+            try:
+                batched = batched_check(engine, eager, prompts, choices, args.max_new_tokens)
+                failed |= batched["identical"] != batched["requests"] or batched["same_histogram"] != batched["requests"]
+            except Exception as error:  # noqa: BLE001 - reported; the other checks still run
+                batched, failed = {"error": f"{type(error).__name__}: {error}"}, True
+            report["engines"][name] = {"build_s": built_s, "checks": rows, "batched": batched}
+            print(f"{name} batched: {batched}", flush=True)
+            save()
     report["passed"] = not failed
     save()
     print(json.dumps(report, indent=2))

@@ -209,3 +209,18 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
         chooser.observe(twelve, 1.5)  # it turns out to accept little: AR even alone
     assert chooser(twelve, Load(0, 1, ())) == BlockChoice(1)
     assert chooser.decisions == {"kept": 2, "ar": 2}
+
+
+def test_static_buffers_for_graph_replay_decode_the_same(tiny):
+    """The CUDA-graph binding mode (whole cache as past, inputs in fixed buffers) on the CPU: the
+    same tokens and acceptance as the plain batched runner."""
+    prompts = [[5, 9, 33, 2, 7], [100, 3], [8] * 30, [7, 7]]
+    configs = [GenerationConfig(block_size=b, max_new_tokens=30) for b in (4, 8, 1, 4)]
+    outputs = []
+    for static in (False, True):
+        runner = BatchRunner.eager(tiny.target, tiny.drafter, slots=4)
+        runner.static = static
+        with Engine(runner, config=EngineConfig(max_running=4)) as engine:
+            generations = [r.result(timeout=120) for r in [engine.submit(p, c) for p, c in zip(prompts, configs)]]
+        outputs.append([(g.tokens, g.stats.histogram) for g in generations])
+    assert outputs[0] == outputs[1]

@@ -50,6 +50,7 @@ class Pipeline:
                  device: str = "auto", max_context: int | None = None, cuda_graphs: bool = False):
         torch_device = resolve_device(device)
         self.target = self.drafter = None
+        self.cuda_graphs = cuda_graphs
         if engine is not None:  # cuda_graphs: replay each block size's captured draft/verify (CUDA devices)
             self.runner = open_runner(engine, torch_device, cuda_graphs=cuda_graphs)
             check_sources(self.runner.manifest, target, drafter)
@@ -104,7 +105,8 @@ class Pipeline:
         the batch is large enough that speculation no longer pays (trtspec.blockpilot.load).
         Close it when done."""
         if isinstance(self.runner, EagerRunner):
-            runner = BatchRunner.eager(self.target, self.drafter if self.has_drafter else None, config.max_running)
+            runner = BatchRunner.eager(self.target, self.drafter if self.has_drafter else None, config.max_running,
+                                       cuda_graphs=self.cuda_graphs)
             runner.max_context = self.runner.max_context
         else:
             runner = BatchRunner.compiled(self.runner, config.max_running)

@@ -21,8 +21,14 @@ SHORT_CONTEXT = 32  # draft rows with at most this many new context entries shar
 
 class BatchRunner:
     def __init__(self, executor: Executor, specs: dict[str, GraphSpec], dtype: torch.dtype, slots: int,
-                 max_context: int, block_sizes: tuple[int, ...] | None, mask_token_id: int | None):
+                 max_context: int, block_sizes: tuple[int, ...] | None, mask_token_id: int | None,
+                 static: bool = False):
         self.executor, self.specs, self.dtype, self.slots = executor, specs, dtype, slots
+        # Static mode, for CUDA-graph replay: decode calls read the whole cache buffer as `past` (stale
+        # entries are masked) and their inputs are copied into buffers kept per shape, so every
+        # binding of a (graph, block size, batch, context width) call keeps its address.
+        self.static = static
+        self._static_inputs: dict[tuple, dict[str, torch.Tensor]] = {}
         self.device = executor.device
         self.max_context, self.block_sizes, self.mask_token_id = max_context, block_sizes, mask_token_id
         capacity = max_context + MAX_BLOCK_SIZE
@@ -32,7 +38,7 @@ class BatchRunner:
         self._outputs: dict[tuple, dict[str, torch.Tensor]] = {}
 
     @classmethod
-    def eager(cls, target, drafter, slots: int) -> "BatchRunner":
+    def eager(cls, target, drafter, slots: int, cuda_graphs: bool = False) -> "BatchRunner":
         """The PyTorch modules, batched: the step modules the engines are exported from, run as they are."""
         from trtspec.engines.torch import TorchExecutor
         from trtspec.export.bindings import draft_graph, target_graph
@@ -43,15 +49,16 @@ class BatchRunner:
         specs = {TARGET: target_graph(target.config, len(layers))}
         if drafter is not None:
             modules[DRAFT], specs[DRAFT] = DraftStep(drafter).eval(), draft_graph(drafter.config)
-        executor = TorchExecutor(modules, target.device, specs)
+        executor = TorchExecutor(modules, target.device, specs, cuda_graphs=cuda_graphs)
         return cls(executor, specs, target.dtype, slots, target.config.max_position_embeddings, None,
-                   drafter.config.mask_token_id if drafter is not None else None)
+                   drafter.config.mask_token_id if drafter is not None else None,
+                   static=cuda_graphs and target.device.type == "cuda")
 
     @classmethod
     def compiled(cls, runner, slots: int) -> "BatchRunner":
         """A built engine's graphs (the executor a `CompiledRunner` opened), batched."""
         return cls(runner.executor, runner.specs, runner.dtype, slots, runner.max_context, runner.block_sizes,
-                   runner.mask_token_id)
+                   runner.mask_token_id, static=runner.static)
 
     def _run(self, graph: str, profile: ProfileKey, sizes: dict[str, int], past: int,
              inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -63,6 +70,13 @@ class BatchRunner:
                                            device=self.device) for t in self.specs[graph].outputs}
             if profile != PREFILL:  # decode shapes recur; prompt chunks vary
                 self._outputs[key] = outputs
+        if self.static and profile != PREFILL:
+            bound = self._static_inputs.get(key)
+            if bound is None:
+                bound = self._static_inputs[key] = {name: torch.empty_like(t) for name, t in inputs.items()}
+            for name, tensor in inputs.items():
+                bound[name].copy_(tensor, non_blocking=True)
+            inputs, past = bound, cache_k.shape[0]
         inputs = {**inputs, "past_k": cache_k[:past], "past_v": cache_v[:past]}
         self.executor.run(graph, profile, inputs, outputs)
         return outputs
