@@ -5,7 +5,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers import assert_one_line_error, trtspec
+from helpers import assert_one_line_error, trtspec, trtspec_in_process
+
+from trtspec.api import Pipeline
+from trtspec.runtime.decode import GenerationConfig
 
 
 
@@ -115,3 +118,24 @@ def test_debug_switch_shows_the_traceback(tmp_path, target_dir, drafter_dir):
     result = subprocess.run([sys.executable, "-m", "trtspec", "run", tmp_path / "nope.txt", "--target", target_dir,
                              "--drafter", drafter_dir], capture_output=True, env=env, timeout=300)
     assert result.returncode != 0 and b"Traceback" in result.stderr
+
+
+def test_run_batch_decodes_a_file_of_prompts_together(target_dir, drafter_dir, prompt_file, tmp_path):
+    prompts = ["def add(a, b):\n", "class Point:\n", "import os\n", "for i in range(3):\n"]
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    result = trtspec("run", "--batch", batch, "--target", target_dir, "--drafter", drafter_dir, "--block-size", 4,
+                     "--max-new-tokens", 20, "--max-running", 3)
+    assert result.returncode == 0, result.stderr.decode()
+    lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert len(lines) == len(prompts) and b"4 prompts" in result.stderr
+    pipeline = Pipeline(target_dir, drafter_dir)
+    for prompt, line in zip(prompts, lines):  # in the file's order, each equal to the prompt decoded alone
+        alone = pipeline.generate(prompt, GenerationConfig(block_size=4, max_new_tokens=20)).to_dict()
+        assert line["tokens"] == alone["tokens"] and line["stats"]["histogram"] == alone["stats"]["histogram"]
+    assert max(line["stats"]["batch_mean"] for line in lines) > 1.0
+    for args, message in ((("--batch", batch, prompt_file), "give one PROMPT_FILE, or --batch"),
+                          (("--batch", batch, "--compare-ar"), "--compare-ar compares one request"),
+                          ((), "give one PROMPT_FILE, or --batch")):
+        assert_one_line_error(trtspec_in_process("run", *args, "--target", target_dir, "--drafter", drafter_dir),
+                              message)
