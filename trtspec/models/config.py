@@ -217,6 +217,9 @@ class Qwen3MoeConfig(Qwen3Config):
         values["mlp_only_layers"] = tuple(f.ints("mlp_only_layers", []))
         return values
 
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "mlp_only_layers": list(self.mlp_only_layers)}
+
     def is_sparse(self, layer: int) -> bool:
         return (layer not in self.mlp_only_layers and self.num_experts > 0
                 and (layer + 1) % self.decoder_sparse_step == 0)
