@@ -180,3 +180,20 @@ def test_unsupported_configs_are_refused_in_one_line_naming_the_field(tmp_path, 
         prompt = tmp_path / "prompt.txt"
         prompt.write_text("hi")
         assert_one_line_error(trtspec_in_process("run", prompt, "--target", directory, "--ar"), "mistral")
+
+
+def test_generate_data_and_train_drafter_on_the_family(family_pair, tmp_path):
+    """The training commands take these targets too; the drafter they write decodes losslessly."""
+    _, target_dir, _, target, _ = family_pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(4)))
+    data = tmp_path / "train.jsonl"
+    made = trtspec_in_process("generate-data", "--target", target_dir, "--prompts", prompts, "-o", data,
+                              "--max-new-tokens", 16)
+    assert made.returncode == 0, made.stderr.decode()
+    trained = trtspec_in_process("train-drafter", "--target", target_dir, "--data", data, "--block-size", 4,
+                                 "-o", tmp_path / "d", "--steps", 3, "--batch-size", 2, "--num-features", 2)
+    assert trained.returncode == 0, trained.stderr.decode()
+    from trtspec.models import load_drafter
+    drafter = load_drafter(tmp_path / "d", target)
+    assert _greedy(EagerRunner(target, drafter), PROMPTS[:2], 4) == _greedy(EagerRunner(target), PROMPTS[:2], 1)
