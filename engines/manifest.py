@@ -20,7 +20,7 @@ from trtspec.device import MODEL_DTYPES
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, GraphSpec, graph_specs
 from trtspec.fileio import MARKER
-from trtspec.models.config import DFlashConfig, Qwen3Config
+from trtspec.models.config import DFlashConfig, Qwen3Config, target_config_from_dict
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 2  # 2: batched step graphs (batch and slot axes)
@@ -69,7 +69,7 @@ class Manifest:
 
     @property
     def target(self) -> Qwen3Config:
-        return Qwen3Config.from_dict(self.target_config, "engine target config")
+        return target_config_from_dict(self.target_config, "engine target config")
 
     @property
     def drafter(self) -> DFlashConfig:

@@ -33,23 +33,43 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # a short original context: the tests' positions cross it
+
+
+def hf_family(family: str, **options):
+    """transformers' config and model classes of a target family, and its family-specific options
+    (Llama: llama3 RoPE scaling and attention biases; Qwen3-MoE: 4 experts, top-2, layer 1 dense)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+    defaults = {
+        "qwen3": {},
+        "llama": {"rope_scaling": LLAMA3_ROPE, "attention_bias": True},
+        "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                      "norm_topk_prob": True, "mlp_only_layers": [1], "decoder_sparse_step": 1},
+    }[family]
+    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+               "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[family]
+    return (*classes, {**defaults, **options})
+
+
 def save_hf_target(directory: Path, *, vocab_size: int = 320, hidden: int = 64, layers: int = 4,
                    heads: int = 4, kv_heads: int = 2, head_dim: int = 16, max_positions: int = 512,
-                   tie: bool = False, seed: int = 0, with_tokenizer: bool = True) -> Path:
-    """A random Qwen3ForCausalLM written by transformers' own save_pretrained."""
-    from transformers import Qwen3Config as HFConfig, Qwen3ForCausalLM
-
+                   tie: bool = False, seed: int = 0, with_tokenizer: bool = True, family: str = "qwen3",
+                   **family_options) -> Path:
+    """A random target of `family` (qwen3, llama, qwen3_moe) written by transformers' own save_pretrained."""
+    HFConfig, HFModel, options = hf_family(family, **family_options)
     torch.manual_seed(seed)
     tokenizer = train_tokenizer(vocab_size - 8) if with_tokenizer else None
     eos = tokenizer.token_to_id(EOS) if tokenizer else 0
     config = HFConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       head_dim=head_dim, max_position_embeddings=max_positions, tie_word_embeddings=tie,
-                      rope_theta=1_000_000.0, eos_token_id=eos, bos_token_id=None)
-    model = Qwen3ForCausalLM(config)
+                      rope_theta=1_000_000.0, eos_token_id=eos, bos_token_id=None, **options)
+    model = HFModel(config)
     with torch.no_grad():  # a larger init than HF's 0.02 so the logits are far from uniform
         for name, param in model.named_parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:  # (fused MoE experts are 3-D: [experts, out, in])
                 param.normal_(0, 0.5 / param.shape[-1] ** 0.5 if "embed" not in name else 1.0)
             else:
                 param.uniform_(0.5, 1.5)

@@ -107,6 +107,6 @@ def test_bad_target_checkpoints_are_refused_by_name(tmp_path, damage, message):
         save_file(tensors, weights)
     elif damage == "wrong_type":
         config = json.loads((directory / "config.json").read_text())
-        (directory / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+        (directory / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
     with pytest.raises(CheckpointError, match=message):
         load_target(directory)

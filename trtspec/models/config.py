@@ -1,15 +1,25 @@
 """Model configurations, read from and written to HF-style `config.json` dictionaries.
 
-Shapes always come from here; nothing in the models hard-codes a size.
+Shapes always come from here; nothing in the models hard-codes a size. The target families
+(`TARGET_FAMILIES`, keyed by `model_type`) are one decoder that differs only in what its config
+says: Qwen3 (q/k RMSNorm, plain RoPE), Llama 3.x (no q/k norm, optional `llama3` RoPE scaling) and
+Qwen3-MoE (Qwen3 with top-k routed experts in its sparse layers). Anything else a config asks for
+is refused at the door with one line naming the field.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from typing import ClassVar
 
 from trtspec.errors import CheckpointError, TrtspecError
 from trtspec.limits import check_block_size
-from trtspec.validate import POSITIVE, POSITIVE_INT, Fields
+from trtspec.validate import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, Fields
+
+
+def _refuse(f: Fields, key: str, message: str) -> None:
+    """An unsupported feature of a checkpoint's config: one line naming the file and the field."""
+    raise CheckpointError(f"{f.source}: {f.prefix}{key} {message}")
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,10 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+
+    model_type: ClassVar[str] = "qwen3"
+    qk_norm: ClassVar[bool] = True                        # per-head RMSNorm of queries and keys
+    rope_types: ClassVar[tuple[str, ...]] = ("default",)  # RoPE kinds this family accepts
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -57,18 +71,34 @@ class Qwen3Config:
             raise CheckpointError(f"{what}: {exc}") from None
 
     @classmethod
-    def _fields_of(cls, f: Fields) -> dict:
-        # transformers >= 5 nests RoPE settings under rope_parameters; older configs use rope_scaling.
-        rope = None
+    def _rope(cls, f: Fields) -> Fields | None:
+        """The RoPE settings (transformers >= 5 nests them under rope_parameters; older configs use
+        rope_scaling), refusing a kind this family does not implement."""
+        chosen = None
         for key in ("rope_parameters", "rope_scaling"):
             settings = f.obj(key, None)
-            if settings is not None and settings.data:
-                kind = settings.text("rope_type", None) or settings.text("type", "default")
-                if kind != "default":
-                    raise CheckpointError(f"{f.source}: RoPE scaling {settings.data!r} is not supported")
-                rope = rope or settings
-        if f.boolean("use_sliding_window", False) or "sliding_attention" in f.strings("layer_types", []):
-            raise CheckpointError(f"{f.source}: sliding-window attention is not supported")
+            if settings is None or not settings.data:
+                continue
+            field_name = "rope_type" if settings.has("rope_type") else "type"
+            kind = settings.text(field_name, "default")
+            if kind not in cls.rope_types:
+                raise CheckpointError(f"{f.source}: {key}.{field_name} {kind!r} is not supported for model_type "
+                                      f"{cls.model_type!r} (supported: {', '.join(cls.rope_types)})")
+            if chosen is None or kind != "default":
+                chosen = settings
+            if settings.number("partial_rotary_factor", POSITIVE, 1.0) != 1.0:
+                _refuse(settings, "partial_rotary_factor", "other than 1 is not supported")
+        return chosen
+
+    @classmethod
+    def _fields_of(cls, f: Fields) -> dict:
+        rope = cls._rope(f)
+        if f.boolean("use_sliding_window", False):
+            _refuse(f, "use_sliding_window", "is true: sliding-window attention is not supported")
+        if "sliding_attention" in f.strings("layer_types", []):
+            _refuse(f, "layer_types", "has sliding_attention layers: sliding-window attention is not supported")
+        if f.text("hidden_act", "silu") != "silu":
+            _refuse(f, "hidden_act", f"{f.text('hidden_act')!r} is not supported (only 'silu')")
         values = {name: f.integer(name, POSITIVE_INT) for name in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
         values["num_key_value_heads"] = f.integer("num_key_value_heads", POSITIVE_INT, values["num_attention_heads"])
@@ -87,8 +117,126 @@ class Qwen3Config:
         values["attention_bias"] = f.boolean("attention_bias", False)
         return values
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` routes its tokens to experts (only Qwen3-MoE's do)."""
+        return False
+
+    @property
+    def rope_scaling_parameters(self) -> dict | None:
+        """The RoPE frequency scaling this config asks for (None: plain RoPE)."""
+        return None
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict that `target_config_from_dict` reads back (engine manifests and
+        training fingerprints hold it; a Qwen3 dict is written as before other families existed)."""
+        data = asdict(self)
+        return data if self.model_type == "qwen3" else {"model_type": self.model_type, **data}
+
+
+LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class LlamaConfig(Qwen3Config):
+    """Llama 3.x: Qwen3's decoder without q/k norm, with optional `llama3` RoPE frequency scaling."""
+
+    rope_scaling: dict = field(default_factory=dict)  # the four LLAMA3_ROPE parameters, or {} for plain RoPE
+    max_position_embeddings: int = 2048
+
+    model_type: ClassVar[str] = "llama"
+    qk_norm: ClassVar[bool] = False
+    rope_types: ClassVar[tuple[str, ...]] = ("default", "llama3")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.rope_scaling:
+            return
+        if sorted(self.rope_scaling) != sorted(("rope_type",) + LLAMA3_ROPE) or self.rope_scaling["rope_type"] != "llama3":
+            raise CheckpointError(f"rope_scaling must hold rope_type 'llama3' and {', '.join(LLAMA3_ROPE)}, "
+                                  f"got {self.rope_scaling!r}")
+        for name in LLAMA3_ROPE:
+            POSITIVE.check(self.rope_scaling[name], f"rope_scaling.{name}")
+        if self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
+            raise CheckpointError("rope_scaling.high_freq_factor must be larger than rope_scaling.low_freq_factor")
+
+    @classmethod
+    def _fields_of(cls, f: Fields) -> dict:
+        values = super()._fields_of(f)
+        if f.boolean("mlp_bias", False):
+            _refuse(f, "mlp_bias", "is true: MLP biases are not supported")
+        values["max_position_embeddings"] = f.integer("max_position_embeddings", POSITIVE_INT, 2048)
+        rope = cls._rope(f)
+        kind = rope.data.get("rope_type", rope.data.get("type")) if rope is not None else "default"
+        if kind == "llama3":
+            values["rope_scaling"] = {"rope_type": "llama3", **{
+                name: rope.integer(name, POSITIVE_INT) if name.startswith("original") else rope.number(name, POSITIVE)
+                for name in LLAMA3_ROPE}}
+        return values
+
+    @property
+    def rope_scaling_parameters(self) -> dict | None:
+        return self.rope_scaling or None
+
+
+@dataclass(frozen=True)
+class Qwen3MoeConfig(Qwen3Config):
+    """Qwen3-MoE: Qwen3 whose sparse layers route each token to its top-k of `num_experts` SwiGLU
+    experts (width `moe_intermediate_size`); the others, every layer listed in `mlp_only_layers`
+    and those not on the `decoder_sparse_step` grid, keep a dense MLP of `intermediate_size`."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 1
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    model_type: ClassVar[str] = "qwen3_moe"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        NON_NEGATIVE_INT.check(self.num_experts, "num_experts")
+        for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            POSITIVE_INT.check(getattr(self, name), name)
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise CheckpointError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                                  f"({self.num_experts})")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise CheckpointError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+
+    @classmethod
+    def _fields_of(cls, f: Fields) -> dict:
+        values = super()._fields_of(f)
+        # transformers >= 5 writes num_experts as num_local_experts
+        key = "num_experts" if f.has("num_experts") or not f.has("num_local_experts") else "num_local_experts"
+        values["num_experts"] = f.integer(key, NON_NEGATIVE_INT)
+        values["num_experts_per_tok"] = f.integer("num_experts_per_tok", POSITIVE_INT)
+        values["moe_intermediate_size"] = f.integer("moe_intermediate_size", POSITIVE_INT)
+        values["norm_topk_prob"] = f.boolean("norm_topk_prob", False)
+        values["decoder_sparse_step"] = f.integer("decoder_sparse_step", POSITIVE_INT, 1)
+        values["mlp_only_layers"] = tuple(f.ints("mlp_only_layers", []))
+        return values
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "mlp_only_layers": list(self.mlp_only_layers)}
+
+    def is_sparse(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+TARGET_FAMILIES: dict[str, type[Qwen3Config]] = {
+    family.model_type: family for family in (Qwen3Config, LlamaConfig, Qwen3MoeConfig)}
+
+
+def target_config_from_dict(raw: dict, what: str = "config") -> Qwen3Config:
+    """A target's config, of the family its `model_type` names (a config without one is Qwen3)."""
+    model_type = raw.get("model_type", "qwen3")
+    family = TARGET_FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise CheckpointError(f"{what}: model_type {model_type!r} is not supported "
+                              f"(supported: {', '.join(TARGET_FAMILIES)})")
+    return family.from_dict(raw, what)
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:

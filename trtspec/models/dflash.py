@@ -19,7 +19,7 @@ from trtspec.models.checkpoint import (build_empty, checkpoint_dir, load_into, l
                                        save_checkpoint)
 from trtspec.models.config import DFlashConfig, Qwen3Config
 from trtspec.models.layers import DecoderLayer, KVCache, RMSNorm, RotaryEmbedding
-from trtspec.models.qwen3 import Qwen3Target
+from trtspec.models.target import Qwen3Target
 
 
 class DFlashDrafter(nn.Module):
@@ -30,7 +30,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(config.num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding.of(config)
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None  # a tuple: not registered as weights
 
     def bind(self, target: Qwen3Target) -> "DFlashDrafter":

@@ -1,10 +1,14 @@
-"""The building blocks shared by the Qwen3 target and the DFlash drafter.
+"""The building blocks shared by the targets and the DFlash drafter.
 
-Both are stacks of Qwen3 decoder layers; they differ only in where keys and values come from.
-So attention is split into `project_q`, `project_kv` and `attend`, and each model composes them.
+All are stacks of Qwen3-style decoder layers; they differ only in where keys and values come from
+(so attention is split into `project_q`, `project_kv` and `attend`, and each model composes them)
+and in what their config asks of a layer: q/k norm or not (Llama has none), RoPE frequency
+scaling (Llama 3's `llama3`), a dense or an expert-routed MLP (Qwen3-MoE's sparse layers).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -25,18 +29,39 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Qwen3 RoPE (rotate-half layout) at absolute positions."""
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                       original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: long wavelengths slowed by `factor`, short ones kept, the band
+    between interpolated (the same float32 arithmetic as transformers')."""
+    old_context = original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_context / low_freq_factor, old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
-    def __init__(self, head_dim: int, theta: float):
+
+class RotaryEmbedding(nn.Module):
+    """RoPE (rotate-half layout) at absolute positions, optionally with Llama 3 frequency scaling."""
+
+    def __init__(self, head_dim: int, theta: float, llama3_scaling: dict | None = None):
         super().__init__()
         # Computed per call rather than kept as a buffer: no state to move, save or re-create.
         self.head_dim, self.theta = head_dim, theta
+        self.scaling = {k: v for k, v in (llama3_scaling or {}).items() if k != "rope_type"} or None
+
+    @classmethod
+    def of(cls, config: Qwen3Config) -> "RotaryEmbedding":
+        return cls(config.head_dim, config.rope_theta, config.rope_scaling_parameters)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, head_dim] for positions [T], or [b, 1, T, head_dim] for positions [b, T]."""
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device)
         inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+        if self.scaling is not None:
+            inv_freq = llama3_frequencies(inv_freq, **self.scaling)
         freqs = positions.float()[..., None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         if positions.dim() == 2:  # per-row positions: broadcast over heads
@@ -52,7 +77,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Qwen3 grouped-query attention with per-head q/k RMSNorm."""
+    """Grouped-query attention, with per-head q/k RMSNorm where the family has it (Qwen3)."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -64,8 +89,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def _heads(self, x: torch.Tensor, count: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -91,25 +119,61 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    """Holds the weights of one Qwen3 layer; the models decide how its attention is fed."""
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's routed MLP: softmax over `gate` logits, each token's top-k experts weighted by
+    their (optionally renormalised) probabilities.
 
-    def __init__(self, config: Qwen3Config):
+    Computed densely: every expert runs on every token and the experts a token did not pick get
+    weight 0 (a scatter of the top-k gates). That is ordinary tensor ops with no data-dependent
+    control flow, so it exports to ONNX / torch.export as is and gives the routed result exactly;
+    it costs num_experts / top_k times the routed FLOPs, which is nothing for the tiny test models
+    and a known non-goal for real MoE checkpoints (a grouped-GEMM kernel would replace the loop).
+    Weight names follow the Hub layout (`gate`, `experts.<e>.{gate,up,down}_proj`).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config.hidden_size, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+
+    def routing(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., num_experts] weights: the top-k probabilities in their experts' columns, 0 elsewhere."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        top, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return torch.zeros_like(probs).scatter(-1, chosen, top).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.routing(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + weights[..., e:e + 1] * expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Holds the weights of one decoder layer (`index` in its stack); the models decide how its
+    attention is fed."""
+
+    def __init__(self, config: Qwen3Config, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if config.is_sparse(index) else MLP(config.hidden_size, config.intermediate_size)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))

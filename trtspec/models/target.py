@@ -1,4 +1,9 @@
-"""The Qwen3 target: a plain PyTorch decoder with a static KV cache.
+"""The target: a plain PyTorch decoder with a static KV cache, for every supported family.
+
+Qwen3, Llama 3.x and Qwen3-MoE checkpoints are the same decoder stack read from the same Hugging
+Face layout; what differs (q/k norm, RoPE scaling, routed experts) is decided by the family's
+config (`config.TARGET_FAMILIES`) inside the shared layers, so this one class, its step-graph
+interface (`decode`, `logits`) and everything that takes a target serve them all.
 
 One `forward` serves prefill (many tokens from position 0), verify (B tokens at `start`) and the
 autoregressive step (one token). It also returns the hidden states that DFlash drafters read:
@@ -16,34 +21,35 @@ from typing import Callable
 import torch
 from torch import nn
 
-from trtspec.errors import CheckpointError
 from trtspec.models.checkpoint import build_empty, checkpoint_dir, load_into, load_state_dict, read_json
-from trtspec.models.config import Qwen3Config
+from trtspec.models.config import Qwen3Config, target_config_from_dict
 from trtspec.models.layers import DecoderLayer, KVCache, RMSNorm, RotaryEmbedding
 
 # (layer index, new keys, new values) -> the keys and values those tokens attend to
 KVHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-class Qwen3Backbone(nn.Module):
+class Backbone(nn.Module):
     """`model.*` in the HF checkpoint: embeddings, layers, final norm."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Qwen3Target(nn.Module):
+class DecoderTarget(nn.Module):
+    """A target of any supported family (its `config` is a `Qwen3Config` or a subclass)."""
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
-        self.model = Qwen3Backbone(config)
+        self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding.of(config)
 
     @property
     def device(self) -> torch.device:
@@ -122,20 +128,20 @@ class Qwen3Target(nn.Module):
         return self.lm_head(self.model.norm(hidden))
 
 
+Qwen3Target = DecoderTarget  # the name it had when Qwen3 was the only family; callers still use it
+
+
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> Qwen3Target:
-    """Load a local Hugging Face Qwen3 directory (single-file or sharded safetensors)."""
+                device: str | torch.device = "cpu") -> DecoderTarget:
+    """Load a local Hugging Face Qwen3, Llama 3.x or Qwen3-MoE directory (single-file or sharded
+    safetensors); its `model_type` picks the family."""
     directory = checkpoint_dir(path, "target")
     config_file = directory / "config.json"
-    raw = read_json(config_file, "target")
-    model_type = raw.get("model_type", "qwen3")
-    if model_type != "qwen3":
-        raise CheckpointError(f"{config_file}: model_type {model_type!r} is not supported (expected 'qwen3')")
-    config = Qwen3Config.from_dict(raw, str(config_file))
+    config = target_config_from_dict(read_json(config_file, "target"), str(config_file))
     tensors = load_state_dict(directory, "target")
     if config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
         tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
-    target = build_empty(lambda: Qwen3Target(config))
+    target = build_empty(lambda: DecoderTarget(config))
     if config.tie_word_embeddings:  # materialising from meta unties shared weights; tie them again
         target.lm_head.weight = target.model.embed_tokens.weight
     load_into(target, tensors, "target", ignore_suffixes=("rotary_emb.inv_freq",))
