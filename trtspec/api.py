@@ -24,7 +24,7 @@ from trtspec.runtime.engine import Engine, EngineConfig
 from trtspec.runtime.runners.batched import BatchRunner
 from trtspec.runtime.runners.compiled import open_runner
 from trtspec.runtime.schedule import AUTO
-from trtspec.tokenizer import TextCodec
+from trtspec.tokenizer import TextCodec, TextStream
 
 @dataclass
 class TextResult:
@@ -137,25 +137,20 @@ class Pipeline:
         ids = self.codec.encode(prompt, chat=chat)
         if not ids:
             raise TrtspecError("the prompt is empty")
-        on_commit, streamed = None, []
+        on_commit, stream = None, TextStream(self.codec)
         if on_text is not None or cancelled is not None:
-            stream = self.codec.streamer()
 
             def on_commit(tokens: list[int]) -> None:
                 if cancelled is not None and cancelled():
                     raise Cancelled("the request was cancelled")
-                if on_text is None:
-                    return
-                for token in tokens:
-                    piece = stream.step(self.codec.tokenizer, token)
-                    if piece:
-                        streamed.append(piece)
-                        on_text(piece)
+                piece = stream.push(tokens) if on_text is not None else ""
+                if piece:
+                    on_text(piece)
 
         config = config.with_stop_ids(self.codec.stop_ids)
         generation = generate(self.runner, ids, config, on_commit, self.policy)
         text = self.codec.decode(generation.tokens)
-        sent = "".join(streamed)
-        if on_text is not None and text != sent and text.startswith(sent):
-            on_text(text[len(sent):])  # bytes the streamer held back (an unfinished UTF-8 sequence at the end)
+        rest = stream.finish(generation.tokens) if on_text is not None else ""
+        if rest:
+            on_text(rest)  # bytes held back (an unfinished UTF-8 sequence at the end)
         return TextResult(text, generation)

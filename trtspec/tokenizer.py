@@ -116,3 +116,56 @@ class TextCodec:
 
 def _raise_template_error(message: str):
     raise TemplateError(message)
+
+
+class TextStream:
+    """Committed token ids in, text pieces out, which join to exactly the decoded text (cut before
+    the first stop string, if any). Every front end streams through it: Pipeline.generate, the
+    Triton model and `trtspec serve`. Text that could still begin a stop string, and the bytes
+    of an unfinished UTF-8 sequence, are held back until they cannot / until `finish`."""
+
+    def __init__(self, codec: "TextCodec", stops: tuple[str, ...] = ()):
+        self.codec, self.stops = codec, stops
+        self.decoder = codec.streamer()
+        self.text = ""       # all decoded text so far (until a stop: then the text before it)
+        self.sent = 0        # characters of `text` handed out
+        self.tokens: list[int] = []
+        self.stopped = False
+
+    def push(self, tokens: list[int]) -> str:
+        """The text that can be sent after these tokens ('' when none); stops at a stop string."""
+        for token in tokens:
+            if self.stopped:
+                break
+            self.tokens.append(token)
+            piece = self.decoder.step(self.codec.tokenizer, token)
+            if piece:
+                self._extend(piece)
+        return self._take(final=False)
+
+    def finish(self, tokens: list[int]) -> str:
+        """The rest once the request has ended (`tokens`: all it committed)."""
+        if not self.stopped:
+            whole = self.codec.decode(tokens)
+            if whole.startswith(self.text) and len(whole) > len(self.text):  # bytes the decoder held back
+                self._extend(whole[len(self.text):])
+            self.tokens = list(tokens)
+        return self._take(final=True)
+
+    def _extend(self, piece: str) -> None:
+        start = max(0, len(self.text) - max(map(len, self.stops), default=0))
+        self.text += piece
+        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if found:
+            self.text, self.stopped = self.text[:min(found)], True
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and not self.stopped:
+            for stop in self.stops:  # hold back a tail that may begin a stop string
+                for k in range(min(len(stop) - 1, end), 0, -1):
+                    if self.text.endswith(stop[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return piece

@@ -3,7 +3,7 @@
 A front end only translates and streams: a request body is checked field by field at the door
 (`parse_request`), becomes prompt ids and a `GenerationConfig`, and is submitted to the engine;
 the engine's thread hands each cycle's committed tokens to the event loop (`_Bridge`), where they
-are detokenized, cut at stop strings (`TextStops`) and sent as one response or as server-sent
+are detokenized, cut at stop strings (`trtspec.tokenizer.TextStream`) and sent as one response or as server-sent
 events in OpenAI's chunk format. Every response carries a `trtspec` object (block size and
 whether BlockPilot chose it, tau, histogram, ceiling fraction). `/metrics` is
 `trtspec.serving.metrics` in Prometheus' text format.
@@ -36,6 +36,7 @@ from trtspec import limits
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.engine import Busy
+from trtspec.tokenizer import TextStream
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
@@ -211,58 +212,6 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool) -> Parsed
     return ParsedRequest(ids, config, texts, stream, bool((options or {}).get("include_usage")), chat)
 
 
-class TextStops:
-    """Token ids in, text out: incremental detokenization, cut before the first stop string.
-
-    Text that could still be the beginning of a stop string is held back until it cannot."""
-
-    def __init__(self, codec, stops: tuple[str, ...]):
-        self.codec, self.stops = codec, stops
-        self.decoder = codec.streamer()
-        self.text = ""       # all decoded text so far (until a stop: then the text before it)
-        self.sent = 0        # characters of `text` handed out
-        self.tokens: list[int] = []
-        self.stopped = False
-
-    def push(self, tokens: list[int]) -> str:
-        """The text that can be sent after these tokens ('' when none); stops at a stop string."""
-        for token in tokens:
-            if self.stopped:
-                break
-            self.tokens.append(token)
-            piece = self.decoder.step(self.codec.tokenizer, token)
-            if piece:
-                self._extend(piece)
-        return self._take(final=False)
-
-    def finish(self, tokens: list[int]) -> str:
-        """The rest once the request has ended (`tokens`: all it committed)."""
-        if not self.stopped:
-            whole = self.codec.decode(tokens)
-            if whole.startswith(self.text) and len(whole) > len(self.text):  # bytes the decoder held back
-                self._extend(whole[len(self.text):])
-            self.tokens = list(tokens)
-        return self._take(final=True)
-
-    def _extend(self, piece: str) -> None:
-        start = max(0, len(self.text) - max(map(len, self.stops), default=0))
-        self.text += piece
-        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if found:
-            self.text, self.stopped = self.text[:min(found)], True
-
-    def _take(self, final: bool) -> str:
-        end = len(self.text)
-        if not final and not self.stopped:
-            for stop in self.stops:  # hold back a tail that may begin a stop string
-                for k in range(min(len(stop) - 1, end), 0, -1):
-                    if self.text.endswith(stop[:k]):
-                        end = min(end, len(self.text) - k)
-                        break
-        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return piece
-
-
 class _Bridge:
     """Carries a request's committed tokens from the engine thread to the event loop."""
 
@@ -430,7 +379,7 @@ class OpenAIServer:
     async def _events(self, parsed: ParsedRequest, handle, bridge: _Bridge, outcome: _Outcome):
         """Text pieces as the engine commits tokens; `outcome` is filled in at the end. Cancels the
         request when it stops at a stop string, or when the consumer goes away."""
-        stops = TextStops(self.codec, parsed.stops)
+        stops = TextStream(self.codec, parsed.stops)
         finished = False
         try:
             while True:

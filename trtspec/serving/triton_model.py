@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - imported for documentation or tests ou
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.engine import Busy
+from trtspec.tokenizer import TextStream
 from trtspec.serving.triton import ENGINE_PARAMETERS
 
 DEFAULT_MAX_TOKENS = 256
@@ -85,10 +86,9 @@ class _Call:
     """One Triton request in flight: its response sender, the engine's handle and, when it
     streams, the text sent so far. Only the outbox thread touches it after submission."""
 
-    def __init__(self, sender, streamer=None):
-        self.sender, self.streamer = sender, streamer
+    def __init__(self, sender, stream=None):
+        self.sender, self.stream = sender, stream  # stream: a TextStream when the call streams
         self.request = None  # the engine's Request, once submitted
-        self.sent: list[str] = []
         self.finished = False
 
 
@@ -139,11 +139,9 @@ class _Outbox:
             if not call.finished:  # a request may finish before execute() registers it
                 self.live.add(call)
         elif kind == self.COMMIT:
-            for token in payload:
-                piece = call.streamer.step(self.codec.tokenizer, token)
-                if piece:
-                    call.sent.append(piece)
-                    call.sender.send(_response(piece, None))
+            piece = call.stream.push(payload)
+            if piece:
+                call.sender.send(_response(piece, None))
         elif kind == self.FINISH:
             call.finished = True
             self.live.discard(call)
@@ -180,13 +178,13 @@ class _Outbox:
             self.metrics.observe_finished(generation.stats, latency_s=time.perf_counter() - request.submitted,
                                           ttft_s=None if first is None else first - request.submitted,
                                           queue_s=generation.stats.queue_s)
-        text, stats = self.codec.decode(generation.tokens), generation.stats.to_dict()
-        if call.streamer is None:
-            call.sender.send(_response(text, stats), flags=final)
+        stats = generation.stats.to_dict()
+        if call.stream is None:
+            call.sender.send(_response(self.codec.decode(generation.tokens), stats), flags=final)
             return
-        sent = "".join(call.sent)
-        if text != sent and text.startswith(sent):  # bytes the streamer held back (unfinished UTF-8)
-            call.sender.send(_response(text[len(sent):], None))
+        rest = call.stream.finish(generation.tokens)  # bytes held back (an unfinished UTF-8 sequence)
+        if rest:
+            call.sender.send(_response(rest, None))
         call.sender.send(_response("", stats), flags=final)
 
     def _failed(self, reason: str) -> None:
@@ -274,7 +272,7 @@ class TritonPythonModel:
         config = self._config(request)
         on_commit = None
         if self.decoupled and bool(_scalar(request, "stream", True)):
-            call.streamer = self.pipeline.codec.streamer()
+            call.stream = TextStream(self.pipeline.codec)
             on_commit = lambda tokens: self.outbox.put(_Outbox.COMMIT, call, tokens)  # noqa: E731
         call.request = self.engine.submit(ids, config, on_commit=on_commit,
                                           on_finish=lambda request: self.outbox.put(_Outbox.FINISH, call, request))
