@@ -197,3 +197,28 @@ def test_generate_data_and_train_drafter_on_the_family(family_pair, tmp_path):
     from trtspec.models import load_drafter
     drafter = load_drafter(tmp_path / "d", target)
     assert _greedy(EagerRunner(target, drafter), PROMPTS[:2], 4) == _greedy(EagerRunner(target), PROMPTS[:2], 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [
+    LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 4}),
+    Qwen3MoeConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                   norm_topk_prob=True, mlp_only_layers=(1,)),
+], ids=["llama", "qwen3_moe"])
+def test_sampling_at_t1_follows_each_familys_target(config):
+    """Speculative sampling at T = 1 through each family's target: the first three tokens follow the
+    target's exact distribution (the statistics of tests/test_sampling.py, 3,000 seeded requests)."""
+    from test_sampling import exact_distribution, pvalues, sample_three_tokens
+    from trtspec.models import DecoderTarget
+
+    torch.manual_seed(0)
+    target = DecoderTarget(config).eval()
+    with torch.no_grad():  # logits far from uniform, so a wrong distribution would show
+        target.lm_head.weight.mul_(4.0)
+    runner = EagerRunner(target, random_drafter(target, layer_ids=(0, 1), block_size=4, mask_token_id=1))
+    samples = sample_three_tokens(runner, 3_000)
+    results = pvalues(samples, exact_distribution(target, 3))
+    assert min(results.values()) > 1e-3, results
