@@ -64,6 +64,7 @@ class Manifest:
     tensorrt_profiles: dict | None = None  # the TensorRT optimization profiles of these graphs
     check: dict | None = None          # build-time comparison with eager torch
     policy: dict | None = None
+    draft_vocab: dict | None = None    # {"dir", "size": K, "ids_sha256"}: the drafter proposes among K ids
     trtspec_version: str = ""
     manifest_version: int = MANIFEST_VERSION
 
@@ -144,7 +145,7 @@ def validate_fields(data: dict, path: Path) -> None:
     for name in ("target_config", "drafter_config", "sources", "artifacts", "graphs", "profiles"):
         if not isinstance(data[name], dict):
             raise bad(name, "a JSON object")
-    for name in ("tensorrt_profiles", "check", "policy"):
+    for name in ("tensorrt_profiles", "check", "policy", "draft_vocab"):
         if data.get(name) is not None and not isinstance(data[name], dict):
             raise bad(name, "a JSON object or null")
     if not isinstance(data.get("trtspec_version", ""), str):
@@ -177,6 +178,11 @@ def validate_fields(data: dict, path: Path) -> None:
     if policy is not None and (not _relative(policy.get("dir")) or not isinstance(policy.get("block_sizes"), list)):
         raise TrtspecError(f"{path}: field policy must have a dir inside the engine directory and block_sizes; "
                            "rebuild the engine")
+    vocab = data.get("draft_vocab")
+    if vocab is not None and (not _relative(vocab.get("dir")) or not _is_int(vocab.get("size"), 2)
+                              or not isinstance(vocab.get("ids_sha256"), str)):
+        raise TrtspecError(f"{path}: field draft_vocab must have a dir inside the engine directory, a size >= 2 "
+                           "and ids_sha256; rebuild the engine")
 
 
 def read_manifest(directory: str | Path) -> Manifest:

@@ -64,7 +64,8 @@ class DraftStep(nn.Module):
     Row r's context holds, in its last counts[r] entries, the target features of positions
     starts[r]-counts[r]..starts[r]-1 (those the drafter cache lacks); its block [bonus, MASK x
     (B-1)] sits at starts[r]..starts[r]+B-1. Proposals are greedy (argmax), as the decode loop
-    uses at every temperature.
+    uses at every temperature. With a draft vocabulary, only its K logits are computed and the
+    argmax is mapped back to full-vocabulary ids inside the graph (DFlashDrafter.propose).
     """
 
     def __init__(self, drafter: DFlashDrafter):
@@ -90,5 +91,5 @@ class DraftStep(nn.Module):
                            torch.ones(batch, block.shape[1], dtype=torch.bool, device=device)), dim=1)
         positions = starts[:, None] + torch.arange(block.shape[1], device=device)[None, :]
         hidden = self.drafter.block_pass(block, positions, context_kv, valid[:, None, None, :])
-        drafts = self.drafter.lm_head(hidden[:, 1:]).argmax(dim=-1)
+        drafts = self.drafter.propose(hidden[:, 1:])
         return drafts, _position_major(new_k), _position_major(new_v)

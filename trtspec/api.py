@@ -17,6 +17,7 @@ from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import MAX_CONTEXT
 from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
+from trtspec.models.draft_vocab import ids_sha256, select as select_draft_vocab
 from trtspec.blockpilot.policy import drafter_policy, load_policy
 from trtspec.device import resolve_device, resolve_dtype
 from trtspec.runtime.decode import Generation, GenerationConfig, generate
@@ -43,11 +44,14 @@ class Pipeline:
     """A loaded model pair: from checkpoint directories (eager PyTorch) or from a built engine
     directory (`engine=`; then `target`/`drafter`, when given, must be what it was built from).
     With a BlockPilot policy (`policy=`, the engine's own, or the drafter directory's `blockpilot/`) the
-    default block size is AUTO."""
+    default block size is AUTO. `draft_vocab=K` makes the drafter propose among the K most frequent
+    token ids (counts from `draft_counts` or the drafter directory's `draft_vocab/`; an engine
+    carries the K it was built with)."""
 
     def __init__(self, target: str | Path | None = None, drafter: str | Path | None = None, *,
                  engine: str | Path | None = None, policy: str | Path | None = None, dtype: str = "auto",
-                 device: str = "auto", max_context: int | None = None, cuda_graphs: bool = False):
+                 device: str = "auto", max_context: int | None = None, cuda_graphs: bool = False,
+                 draft_vocab: int | None = None, draft_counts: str | Path | None = None):
         torch_device = resolve_device(device)
         self.target = self.drafter = None
         self.cuda_graphs = cuda_graphs
@@ -58,12 +62,34 @@ class Pipeline:
             self.backend, self.dtype = self.runner.manifest.backend, self.runner.dtype
             trained = self.runner.manifest.drafter.block_size  # or the built size nearest to it
             self.drafter_block_size = min(self.runner.block_sizes, key=lambda b: abs(b - trained))
+            built = (self.runner.manifest.draft_vocab or {}).get("size")
+            if draft_counts is not None or draft_vocab not in (None, built):
+                raise TrtspecError(f"the engine was built with {f'--draft-vocab {built}' if built else 'the full vocabulary'}"
+                                   "; its draft vocabulary is fixed at build time: drop --draft-vocab/--draft-counts "
+                                   "or rebuild the engine with them")
+            self.draft_vocab_size, self.draft_ids = built, None
+            if built:  # the ids baked into the draft graph, from the counts shipped with it
+                from trtspec.models.draft_vocab import load_counts
+                info = self.runner.manifest.draft_vocab
+                self.draft_ids = load_counts(Path(engine) / info["dir"], self.runner.manifest.target.vocab_size
+                                             ).top_ids(built)
+                if ids_sha256(self.draft_ids) != info["ids_sha256"]:
+                    raise TrtspecError(f"{engine}: the draft vocabulary's counts do not give the ids its draft graph "
+                                       "was built with (manifest draft_vocab.ids_sha256); rebuild the engine")
         else:
             if target is None:
                 raise TrtspecError("give a target checkpoint directory or an engine directory")
             self.codec = TextCodec(target)
             self.target = load_target(target, resolve_dtype(dtype, torch_device), torch_device)
             self.drafter = load_drafter(drafter, self.target) if drafter is not None else None
+            if self.drafter is None and (draft_vocab is not None or draft_counts is not None):
+                raise TrtspecError("--draft-vocab restricts the drafter's proposals; give a drafter too")
+            chosen = select_draft_vocab(draft_vocab, draft_counts, drafter, self.target.config.vocab_size) \
+                if self.drafter is not None else None
+            if chosen is not None:
+                self.drafter.use_draft_vocab(chosen[0])
+            self.draft_vocab_size = draft_vocab if chosen is not None else None
+            self.draft_ids = chosen[0] if chosen is not None else None
             self.runner = EagerRunner(self.target, self.drafter)
             self.backend, self.dtype = "torch-eager", self.target.dtype
             self.drafter_block_size = self.drafter.config.block_size if self.drafter is not None else 1

@@ -151,6 +151,21 @@ class BenchReport:
     machine: dict
     reference: "BenchReport | None" = None   # the same measurement through a reference backend
     agreement: list[dict] = field(default_factory=list)  # per block size: identical outputs vs reference
+    draft_ids: torch.Tensor | None = None  # the draft vocabulary's ids (None: the full vocabulary)
+
+    def draft_coverage(self) -> float | None:
+        """Share of AR's (the target's own) decoded tokens inside the draft vocabulary."""
+        if self.draft_ids is None:
+            return None
+        tokens = torch.tensor([t for repeat in self.ar.generations for g in repeat for t in g.tokens], dtype=torch.long)
+        return float(torch.isin(tokens, self.draft_ids.cpu()).float().mean()) if tokens.numel() else 0.0
+
+    def identical_to_ar(self, run: BenchRun) -> tuple[int, int] | None:
+        """Greedy runs: requests of the first repeat whose tokens equal AR's (lossless: all of them)."""
+        if self.config.sampling.temperature != 0:
+            return None
+        pairs = list(zip(run.generations[0], self.ar.generations[0]))
+        return sum(a.tokens == b.tokens for a, b in pairs), len(pairs)
 
     @property
     def runs(self) -> list[BenchRun]:
@@ -184,6 +199,7 @@ class BenchReport:
                 "decode_s": sum(s.decode_s for s in stats),
                 "new_tokens": sum(s.new_tokens for s in stats),
                 "mean_new_tokens": statistics.fmean(s.new_tokens for s in stats),
+                "identical_to_ar": self.identical_to_ar(run),
             })
         sampling = self.config.sampling
         comparison = {}
@@ -195,6 +211,8 @@ class BenchReport:
         return {
             "backend": self.machine.get("backend"),
             "runs": runs,
+            "draft_vocab": None if self.draft_ids is None else {"size": self.draft_ids.numel(),
+                                                                "coverage_of_ar_tokens": self.draft_coverage()},
             "machine": self.machine,
             "prompts": self.prompts,
             "n_prompts": self.n_prompts,
@@ -220,6 +238,12 @@ class BenchReport:
             ceiling = "-" if ar else f"{run.ceiling_fraction:.1%}"
             lines.append(f"{run.name:>5}  {run.tau:>6.2f}  {ceiling:>7}  "
                          f"{run.tokens_per_s:>12.1f}  {self.speedup(run):>7.2f}x")
+        same = [self.identical_to_ar(run) for run in self.spec]
+        if same and same[0] is not None:
+            lines.append("identical to AR: " + ", ".join(f"B={r.name} {a}/{n}" for r, (a, n) in zip(self.spec, same)))
+        if self.draft_ids is not None:
+            lines.append(f"draft vocabulary: {self.draft_ids.numel()} ids, covering {self.draft_coverage():.1%} "
+                         "of AR's decoded tokens")
         if self.reference is not None:
             own, ref = self.machine["backend"], self.reference.machine["backend"]
             lines += ["", f"reference backend: {ref}", *self.reference.format_table().splitlines()[1:], "",
@@ -288,6 +312,7 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=No
         reports.append(BenchReport(prompts=prompts_name, n_prompts=len(prompts), config=config, ar=backend_runs[0],
                                    spec=backend_runs[1:], machine=machine_info(backend)))
     report = reports[0]
+    report.draft_ids = pipeline.draft_ids
     if reference is not None:
         report.reference = reports[1]
         report.agreement = [compare_outputs(pipeline, reference, prompts, own, other)

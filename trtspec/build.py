@@ -26,6 +26,7 @@ from trtspec.export.exporter import MIN_COMPILED_BLOCK_SIZE, export_onnx, export
 from trtspec.fileio import ENGINE, check_output_dir, staged_directory
 from trtspec.engines.manifest import BACKENDS, TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
 from trtspec.models import load_drafter, load_target
+from trtspec.models.draft_vocab import DRAFTER_VOCAB_DIR, ids_sha256, select as select_draft_vocab
 from trtspec.blockpilot.policy import drafter_policy, load_policy
 
 POLICY_DIR = "policy"
@@ -43,6 +44,8 @@ class BuildConfig:
     max_context: int | None = None
     policy: Path | None = None  # a BlockPilot policy directory to ship inside the engine
     max_batch: int = 16         # requests one decode call may batch (TensorRT profiles; serving)
+    draft_vocab: int | None = None      # K: the draft graph computes only the K most frequent ids' logits
+    draft_counts: Path | None = None    # the counts behind K [default: the drafter's draft_vocab/]
 
     def __post_init__(self) -> None:
         if not self.block_sizes or any(not MIN_COMPILED_BLOCK_SIZE <= b <= MAX_BLOCK_SIZE for b in self.block_sizes):
@@ -80,7 +83,7 @@ def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
 
 def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: BuildConfig,
                  progress: bool = True) -> Manifest:
-    inputs = (target_dir, drafter_dir, config.policy)
+    inputs = (target_dir, drafter_dir, config.policy, config.draft_counts)
     check_output_dir(output, ENGINE, inputs)  # before any work: never replace what is not an old engine
     backend, device, dtype = _resolve(config)
     policy = None
@@ -93,6 +96,9 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     export_device = device if backend == "torch" else torch.device("cpu")
     target = load_target(target_dir, MODEL_DTYPES[dtype], export_device)
     drafter = load_drafter(drafter_dir, target)
+    chosen = select_draft_vocab(config.draft_vocab, config.draft_counts, drafter_dir, target.config.vocab_size)
+    if chosen is not None:
+        drafter.use_draft_vocab(chosen[0])
     max_context = min(config.max_context or target.config.max_position_embeddings,
                       target.config.max_position_embeddings)
     block_sizes = sorted(config.block_sizes)
@@ -126,6 +132,9 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
         _copy_tokenizer(target_dir, staging / TOKENIZER_DIR)
         if policy is not None:
             policy.save(staging / POLICY_DIR)
+        if chosen is not None:  # the counts behind the ids baked into the draft graph, with their provenance
+            (staging / DRAFTER_VOCAB_DIR).mkdir()
+            chosen[1].save(staging / DRAFTER_VOCAB_DIR)
         manifest = Manifest(
             backend=backend, dtype=dtype, max_context=max_context, block_sizes=block_sizes, max_batch=config.max_batch,
             profiles=trt_engine.profile_keys(block_sizes),
@@ -136,7 +145,10 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             tensorrt_profiles=table, trtspec_version=__version__,
             policy={"dir": POLICY_DIR, "block_sizes": list(policy.block_sizes),
                     "choices": [c.name for c in policy.choices], "features": list(policy.kinds)}
-            if policy is not None else None)
+            if policy is not None else None,
+            draft_vocab={"dir": DRAFTER_VOCAB_DIR, "size": int(chosen[0].numel()),
+                         "ids_sha256": ids_sha256(chosen[0])}
+            if chosen is not None else None)
         manifest.write(staging)
         bar.set_postfix_str("self-check")
         manifest.check = self_check(staging, device, target, drafter, block_sizes)

@@ -18,7 +18,7 @@ from trtspec.commands.dbloom import expand_block, preflight
 from trtspec.commands.blockpilot import eval_policy, label_blocks, train_policy
 from trtspec.commands.run import run
 from trtspec.commands.serve import serve
-from trtspec.commands.train import generate_data, train_drafter
+from trtspec.commands.train import draft_vocab, generate_data, train_drafter
 from trtspec.commands.triton import triton_repo, triton_serve
 from trtspec.errors import TrtspecError
 
@@ -47,7 +47,7 @@ def cli(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-for command in (run, build, bench, generate_data, train_drafter, label_blocks, train_policy, eval_policy,
+for command in (run, build, bench, generate_data, draft_vocab, train_drafter, label_blocks, train_policy, eval_policy,
                 preflight, expand_block, serve, triton_repo, triton_serve):
     cli.add_command(command)
 

@@ -39,6 +39,7 @@ ENGINE = "engine directory"           # the kinds of directory outputs
 TRITON_REPOSITORY = "Triton model repository"
 POLICY = "BlockPilot policy"
 CHECKPOINT = "checkpoint"
+DRAFT_VOCAB = "draft vocabulary"
 STAGING, TEMPORARY, REPLACED = "trtspec-staging", "trtspec-tmp", "trtspec-old"
 
 PathLike = str | os.PathLike

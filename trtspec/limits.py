@@ -105,6 +105,7 @@ NON_NEGATIVE = Limit("count", 0, INT32_MAX)      # optional steps, threads (0 = 
 POSITIVE_REAL = Limit("value", 0.0, math.inf, integer=False, low_open=True)  # learning rates
 NON_NEGATIVE_REAL = Limit("value", 0.0, math.inf, integer=False)             # weights, decays (0 = default)
 TOKEN_ID = Limit("token id", 0, INT32_MAX)
+DRAFT_VOCAB = Limit("draft vocabulary size", 2, INT32_MAX)  # K most frequent ids; <= the vocabulary (checked on load)
 BLOCK_SIZE = Limit("block size", 2, MAX_BLOCK_SIZE)  # 1 is autoregressive decoding (--ar), not a block
 
 

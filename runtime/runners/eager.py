@@ -55,8 +55,7 @@ class EagerRunner:
     def draft(self, context_features: torch.Tensor, block: list[int] | torch.Tensor, start: int,
               out: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy proposals [B-1] for block positions 1..B-1 (copied into `out` when given)."""
-        logits = self.drafter(context_features[None], self._tensor(block), start, self._drafter_cache)
-        drafts = logits[0].argmax(dim=-1)
+        drafts = self.drafter.draft(context_features[None], self._tensor(block), start, self._drafter_cache)[0]
         return out.copy_(drafts) if out is not None else drafts
 
     def rollback(self, length: int) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from trtspec.bench import BenchConfig, load_prompts, run_bench, write_json
 from trtspec import limits
-from trtspec.commands.options import (BlockSizesType, Ranged, limit_option, load_pipeline, max_new_tokens_option,
+from trtspec.commands.options import (BlockSizesType, Ranged, draft_vocab_options, limit_option, load_pipeline, max_new_tokens_option,
                                       model_options, policy_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
@@ -30,6 +32,7 @@ Examples:
   trtspec bench --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16 --limit 20 --json bench.json
   trtspec bench --prompts prompts.jsonl --block-sizes 8,16 --temperature 1 --repeats 5
   trtspec bench --engine build/engine --block-sizes 12,16,20,24 --against-eager
+  trtspec bench --block-sizes 8,12,16 --draft-vocab 1024                # draft among the 1024 likeliest ids
   trtspec bench --engine build/engine --block-sizes 12,16,20,24,auto   # BlockPilot beside the fixed sizes
   trtspec bench --engine build/engine --block-sizes 6,16,6:16          # B=6 growing to 16 after a full block
   trtspec --threads 1 bench --engine build/engine --block-sizes 12,16 --profile-host   # model vs host time per cycle
@@ -43,6 +46,7 @@ Examples:
               help="Block sizes in [2, 64] to compare with autoregressive decoding; B:G = B growing to G after a "
                    "cycle that fills a block of B; auto = BlockPilot's choice.")
 @policy_option
+@draft_vocab_options
 @sampling_options
 @max_new_tokens_option(DEFAULT.max_new_tokens)
 @limit_option
@@ -59,7 +63,7 @@ Examples:
               help="Instead, serve the prompts to N concurrent clients (a closed loop over one continuous-batching "
                    "engine) for each N, and report throughput, latency and TTFT per block size against AR.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
-def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, policy, temperature, top_k, top_p, seed,
+def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, policy, draft_vocab, draft_counts, temperature, top_k, top_p, seed,
           max_new_tokens, limit, repeats, against_eager, profile_host, concurrency, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
@@ -78,7 +82,8 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
         raise TrtspecError("--profile-host times a built engine's graph runs; give --engine DIR (without --against-eager)")
     if against_eager and engine is None:
         raise TrtspecError("--against-eager compares a built engine with eager PyTorch; give --engine DIR")
-    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy)
+    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy, draft_vocab=draft_vocab,
+                             draft_counts=draft_counts)
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
     if concurrency:
@@ -112,7 +117,9 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
 
         check_sources(pipeline.runner.manifest, resolve_target(target), resolve_drafter(drafter, target))
         reference = load_pipeline(target, drafter, str(pipeline.dtype).removeprefix("torch."), device,
-                                  policy=pipeline.policy_dir)
+                                  policy=pipeline.policy_dir, draft_vocab=pipeline.draft_vocab_size,
+                                  draft_counts=Path(engine) / pipeline.runner.manifest.draft_vocab["dir"]
+                                  if pipeline.draft_vocab_size else None)
     report = run_bench(pipeline, prompts, config, reference=reference, prompts_name=name)
     click.echo(report.format_table())
     if json_path:

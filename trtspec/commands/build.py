@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from trtspec import limits
-from trtspec.commands.options import BlockSizesType, Ranged, device_options, drafter_option, target_option
+from trtspec.commands.options import (BlockSizesType, Ranged, device_options, draft_vocab_options, drafter_option,
+                                      target_option)
 from trtspec.errors import TrtspecError
 
 
@@ -14,6 +15,7 @@ Examples:
   trtspec build -o build/engine                      # demo pair, block sizes 12,16,20,24, best backend
   trtspec build --block-sizes 16,24 --backend onnxruntime -o build/engine-ort
   trtspec build --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16 --backend tensorrt --dtype bfloat16 -o engine
+  trtspec build --block-sizes 8,12,16 --draft-vocab 1024 -o build/engine-k1024   # drafts among 1024 ids
   trtspec run prompt.txt --engine build/engine
 """)
 @target_option
@@ -30,9 +32,11 @@ Examples:
               help="Requests one decode call may batch (serving); sizes the TensorRT profiles' batch axis.")
 @click.option("--policy", metavar="DIR", help="BlockPilot policy (trtspec train-policy) to ship in the engine; "
               "its block sizes must all be built. Runs then default to --block-size auto.")
+@draft_vocab_options
 @click.option("-o", "--output", required=True, metavar="DIR",
               help="Engine directory to write (replaces only a previous engine directory or an empty one).")
-def build(target, drafter, block_sizes, backend, dtype, device, max_context, max_batch, policy, output) -> None:
+def build(target, drafter, block_sizes, backend, dtype, device, max_context, max_batch, policy, draft_vocab, draft_counts,
+          output) -> None:
     """Export the step graphs and compile them into an engine directory.
 
     The directory holds the compiled graphs, the tokenizer and manifest.json (backend, dtype,
@@ -44,7 +48,8 @@ def build(target, drafter, block_sizes, backend, dtype, device, max_context, max
     from trtspec.build import BuildConfig, build_engine
 
     config = BuildConfig(block_sizes=block_sizes, backend=backend, dtype=dtype, device=device,
-                         max_context=max_context, max_batch=max_batch, policy=Path(policy) if policy else None)
+                         max_context=max_context, max_batch=max_batch, policy=Path(policy) if policy else None,
+                         draft_vocab=draft_vocab, draft_counts=Path(draft_counts) if draft_counts else None)
     drafter_dir = resolve_drafter(drafter, target)
     if drafter_dir is None:
         raise TrtspecError("give --drafter DIR: an engine holds the target and its drafter")
@@ -54,4 +59,5 @@ def build(target, drafter, block_sizes, backend, dtype, device, max_context, max
     click.echo(f"wrote {output}: {manifest.backend} {manifest.dtype}, max context {manifest.max_context}; {sizes}; "
                f"self-check max |logit diff| {manifest.check['max_abs_logit_diff']:.2e}"
                + (f"; BlockPilot policy over B={','.join(map(str, manifest.policy['block_sizes']))}"
-                  if manifest.policy else ""))
+                  if manifest.policy else "")
+               + (f"; draft vocabulary {manifest.draft_vocab['size']}" if manifest.draft_vocab else ""))

@@ -42,6 +42,18 @@ policy_option = click.option(
     help="BlockPilot policy (trtspec train-policy) for --block-size auto. [default: the engine's, if it has one]")
 
 
+def _draft_vocab_options():
+    return _stack(
+        click.option("--draft-vocab", "draft_vocab", type=Ranged(limits.DRAFT_VOCAB), metavar="K",
+                     help="Draft among the K most frequent token ids only (FR-Spec): the drafter computes K logits "
+                          "instead of the whole vocabulary's; verification keeps the full vocabulary, so output "
+                          "is unchanged. Counts: --draft-counts or the drafter's draft_vocab/ (trtspec draft-vocab). "
+                          "[default: the full vocabulary; an engine's: what it was built with]"),
+        click.option("--draft-counts", "draft_counts", metavar="DIR",
+                     help="Token counts behind --draft-vocab (trtspec draft-vocab -o DIR). "
+                          "[default: the drafter's draft_vocab/]"))
+
+
 class Ranged(click.ParamType):
     """A number checked against its `trtspec.limits` range as it is parsed, before any work.
 
@@ -93,6 +105,8 @@ class BlockSizesType(click.ParamType):
         return parse_block_choices(value, self.allow_auto, label=label)
 
 
+draft_vocab_options = _draft_vocab_options()
+
 sampling_options = _stack(
     click.option("--temperature", type=Ranged(limits.TEMPERATURE), default=0.0, show_default=True,
                  help="0 = greedy; any T > 0 is numerically safe (a tiny T approaches greedy)."),
@@ -124,18 +138,21 @@ def _pipeline_class():
 
 def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: str, *,
                   with_drafter: bool = True, max_context: int | None = None, engine: str | None = None,
-                  policy: str | None = None):
+                  policy: str | None = None, draft_vocab: int | None = None, draft_counts: str | None = None):
     """Resolve model arguments (bundled names, defaults) and load them once."""
     from trtspec.assets import resolve_drafter, resolve_target
 
     if engine is not None:
         pipeline = _pipeline_class()(
             resolve_target(target) if target else None, resolve_drafter(drafter, target) if drafter else None,
-            engine=engine, policy=policy if with_drafter else None, device=device, max_context=max_context)
+            engine=engine, policy=policy if with_drafter else None, device=device, max_context=max_context,
+            draft_vocab=draft_vocab, draft_counts=draft_counts)
         built = str(pipeline.dtype).removeprefix("torch.")
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
         return pipeline.autoregressive() if not with_drafter else pipeline
     drafter_dir = resolve_drafter(drafter, target) if with_drafter else None
     return _pipeline_class()(resolve_target(target), drafter_dir, dtype=dtype, device=device,
-                             max_context=max_context, policy=policy if with_drafter else None)
+                             max_context=max_context, policy=policy if with_drafter else None,
+                             draft_vocab=draft_vocab if with_drafter else None,
+                             draft_counts=draft_counts if with_drafter else None)

@@ -8,7 +8,7 @@ import sys
 import click
 
 from trtspec import limits
-from trtspec.commands.options import (BlockSizeType, Ranged, load_pipeline, max_new_tokens_option, model_options,
+from trtspec.commands.options import (BlockSizeType, Ranged, draft_vocab_options, load_pipeline, max_new_tokens_option, model_options,
                                       policy_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import GenerationConfig
@@ -42,6 +42,7 @@ Examples:
   trtspec run prompt.txt --ar                       # autoregressive baseline
   trtspec run prompt.txt --compare-ar               # ... and the speed-up over it, same backend
   trtspec run prompt.txt --engine build/engine      # a built engine (trtspec build)
+  trtspec run prompt.txt --draft-vocab 1024         # draft among the 1024 most frequent tokens
   trtspec run --batch prompts.jsonl --max-running 8 # many prompts decoded together, JSON lines out
 """)
 @click.argument("prompt_file", metavar="PROMPT_FILE", required=False)
@@ -51,6 +52,7 @@ Examples:
                    "one that fills a block of B; auto: BlockPilot chooses once after prefill. "
                    "[default: auto with a policy, else the drafter's]")
 @policy_option
+@draft_vocab_options
 @sampling_options
 @max_new_tokens_option(256)
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N", help="Cap on prompt + output tokens. [default: the model's]")
@@ -67,7 +69,7 @@ Examples:
                    "(continuous batching); one JSON line per prompt, in order, goes to stdout.")
 @click.option("--max-running", type=Ranged(limits.BATCH), default=8, show_default=True, metavar="N",
               help="With --batch: requests decoded together.")
-def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy, temperature, top_k, top_p, seed,
+def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy, draft_vocab, draft_counts, temperature, top_k, top_p, seed,
         max_new_tokens, max_context, stop, chat, ar, compare_ar, as_json, batch_file, max_running) -> None:
     """Generate a continuation of PROMPT_FILE ('-' reads stdin), or of every prompt of --batch FILE.
 
@@ -76,6 +78,8 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy,
     """
     if ar and block_size is not None:
         raise TrtspecError("--ar decodes one token at a time; drop --block-size")
+    if ar and (draft_vocab is not None or draft_counts is not None):
+        raise TrtspecError("--ar decodes with the target alone; drop --draft-vocab/--draft-counts")
     if ar and compare_ar:
         raise TrtspecError("--compare-ar compares speculative decoding with --ar; drop one of them")
     if (prompt_file is None) == (batch_file is None):
@@ -90,7 +94,7 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy,
     else:
         prompt = read_prompt(prompt_file)
     pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context,
-                             engine=engine, policy=policy)
+                             engine=engine, policy=policy, draft_vocab=draft_vocab, draft_counts=draft_counts)
     if not ar and not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
     config = GenerationConfig(

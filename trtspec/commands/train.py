@@ -66,6 +66,51 @@ def generate_data(target, prompts_file, output, max_new_tokens, limit, batch_siz
     click.echo(f"wrote {len(prompts)} continuations to {path}", err=True)
 
 
+@click.command("draft-vocab", epilog="""\b
+Examples:
+  trtspec draft-vocab --data train.jsonl -o my-drafter/draft_vocab    # the drafter's own counts
+  trtspec draft-vocab --target ./Qwen3-4B --data a.jsonl --corpus notes.txt -o counts
+  trtspec run prompt.txt --draft-vocab 1024                            # then draft among 1024 ids
+""")
+@target_option
+@click.option("--data", "data_files", multiple=True, metavar="FILE",
+              help="generate-data output (the target's own continuations); its response tokens are counted. "
+                   "Repeatable.")
+@click.option("--corpus", "corpus_files", multiple=True, metavar="FILE", help="A UTF-8 text file, tokenized and "
+              "counted whole. Repeatable.")
+@click.option("-o", "--output", required=True, metavar="DIR",
+              help="Directory to write (counts.safetensors, draft_vocab.json); inside a drafter directory as "
+                   "draft_vocab/ it is that drafter's default.")
+def draft_vocab(target, data_files, corpus_files, output) -> None:
+    """Count token ids, most frequent first, for --draft-vocab K (FR-Spec style draft vocabularies).
+
+    Use the target's own continuations of prompts like the ones you will serve (generate-data),
+    not the evaluation prompts. The counts and their sources are stored; K is chosen when loading.
+    """
+    from pathlib import Path
+
+    from trtspec.assets import resolve_target
+    from trtspec.fileio import DRAFT_VOCAB, check_output_dir, staged_directory
+    from trtspec.models.config import target_config_from_dict
+    from trtspec.models.checkpoint import read_json
+    from trtspec.tokenizer import TextCodec
+    from trtspec.training.draft_vocab import count_tokens
+
+    inputs = (*data_files, *corpus_files)
+    check_output_dir(output, DRAFT_VOCAB, inputs)
+    if not inputs:
+        raise TrtspecError("give --data FILE (generate-data output) or --corpus FILE to count tokens in")
+    target_dir = resolve_target(target)
+    config = target_config_from_dict(read_json(Path(target_dir) / "config.json", "target"),
+                                     str(Path(target_dir) / "config.json"))
+    counts = count_tokens(TextCodec(target_dir), config.vocab_size, data_files, corpus_files, target_dir)
+    with staged_directory(output, DRAFT_VOCAB, inputs) as staging:
+        counts.save(staging)
+    covered = ", ".join(f"{k}: {counts.coverage(k):.1%}" for k in (512, 1024, 2048, 4096) if k <= counts.vocab_size)
+    click.echo(f"wrote {output}: {int(counts.counts.sum())} tokens over {int((counts.counts > 0).sum())} distinct ids "
+               f"(vocabulary {counts.vocab_size}); share covered by the K most frequent: {covered}", err=True)
+
+
 @click.command("train-drafter", epilog="""\b
 Examples:
   trtspec train-drafter --data train.jsonl --block-size 16 -o my-drafter

@@ -32,6 +32,9 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding.of(config)
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None  # a tuple: not registered as weights
+        # The draft vocabulary (trtspec.models.draft_vocab): ids [K] and their head rows [K, H]; None: all ids.
+        self.register_buffer("draft_ids", None, persistent=False)
+        self.register_buffer("draft_head", None, persistent=False)
 
     def bind(self, target: Qwen3Target) -> "DFlashDrafter":
         """Share the target's embedding and lm_head (after checking the pair fits)."""
@@ -46,6 +49,29 @@ class DFlashDrafter(nn.Module):
             raise RuntimeError("drafter is not bound to a target; call bind(target) first")
         return self._shared[1]
 
+    def use_draft_vocab(self, ids: torch.Tensor | None) -> "DFlashDrafter":
+        """Propose only among `ids` (the K most frequent token ids; None: the whole vocabulary): the
+        head keeps those K rows, and the argmax over them maps back to full-vocabulary ids."""
+        if ids is None:
+            self.draft_ids = self.draft_head = None
+            return self
+        head = self.lm_head
+        if head.bias is not None:
+            raise ValueError("a draft vocabulary needs an output head without a bias")
+        self.draft_ids = ids.to(device=head.weight.device, dtype=torch.long)
+        self.draft_head = head.weight.detach()[self.draft_ids].clone()
+        return self
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        return None if self.draft_ids is None else self.draft_ids.numel()
+
+    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy proposals [..., n] (full-vocabulary ids) from final hidden states [..., n, H]."""
+        if self.draft_ids is None:
+            return self.lm_head(hidden).argmax(dim=-1)
+        return self.draft_ids[torch.nn.functional.linear(hidden, self.draft_head).argmax(dim=-1)]
+
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
@@ -57,7 +83,17 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, context_features: torch.Tensor, block_tokens: torch.Tensor, start: int,
                 cache: KVCache) -> torch.Tensor:
-        """Logits [b, B-1, V] for block positions 1..B-1 (inference, one block per row).
+        """Logits [b, B-1, V] for block positions 1..B-1 (inference, one block per row); see `hidden`."""
+        return self.lm_head(self.hidden(context_features, block_tokens, start, cache))
+
+    def draft(self, context_features: torch.Tensor, block_tokens: torch.Tensor, start: int,
+              cache: KVCache) -> torch.Tensor:
+        """Greedy proposals [b, B-1] for block positions 1..B-1, from the draft vocabulary if one is set."""
+        return self.propose(self.hidden(context_features, block_tokens, start, cache))
+
+    def hidden(self, context_features: torch.Tensor, block_tokens: torch.Tensor, start: int,
+               cache: KVCache) -> torch.Tensor:
+        """Final hidden states [b, B-1, H] of block positions 1..B-1 (inference, one block per row).
 
         context_features [b, n, F]: target features of positions start-n..start-1 that the
         drafter cache does not hold yet (n may be 0). block_tokens [b, B] sit at start..start+B-1.
@@ -78,7 +114,7 @@ class DFlashDrafter(nn.Module):
         positions = torch.arange(start, start + block_tokens.shape[1], device=device)
         hidden = self.block_pass(block_tokens, positions, cached_context, mask=None)
         cache.length = start
-        return self.lm_head(hidden[:, 1:])
+        return hidden[:, 1:]
 
     def forward_packed(self, context_features: torch.Tensor, block_tokens: torch.Tensor,
                        block_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
