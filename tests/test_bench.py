@@ -134,7 +134,8 @@ def test_cli_end_to_end(target_dir, drafter_dir, prompts_file, tmp_path):
         assert run["temperature"] == 0.0 and 2 * 2 <= run["new_tokens"] <= 2 * 2 * 16
     assert runs[0]["speedup_vs_ar"] == 1.0 and runs[0]["tau"] == 1.0
     table = result.stdout.decode().splitlines()
-    assert [line.split()[0] for line in table[-3:]] == ["AR", "4", "8"]
+    assert [line.split()[0] for line in table[-4:-1]] == ["AR", "4", "8"]
+    assert table[-1] == "identical to AR: B=4 2/2, B=8 2/2"  # greedy: each of the 2 prompts
     assert not list(out.parent.glob(".*.tmp"))
 
 

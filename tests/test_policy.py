@@ -182,4 +182,6 @@ def test_engine_ships_the_policy_and_refuses_one_it_cannot_serve(trained, target
     assert [r["block_size"] for r in runs] == [1, 4, "4:8", "auto"]
     assert runs[1]["grown_cycle_fraction"] == 0 and runs[2]["grow_to"] == 8
     assert sum(runs[3]["chosen_block_sizes"].values()) == len(PROMPTS)
-    assert [line.split()[0] for line in bench.stdout.decode().splitlines()[-3:]] == ["4", "4:8", "auto"]
+    lines = bench.stdout.decode().splitlines()
+    assert [line.split()[0] for line in lines[-4:-1]] == ["4", "4:8", "auto"]
+    assert lines[-1].startswith("identical to AR: B=4 ")  # greedy, every size and auto
