@@ -66,14 +66,17 @@ def test_logits_and_every_layers_features_match_transformers(tmp_path, family, o
             assert all(isinstance(layer.mlp, MLP) for layer, s in zip(ours.model.layers, sparse) if not s)
 
 
-@pytest.mark.parametrize("config", [
-    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-                   norm_topk_prob=True, mlp_only_layers=(1,)),
-])
+def tiny_configs(vocab_size: int, hidden: int, heads: int, kv_heads: int, rope_span: int):
+    """A llama3-RoPE Llama and a top-2-of-4 Qwen3-MoE (layer 1 dense), two layers each, built directly."""
+    shape = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8)
+    return [LlamaConfig(**shape, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": rope_span}),
+            Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True,
+                           mlp_only_layers=(1,))]
+
+
+@pytest.mark.parametrize("config", tiny_configs(64, 32, 4, 2, 64), ids=["llama", "qwen3_moe"])
 def test_family_configs_round_trip_through_their_dict(config):
     """What engine manifests and training fingerprints hold reads back as the same family and config."""
     data = json.loads(json.dumps(config.to_dict()))
@@ -200,14 +203,7 @@ def test_generate_data_and_train_drafter_on_the_family(family_pair, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [
-    LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=8, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 4}),
-    Qwen3MoeConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-                   norm_topk_prob=True, mlp_only_layers=(1,)),
-], ids=["llama", "qwen3_moe"])
+@pytest.mark.parametrize("config", tiny_configs(8, 16, 2, 1, 4), ids=["llama", "qwen3_moe"])
 def test_sampling_at_t1_follows_each_familys_target(config):
     """Speculative sampling at T = 1 through each family's target: the first three tokens follow the
     target's exact distribution (the statistics of tests/test_sampling.py, 3,000 seeded requests)."""
