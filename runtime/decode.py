@@ -107,12 +107,17 @@ def generate(runner: Runner, prompt: list[int], config: GenerationConfig,
         _cycles(runner, core, context, None if config.sampling.greedy else sampler.sample, on_commit)
         stats.decode_s = time.perf_counter() - began
 
-    count = core.count(0)
-    stats.histogram = core.histograms[0, :max(block_size, grow_to)].tolist()
-    stats.grown_cycles, stats.ceilings = core.grown_cycles(0), core.ceilings(0)
-    stats.new_tokens = count
-    stats.finish_reason = core.finish_reason(0)
-    return Generation(core.tokens[0, :count].tolist(), stats)
+    record_outcome(stats, core)
+    return Generation(core.tokens[0, :stats.new_tokens].tolist(), stats)
+
+
+def record_outcome(stats: DecodeStats, core: Controller, row: int = 0) -> None:
+    """Copy what a finished request's controller counted (histogram, grown and ceiling cycles,
+    tokens, finish reason) into its statistics: the single loop and the engine both end here."""
+    stats.histogram = core.histograms[row, :max(stats.block_size, stats.grow_to)].tolist()
+    stats.grown_cycles, stats.ceilings = core.grown_cycles(row), core.ceilings(row)
+    stats.new_tokens = core.count(row)
+    stats.finish_reason = core.finish_reason(row)
 
 
 def check_request(runner: Runner, prompt: list[int], config: GenerationConfig, policy: BlockPolicy | None) -> int:

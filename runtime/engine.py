@@ -30,7 +30,7 @@ from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.runtime.controller import Controller, Stepper, native_controller
 from trtspec.runtime.decode import (ControllerFactory, Generation, GenerationConfig, check_built_size,
-                                    check_request)
+                                    check_request, record_outcome)
 from trtspec.runtime.runners.batched import BatchRunner
 from trtspec.runtime.sampling import Sampler
 from trtspec.runtime.schedule import AUTO, BlockChoice, BlockPolicy
@@ -116,7 +116,7 @@ class _Active:
     limit: int
     prefilled: int = 0
     features: list[torch.Tensor] = field(default_factory=list)  # prefill features, chunk by chunk
-    tail_logits: list[torch.Tensor] = field(default_factory=list)
+    tail_logits: torch.Tensor | None = None  # the prompt's last PREFILL_LOGITS logits so far
     core: Controller | None = None
     stepper: Stepper | None = None
     context: torch.Tensor | None = None  # features the drafter cache lacks, [n, F]
@@ -255,13 +255,14 @@ class Engine:
                     active.prefill_s += took
                     if self.runner.mask_token_id is not None:
                         active.features.append(features[row].clone())
-                    active.tail_logits = [torch.cat(active.tail_logits + [logits[row]])[-PREFILL_LOGITS:].clone()]
+                    tail = logits[row] if active.tail_logits is None else torch.cat((active.tail_logits, logits[row]))
+                    active.tail_logits = tail[-PREFILL_LOGITS:].clone()
                     if active.prefilled == len(active.request.prompt):
                         self._start_decoding(active)
 
     def _start_decoding(self, active: _Active) -> None:
         request, config, began = active.request, active.request.config, time.perf_counter()
-        tail = active.tail_logits[0]
+        tail = active.tail_logits
         bonus = int(active.sampler.sample(tail[-1:])[0])
         context = torch.cat(active.features) if active.features else None
         block_size, grow_to, chosen = config.block_size, config.grow_to, config.block_size == AUTO
@@ -281,7 +282,7 @@ class Engine:
         active.core.begin(0, bonus, len(request.prompt))
         active.stepper = Stepper(active.core, None if config.sampling.greedy else active.sampler.sample)
         active.context = context
-        active.features, active.tail_logits = [], []
+        active.features, active.tail_logits = [], None
         active.decoding_since = began
 
     def _draft(self, size: int, members: list[_Active]) -> None:
@@ -317,10 +318,7 @@ class Engine:
             if request.on_commit is not None:
                 try:
                     request.on_commit(fresh)
-                except Cancelled as error:
-                    self._retire(active, error)
-                    return
-                except Exception as error:  # the front end's callback failed: this request ends, others go on
+                except Exception as error:  # Cancelled, or the front end's callback failed: this request ends
                     self._retire(active, error)
                     return
         if not core.running:
@@ -335,11 +333,9 @@ class Engine:
             self._free.append(active.slot)
         stats, core = active.stats, active.core
         if stats is not None and core is not None:
-            width = max(stats.block_size, stats.grow_to)
-            stats.histogram = core.histograms[0, :width].tolist()
-            stats.grown_cycles, stats.ceilings = core.grown_cycles(0), core.ceilings(0)
-            stats.new_tokens = core.count(0)
-            stats.finish_reason = core.finish_reason(0) if error is None else "cancelled"
+            record_outcome(stats, core)
+            if error is not None:
+                stats.finish_reason = "cancelled"
             stats.decode_s = time.perf_counter() - active.decoding_since
             stats.batch_mean = active.shared / active.calls if active.calls else 0.0
             if stats.auto and error is None and hasattr(self.chooser, "observe"):

@@ -12,7 +12,6 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 from helpers import predictable_pair
 from test_sampling import PROMPT, exact_three_token_distribution, pvalues
 
@@ -186,7 +185,6 @@ def test_the_engine_needs_its_slots(tiny):
         Engine(runner, config=EngineConfig(max_running=3))
     with pytest.raises(TrtspecError, match="max-running"):
         EngineConfig(max_running=0)
-    torch.manual_seed(0)
 
 
 def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():

@@ -20,13 +20,13 @@ The choice is still made once per request, at admission, as in the research.
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from trtspec.cycle_costs import Timer
 from trtspec.runtime.schedule import BlockChoice
 
 BATCHES = (1, 2, 4, 8, 16)
@@ -55,16 +55,14 @@ def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...]
     `context` cached positions (what the caches hold is irrelevant to the timing)."""
     batches = tuple(b for b in batches if b <= runner.slots) or (1,)
     context = min(context, runner.max_context - max(block_sizes) - 1)
-    generator = torch.Generator().manual_seed(0)
-    table = {}
+    width = runner.specs["target"].outputs[1].shape({"batch": 1, "tokens": 1})[-1]  # the drafter's feature width
+    timer, generator, table = Timer(runner.device, repeats=repeats, warmup=1), torch.Generator().manual_seed(0), {}
     with torch.inference_mode():
         for size in sorted(set(block_sizes) | {1}):
             row = []
             for batch in batches:
                 slots, starts = list(range(batch)), [context] * batch
                 blocks = torch.randint(2, 100, (batch, size), generator=generator)
-                features = runner.specs["target"].outputs[1]
-                width = features.shape({"batch": 1, "tokens": 1})[-1]
                 contexts = [torch.zeros(size, width, dtype=runner.dtype, device=runner.device)] * batch
 
                 def cycle() -> None:
@@ -72,15 +70,7 @@ def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...]
                         runner.draft(slots, contexts, blocks, [s + size for s in starts])
                     runner.verify(slots, blocks, starts)
 
-                cycle()  # warm-up (allocations, kernel choice)
-                times = []
-                for _ in range(repeats):
-                    began = time.perf_counter()
-                    cycle()
-                    if runner.device.type == "cuda":
-                        torch.cuda.synchronize(runner.device)
-                    times.append((time.perf_counter() - began) * 1e3)
-                row.append(float(np.median(times)))
+                row.append(timer(cycle))
             table[size] = row
     return CostTable(batches, table)
 
