@@ -102,18 +102,18 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
         serial = [baseline.generate(prompt, alone).tokens for prompt in prompts]
     rows = []
     for clients in concurrencies:
-        engines = {"ar": baseline.engine(EngineConfig(max_running=clients, max_queued=clients)),
-                   "spec": pipeline.engine(EngineConfig(max_running=clients, max_queued=clients))}
+        config = EngineConfig(max_running=clients, max_queued=clients)
+        engines = {True: baseline.engine(config), False: pipeline.engine(config)}  # keyed by "is AR"
         try:
             runs = [LoadRun(clients, BlockChoice(1))] + [LoadRun(clients, c) for c in choices]
             warm = [ids[0]] * clients
             for run in runs:  # warm-up: each engine and block size once
-                engine = engines["ar" if run.choice.size == 1 else "spec"]
-                closed_loop(engine, warm, _config(run.choice, 8, sampling), clients, LoadRun(clients, run.choice))
+                closed_loop(engines[run.choice.size == 1], warm, _config(run.choice, 8, sampling), clients,
+                            LoadRun(clients, run.choice))
             for _ in range(repeats):
                 for run in runs:
-                    engine = engines["ar" if run.choice.size == 1 else "spec"]
-                    closed_loop(engine, ids, _config(run.choice, max_new_tokens, sampling), clients, run)
+                    closed_loop(engines[run.choice.size == 1], ids, _config(run.choice, max_new_tokens, sampling),
+                                clients, run)
                     if progress is not None:
                         progress(run)
         finally:
