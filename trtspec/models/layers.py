@@ -109,11 +109,20 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
-        """Attention output after o_proj; `mask` is boolean [Tq, Tk] (True = may attend) or None."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        """Attention output after o_proj; `mask` is boolean (True = may attend), [Tq, Tk] or
+        [b, 1, Tq or 1, Tk], or None."""
+        b, _, t, _ = q.shape
+        groups = self.num_heads // self.num_kv_heads
+        # Grouped queries share their key/value head: fold the group into the query axis
+        # ([b, kv, groups * T, D]) rather than repeating keys/values per head, which copies the
+        # whole cache once more (what SDPA's enable_gqa exports to).
+        q = q.reshape(b, self.num_kv_heads, groups * t, self.head_dim)
+        if mask is not None:  # [Tq, Tk] or [b, 1, Tq or 1, Tk] -> [b or 1, 1, groups * T, Tk]
+            mask = mask.reshape(-1, 1, *mask.shape[-2:])
+            mask = mask.expand(-1, -1, t, -1).repeat(1, 1, groups, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.view(b, self.num_heads, t, self.head_dim).transpose(1, 2)
+                           .reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
