@@ -113,15 +113,19 @@ class Attention(nn.Module):
         [b, 1, Tq or 1, Tk], or None."""
         b, _, t, _ = q.shape
         groups = self.num_heads // self.num_kv_heads
-        # Grouped queries share their key/value head: fold the group into the query axis
-        # ([b, kv, groups * T, D]) rather than repeating keys/values per head, which copies the
-        # whole cache once more (what SDPA's enable_gqa exports to).
-        q = q.reshape(b, self.num_kv_heads, groups * t, self.head_dim)
-        if mask is not None:  # [Tq, Tk] or [b, 1, Tq or 1, Tk] -> [b or 1, 1, groups * T, Tk]
-            mask = mask.reshape(-1, 1, *mask.shape[-2:])
-            mask = mask.expand(-1, -1, t, -1).repeat(1, 1, groups, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.view(b, self.num_heads, t, self.head_dim).transpose(1, 2)
+        if not torch.compiler.is_exporting():  # eager: the fused kernel, which never holds [Tq, Tk] scores
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
+        else:
+            # Exported step graphs: grouped queries attend their shared key/value head through a
+            # broadcast group axis ([b, kv, groups, T, D] against [b, kv, 1, P, D]), not keys/values
+            # repeated per head, which copies the whole cache once more per layer (SDPA's enable_gqa
+            # exports to an Expand; ONNX Runtime copies at each).
+            q = q.view(b, self.num_kv_heads, groups, t, self.head_dim)
+            scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * self.head_dim ** -0.5
+            if mask is not None:  # [Tq, Tk] or [b, 1, Tq or 1, Tk]: broadcast over kv heads and groups
+                scores = scores.masked_fill(~mask.reshape(-1, 1, 1, *mask.shape[-2:]), float("-inf"))
+            out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v.unsqueeze(2))
+        return self.o_proj(out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2)
                            .reshape(b, t, self.num_heads * self.head_dim))
 
 
