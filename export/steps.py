@@ -13,17 +13,24 @@ from torch import nn
 from trtspec.models import DFlashDrafter, Qwen3Target
 
 
-def _gather_past(past: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Each row's cache slot: past [P, slots, layers, kv, D] -> [b, layers, kv, P, D]."""
-    return past.index_select(1, slots).permute(1, 2, 3, 0, 4)
+def _layer_past(past: torch.Tensor, slots: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer `layer` of each row's cache slot: past [P, slots, layers, kv, D] -> [b, kv, P, D].
+
+    One gather of (slot, layer) pairs per layer rather than gathering every layer and splitting:
+    ONNX Runtime copies on every gather, transpose and split, and the cache is most of what a
+    decode step reads."""
+    rows = slots * past.shape[2] + layer
+    return past.flatten(1, 2).index_select(1, rows).permute(1, 2, 0, 3)
 
 
-def _attend_past(past_k: torch.Tensor, past_v: torch.Tensor, new_k: list, new_v: list):
-    """A KV hook that prepends layer i's cached keys/values ([b, layers, kv, P, D]) and collects the new ones."""
+def _attend_past(past_k: torch.Tensor, past_v: torch.Tensor, slots: torch.Tensor, new_k: list, new_v: list):
+    """A KV hook that prepends layer i's cached keys/values (rows' `slots` of past [P, slots, layers,
+    kv, D]) and collects the new ones."""
     def hook(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         new_k.append(k)
         new_v.append(v)
-        return torch.cat((past_k[:, i].to(k.dtype), k), dim=2), torch.cat((past_v[:, i].to(v.dtype), v), dim=2)
+        return (torch.cat((_layer_past(past_k, slots, i).to(k.dtype), k), dim=2),
+                torch.cat((_layer_past(past_v, slots, i).to(v.dtype), v), dim=2))
     return hook
 
 
@@ -51,7 +58,7 @@ class TargetStep(nn.Module):
         causal = (offsets[None, :] <= offsets[:, None])[None].expand(batch, count, count)
         mask = torch.cat((_below(past_k, starts)[:, None, :].expand(batch, count, past_k.shape[0]), causal), dim=2)
         new_k, new_v = [], []
-        hook = _attend_past(_gather_past(past_k, slots), _gather_past(past_v, slots), new_k, new_v)
+        hook = _attend_past(past_k, past_v, slots, new_k, new_v)
         hidden, features = self.target.decode(tokens, positions, hook, mask[:, None], self.feature_layers)
         if features is None:  # a target without a drafter: no features, an empty axis keeps the outputs fixed
             features = hidden.new_zeros(batch, count, 0)
@@ -81,7 +88,7 @@ class DraftStep(nn.Module):
         projected = self.drafter.project_context(context)
         cos, sin = self.drafter.rotary(context_positions, self.drafter.dtype)
         new_k, new_v = [], []
-        extend = _attend_past(_gather_past(past_k, slots), _gather_past(past_v, slots), new_k, new_v)
+        extend = _attend_past(past_k, past_v, slots, new_k, new_v)
 
         def context_kv(i: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
             return extend(i, *attn.project_kv(projected, cos, sin))

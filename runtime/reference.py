@@ -4,7 +4,7 @@ This is the per-cycle logic exactly as the decode loop ran it before it moved to
 acceptance rule on torch tensors, an output that applies stop ids and the token limit, the
 histogram of DecodeStats), wrapped in the controller interface of `trtspec.runtime.controller`
 so the same loop can run either: the tests check the native core against it cycle by cycle, and
-`trtspec bench --profile-host` times the pure-Python loop beside the native one.
+`trtspec bench --profile` times the pure-Python loop beside the native one.
 """
 
 from __future__ import annotations

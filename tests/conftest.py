@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import save_hf_target, save_random_drafter  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to a busy machine
+# The CLI's default backend builds an ONNX Runtime engine of each new pair on first use; the suite
+# tests eager unless a test names a backend (tests/test_engine_cache.py tests that default itself).
+os.environ.setdefault("TRTSPEC_BACKEND", "eager")
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""`trtspec bench --profile-host`: model vs host time per cycle, native core vs the Python oracle."""
+"""`trtspec bench --profile`: draft, verify and host time per cycle, native core vs the Python oracle."""
 
 import json
 
@@ -10,7 +10,7 @@ def test_profile_host_end_to_end(ort_engine_dir, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):\n", "class Point:\n"]))
     out = tmp_path / "profile.json"
     result = trtspec("--threads", 1, "bench", "--engine", ort_engine_dir, "--prompts", prompts, "--block-sizes", "4,8",
-                     "--max-new-tokens", 12, "--repeats", 1, "--profile-host", "--json", out)
+                     "--max-new-tokens", 12, "--repeats", 1, "--profile", "--json", out)
     assert result.returncode == 0, result.stderr.decode()
     rows = json.loads(out.read_text())["host_profile"]
     assert [(r["block_size"], r["controller"]) for r in rows] == [
@@ -18,10 +18,12 @@ def test_profile_host_end_to_end(ort_engine_dir, tmp_path):
     for row in rows:
         assert row["identical_outputs"] == row["requests"] == 2  # both controllers decode the same tokens
         assert 0 < row["model_ms"] < row["cycle_ms"] and row["host_us"] > 0 and 0 < row["host_fraction"] < 1
-    assert "native host time is" in result.stdout.decode()
+        assert abs(row["draft_ms"] + row["verify_ms"] - row["model_ms"]) < 1e-6 + 1e-3 * row["model_ms"]
+        assert row["verify_ms"] > 0 and (row["draft_ms"] == 0) == (row["block_size"] == 1)  # AR drafts nothing
+    assert "native host time is" in result.stdout.decode() and "draft ms" in result.stdout.decode()
 
 
-def test_profile_host_needs_a_built_engine(target_dir, drafter_dir):
-    result = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--profile-host")
+def test_profile_needs_a_built_engine(target_dir, drafter_dir):
+    result = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--profile-host")  # the old name too
     stderr = result.stderr.decode()
     assert result.returncode == 1 and "Traceback" not in stderr and "--engine DIR" in stderr, stderr

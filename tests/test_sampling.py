@@ -1,8 +1,10 @@
 """At T > 0, speculative decoding samples exactly from the target's distribution.
 
 The decode loop runs for real (prefill, draft, verify, accept, commit) many times with different
-seeds; the first tokens it produces are compared with the exact distribution computed from the
-target's logits (chi-square, plus a Bonferroni-corrected binomial test per cell, which is what
+seeds: tens of thousands of requests, so they are decoded 64 at a time by the continuous-batching
+engine (each request with its own seed, controller and sampler, exactly as served), and the
+single-request loop is checked the same way with fewer requests. The first tokens they produce are
+compared with the exact distribution computed from the target's logits (chi-square, plus a Bonferroni-corrected binomial test per cell, which is what
 catches a shift concentrated on one token). The same test run with a subtly broken acceptance
 rule, moving 1% of probability mass onto the drafter's proposal, must fail: that shows it has the
 power to catch a shift of that size (broken in the Python oracle of the controller, which the
@@ -19,10 +21,13 @@ from trtspec.runtime import reference as oracle
 from helpers import predictable_pair
 from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.engine import Engine, EngineConfig
+from trtspec.runtime.runners.batched import BatchRunner
 from trtspec.runtime.reference import PythonController, accepted_length
 from trtspec.runtime.sampling import Sampler, SamplingConfig
 
 VOCAB, PROMPT, SAMPLES, ALPHA = 8, [2, 3, 4, 5], 30_000, 1e-3
+BATCH = 64  # requests the engine decodes together
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +55,18 @@ def exact_three_token_distribution(target) -> np.ndarray:
 
 
 def sample_three_tokens(engine, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
-                        tokens: int = 3) -> np.ndarray:
-    """First `tokens` tokens of `count` seeded requests, through the native core or `controller`."""
-    rows = []
+                        tokens: int = 3, batched: bool = True) -> np.ndarray:
+    """First `tokens` tokens of `count` seeded requests, through the native core or `controller`:
+    decoded 64 at a time by the continuous-batching engine, or one by one (`batched=False`)."""
     options = {"controller": controller} if controller is not None else {}
-    for seed in range(count):
-        config = GenerationConfig(block_size=block_size, grow_to=grow_to, max_new_tokens=tokens,
-                                  sampling=SamplingConfig(temperature=1.0, seed=seed))
-        rows.append(generate(engine, PROMPT, config, **options).tokens)
-    return np.array(rows)
+    configs = [GenerationConfig(block_size=block_size, grow_to=grow_to, max_new_tokens=tokens,
+                                sampling=SamplingConfig(temperature=1.0, seed=seed)) for seed in range(count)]
+    if not batched:
+        return np.array([generate(engine, PROMPT, config, **options).tokens for config in configs])
+    runner = BatchRunner.eager(engine.target, engine.drafter, slots=BATCH)
+    with Engine(runner, config=EngineConfig(max_running=BATCH, max_queued=count), **options) as batch:
+        requests = [batch.submit(PROMPT, config) for config in configs]
+        return np.array([request.result(timeout=600).tokens for request in requests])
 
 
 def fit_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
@@ -93,6 +101,13 @@ def test_speculative_sampling_matches_the_target(engine):
     accepted_first = np.mean(samples[:, 1] == 7)
     assert 0.1 < accepted_first < 0.5  # the drafter's proposal is sometimes, not always, right
     results = pvalues(samples, joint)
+    assert min(results.values()) > ALPHA, results
+
+
+def test_the_single_request_loop_samples_from_the_target(engine):
+    """The same check through `generate` one request at a time (what `trtspec run` decodes with)."""
+    joint = exact_three_token_distribution(engine.target)
+    results = pvalues(sample_three_tokens(engine, 4_000, batched=False), joint)
     assert min(results.values()) > ALPHA, results
 
 
@@ -137,7 +152,7 @@ def test_an_off_by_one_acceptance_rule_is_detected(engine, monkeypatch):
     monkeypatch.setattr(oracle, "accepted_length",
                         lambda drafts, posterior: (drafts == posterior[1:]).long().cumprod(-1).sum(-1))
     joint = exact_three_token_distribution(engine.target)
-    results = pvalues(sample_three_tokens(engine, 3_000, controller=PythonController), joint)
+    results = pvalues(sample_three_tokens(engine, 3_000, controller=PythonController, batched=False), joint)
     assert min(results.values()) < ALPHA, results
 
 

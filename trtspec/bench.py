@@ -231,7 +231,8 @@ class BenchReport:
     def format_table(self) -> str:
         m, c = self.machine, self.config
         lines = [f"{self.prompts}: {self.n_prompts} prompts x {c.repeats} repeats, T={c.sampling.temperature:g}, "
-                 f"max {c.max_new_tokens} new tokens | {m['device']} {m['dtype']}, torch {m['torch']}",
+                 f"max {c.max_new_tokens} new tokens | {m['backend']} on {m['device']} {m['dtype']}, "
+                 f"{m['torch_threads']} thread(s), torch {m['torch']}",
                  f"{'B':>5}  {'tau':>6}  {'ceiling':>7}  {'decode tok/s':>12}  {'speed-up':>8}"]
         for run in self.runs:
             ar = run is self.ar

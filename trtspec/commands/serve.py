@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from trtspec import limits
-from trtspec.commands.options import (BlockSizeType, Ranged, draft_vocab_options, load_pipeline, model_options,
+from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes, load_pipeline, model_options,
                                       policy_option)
 from trtspec.errors import TrtspecError
 
@@ -37,6 +37,7 @@ carries a "trtspec" object with the block size run, tau, histogram and ceiling f
 """)
 @model_options
 @policy_option
+@backend_option
 @draft_vocab_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Listen address (loopback by default).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
@@ -54,7 +55,7 @@ carries a "trtspec" object with the block size run, tau, histogram and ceiling f
               help="The model name clients give. [default: the target's directory name]")
 @click.option("--graceful-shutdown", type=Ranged(limits.NON_NEGATIVE_REAL), default=10.0, show_default=True,
               metavar="S", help="On SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled.")
-def serve(target, drafter, engine, dtype, device, policy, draft_vocab, draft_counts, host, port, max_concurrency, max_queued, block_size,
+def serve(target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts, host, port, max_concurrency, max_queued, block_size,
           max_context, served_model_name, graceful_shutdown) -> None:
     """Serve the model over HTTP with OpenAI's API (completions, chat completions, streaming),
     plus /health and Prometheus /metrics, until Ctrl-C or SIGTERM."""
@@ -73,7 +74,8 @@ def serve(target, drafter, engine, dtype, device, policy, draft_vocab, draft_cou
     sock = listen_socket(host, port)  # before the model loads: a port in use is refused at once
     try:
         pipeline = load_pipeline(target, drafter, dtype, device, max_context=max_context, engine=engine,
-                                 policy=policy, draft_vocab=draft_vocab, draft_counts=draft_counts)
+                                 policy=policy, draft_vocab=draft_vocab, draft_counts=draft_counts, backend=backend,
+                                 block_sizes=engine_sizes([block_size] if block_size else []))
         if block_size is not None and block_size.size != 1 and not pipeline.has_drafter:
             raise TrtspecError("--block-size needs a drafter; give --drafter DIR, or --block-size AR")
         if served_model_name is None:

@@ -109,11 +109,24 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
-        """Attention output after o_proj; `mask` is boolean [Tq, Tk] (True = may attend) or None."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        """Attention output after o_proj; `mask` is boolean (True = may attend), [Tq, Tk] or
+        [b, 1, Tq or 1, Tk], or None."""
+        b, _, t, _ = q.shape
+        groups = self.num_heads // self.num_kv_heads
+        if not torch.compiler.is_exporting():  # eager: the fused kernel, which never holds [Tq, Tk] scores
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
+        else:
+            # Exported step graphs: grouped queries attend their shared key/value head through a
+            # broadcast group axis ([b, kv, groups, T, D] against [b, kv, 1, P, D]), not keys/values
+            # repeated per head, which copies the whole cache once more per layer (SDPA's enable_gqa
+            # exports to an Expand; ONNX Runtime copies at each).
+            q = q.view(b, self.num_kv_heads, groups, t, self.head_dim)
+            scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * self.head_dim ** -0.5
+            if mask is not None:  # [Tq, Tk] or [b, 1, Tq or 1, Tk]: broadcast over kv heads and groups
+                scores = scores.masked_fill(~mask.reshape(-1, 1, 1, *mask.shape[-2:]), float("-inf"))
+            out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v.unsqueeze(2))
+        return self.o_proj(out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2)
+                           .reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,58 @@
+"""`--backend auto`: an ONNX Runtime engine built on first use into the cache, reused after, and
+decoding exactly what eager PyTorch decodes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import assert_one_line_error
+
+pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
+
+
+def _run(cache, *args, backend: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRTSPEC_CACHE": str(cache)}
+    env.pop("TRTSPEC_BACKEND")  # the suite's eager default: here the CLI's own default applies
+    if backend is not None:
+        env["TRTSPEC_BACKEND"] = backend
+    return subprocess.run([sys.executable, "-m", "trtspec", *map(str, args)], capture_output=True, env=env,
+                          timeout=600)
+
+
+def _engines(cache) -> list:
+    root = cache / "engines"
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) if root.is_dir() else []
+
+
+def test_auto_builds_once_reuses_and_decodes_like_eager(target_dir, drafter_dir, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n")
+    cache = tmp_path / "cache"
+    request = ("--threads", 1, "run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--block-size", 6,
+               "--max-new-tokens", 24, "--json")
+    first = _run(cache, *request)
+    assert first.returncode == 0, first.stderr.decode()
+    assert "building an ONNX Runtime engine" in first.stderr.decode()
+    assert len(_engines(cache)) == 1
+
+    again = _run(cache, *request)
+    assert again.returncode == 0 and "using the ONNX Runtime engine built" in again.stderr.decode()
+    assert "building" not in again.stderr.decode() and len(_engines(cache)) == 1
+
+    eager = _run(cache, *request, backend="eager")
+    assert eager.returncode == 0 and "engine" not in eager.stderr.decode()
+    assert json.loads(eager.stdout)["tokens"] == json.loads(first.stdout)["tokens"] == json.loads(again.stdout)["tokens"]
+
+    # B = 2 has no compiled form: auto decodes it eagerly rather than failing or building
+    small = _run(cache, *request[:-5], "--block-size", 2, "--max-new-tokens", 8)
+    assert small.returncode == 0 and "engine" not in small.stderr.decode() and len(_engines(cache)) == 1
+
+
+def test_an_explicit_onnxruntime_backend_refuses_what_it_cannot_build(target_dir, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("x = 1\n")
+    alone = _run(tmp_path / "cache", "run", prompt, "--target", target_dir, "--backend", "onnxruntime")
+    assert_one_line_error(alone, "--backend onnxruntime", "--drafter")
+    assert not (tmp_path / "cache").exists()

@@ -1,0 +1,85 @@
+"""Engines built on first use: `--backend auto` for run, bench and serve without --engine.
+
+On a CPU the demo pair decodes faster through an ONNX Runtime engine than in eager PyTorch, and
+only there does speculation beat autoregressive decoding, but building an engine is a separate
+step a new user does not know about. So `auto` builds one the first time a (target, drafter,
+options) combination runs, into the cache directory under a key made of the checkpoints' content
+hashes, the draft-vocabulary counts, the build options and the trtspec version, and reuses it from
+then on. Nothing stale can be picked up: a changed checkpoint is a new key, and the engine's own
+manifest checks every file it loads.
+
+`auto` stays eager on CUDA: a TensorRT build takes minutes and is tuned per GPU, so it is an
+explicit `trtspec build --backend tensorrt`, then `--engine DIR`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from trtspec import __version__
+from trtspec.engines.manifest import MANIFEST_FILE, checkpoint_sha256, file_sha256
+
+BACKENDS = ("auto", "eager", "onnxruntime")
+CACHE_ENV = "TRTSPEC_CACHE"
+# ONNX Runtime graphs are shape-dynamic, so every block size a user is likely to ask for is built in:
+# a size costs only its line in the manifest and its self-check.
+BLOCK_SIZES = tuple(range(3, 33))
+BACKEND_HELP = ("auto: on a CPU with onnxruntime installed, an ONNX Runtime engine built on first use into the "
+                f"cache (${CACHE_ENV}, default ~/.cache/trtspec) and reused after; eager otherwise (on CUDA build a "
+                "TensorRT engine explicitly: trtspec build). eager: the checkpoints in PyTorch. Env TRTSPEC_BACKEND.")
+
+
+def cache_root() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtspec"
+
+
+def wants_engine(backend: str, device: torch.device, dtype: str, block_sizes: tuple[int, ...]) -> bool:
+    """Whether `backend` means a cached ONNX Runtime engine for this request: explicitly, or `auto`
+    on a CPU with onnxruntime, float32 and block sizes an engine serves."""
+    from trtspec.engines import onnxruntime as ort_engine
+
+    if backend == "onnxruntime":
+        return True
+    usable = device.type == "cpu" and dtype in ("auto", "float32") and ort_engine.available()
+    return backend == "auto" and usable and all(b >= BLOCK_SIZES[0] for b in block_sizes)  # B = 2: eager only
+
+
+def _directory_sha256(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(directory)).encode() + b"\0" + file_sha256(path).encode())
+    return digest.hexdigest()
+
+
+def cached_engine(target_dir: Path, drafter_dir: Path, *, device: str, block_sizes: tuple[int, ...] = (),
+                  draft_vocab: int | None = None, draft_counts: Path | None = None,
+                  echo: Callable[[str], None] = print) -> Path:
+    """The ONNX Runtime engine of this pair and these options, built into the cache if it is not there."""
+    from trtspec.build import BuildConfig, build_engine
+    from trtspec.export.bindings import MAX_BATCH
+    from trtspec.models.draft_vocab import DRAFTER_VOCAB_DIR
+
+    sizes = tuple(sorted(set(BLOCK_SIZES) | set(block_sizes)))
+    config = BuildConfig(block_sizes=sizes, backend="onnxruntime", dtype="float32", device=device,
+                         max_batch=MAX_BATCH, draft_vocab=draft_vocab, draft_counts=draft_counts)
+    counts = Path(draft_counts) if draft_counts else Path(drafter_dir) / DRAFTER_VOCAB_DIR
+    key = {"target": checkpoint_sha256(Path(target_dir)), "drafter": checkpoint_sha256(Path(drafter_dir)),
+           "draft_vocab": draft_vocab, "counts": _directory_sha256(counts) if draft_vocab and counts.is_dir() else None,
+           "block_sizes": sizes, "max_batch": MAX_BATCH, "trtspec": __version__}
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_root() / "engines" / name
+    if (path / MANIFEST_FILE).is_file():
+        echo(f"using the ONNX Runtime engine built for this pair earlier: {path}")
+        return path
+    echo(f"building an ONNX Runtime engine for this pair into {path} (once: later runs reuse it; "
+         "--backend eager skips it)")
+    build_engine(Path(target_dir), Path(drafter_dir), path, config)
+    return path
