@@ -138,9 +138,10 @@ class Pipeline:
             runner = BatchRunner.compiled(self.runner, config.max_running)
         chooser = None
         if self.policy is not None and load_aware:
-            from trtspec.blockpilot.load import LoadAwareChooser, measure_costs
+            from trtspec.blockpilot.load import LoadAwareChooser, cost_sizes, measure_costs
 
-            chooser = LoadAwareChooser(measure_costs(runner, self.policy.block_sizes))
+            sizes = cost_sizes(self.policy.block_sizes, runner.block_sizes)
+            chooser = LoadAwareChooser(measure_costs(runner, sizes))
         return Engine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
 
     def generate_batch(self, prompts: list[str], configs: list[GenerationConfig], *, chat: bool = False,
