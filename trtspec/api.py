@@ -138,10 +138,9 @@ class Pipeline:
             runner = BatchRunner.compiled(self.runner, config.max_running)
         chooser = None
         if self.policy is not None and load_aware:
-            from trtspec.blockpilot.load import LoadAwareChooser, cost_sizes, measure_costs
+            from trtspec.blockpilot.load import LoadAwareChooser, measure_costs
 
-            sizes = cost_sizes(self.policy.block_sizes, runner.block_sizes)
-            chooser = LoadAwareChooser(measure_costs(runner, sizes))
+            chooser = LoadAwareChooser(measure_costs(runner, self.policy.block_sizes))
         return Engine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
 
     def generate_batch(self, prompts: list[str], configs: list[GenerationConfig], *, chat: bool = False,
