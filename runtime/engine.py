@@ -62,6 +62,7 @@ class Load:
     queued: int
     running: int
     block_sizes: tuple[int, ...]  # current block size of each running request that is decoding
+    sampled: tuple[bool, ...] = ()  # whether each of them samples (T > 0), in the same order
 
 
 class Request:
@@ -169,8 +170,9 @@ class Engine:
 
     def load(self) -> Load:
         with self._wake:
-            sizes = tuple(a.core.block_size(0) for a in self._active if a.core is not None)
-            return Load(len(self._queue), len(self._active), sizes)
+            decoding = [a for a in self._active if a.core is not None]
+            return Load(len(self._queue), len(self._active), tuple(a.core.block_size(0) for a in decoding),
+                        tuple(not a.request.config.sampling.greedy for a in decoding))
 
     def close(self, cancel: bool = True, timeout: float | None = 60.0) -> None:
         """Stop taking requests; cancel what is queued and running (or let it finish), then stop."""
@@ -269,7 +271,7 @@ class Engine:
         if chosen:
             choice = self.policy.choose(context, tail)
             if self.chooser is not None:
-                choice = self.chooser(choice, self.load())
+                choice = self.chooser(choice, self.load(), not config.sampling.greedy)
             block_size, grow_to = choice.size, choice.grow_to
             for size in choice.sizes:
                 check_built_size(self.runner, size)
@@ -339,7 +341,8 @@ class Engine:
             stats.decode_s = time.perf_counter() - active.decoding_since
             stats.batch_mean = active.shared / active.calls if active.calls else 0.0
             if stats.auto and error is None and hasattr(self.chooser, "observe"):
-                self.chooser.observe(BlockChoice(stats.block_size, stats.grow_to), stats.tau)
+                self.chooser.observe(BlockChoice(stats.block_size, stats.grow_to), stats.tau, stats.cycles,
+                                     not active.request.config.sampling.greedy)
             if active.request.first_token_at is not None:
                 stats.ttft_s = active.request.first_token_at - active.request.submitted
         active.request.stats = stats

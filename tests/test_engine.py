@@ -9,6 +9,7 @@ cancellation each affect only their own request.
 """
 
 import threading
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -198,15 +199,24 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
     chooser = LoadAwareChooser(costs)
     twelve = BlockChoice(12)
     for _ in range(20):
-        chooser.observe(twelve, 4.0)  # tau 4 at B=12: 4 / 30 ms beats 1 / 10.5 ms alone
+        chooser.observe(twelve, 4.0, cycles=32)  # tau 4 at B=12: 4 / 30 ms beats 1 / 10.5 ms alone
     assert chooser(twelve, Load(0, 1, ())) == twelve
     assert chooser(twelve, Load(0, 9, (1,) * 8)) == BlockChoice(1)  # joining eight AR requests is nearly free
     assert chooser(twelve, Load(0, 3, (12, 12))) == twelve
     assert chooser(BlockChoice(1), Load(0, 1, ())) == BlockChoice(1)
+    # Sampled requests learn their own tau: accepting little at T > 0 sends them to AR, not greedy ones.
+    assert chooser(twelve, Load(0, 1, ()), sampled=True) == twelve  # the prior: speculation
+    for _ in range(20):
+        chooser.observe(twelve, 2.0, cycles=32, sampled=True)  # 2 / 30 ms < 1 / 10.5 ms
+    assert chooser(twelve, Load(0, 1, ()), sampled=True) == BlockChoice(1)
+    assert chooser(twelve, Load(0, 1, ())) == twelve
+    # One sampled B=12 neighbour shares the greedy request's call and commits its own (smaller) tau.
+    expected = (chooser.tau(12) + chooser.tau(12, sampled=True)) / costs.cost(12, 2)
+    assert chooser.rate(12, False, Counter({(12, True): 1})) == pytest.approx(expected)
     for _ in range(200):
-        chooser.observe(twelve, 1.5)  # it turns out to accept little: AR even alone
+        chooser.observe(twelve, 1.5, cycles=32)  # it turns out to accept little: AR even alone
     assert chooser(twelve, Load(0, 1, ())) == BlockChoice(1)
-    assert chooser.decisions == {"kept": 2, "ar": 2}
+    assert chooser.decisions == {"kept": 4, "ar": 3}
 
 
 def test_static_buffers_for_graph_replay_decode_the_same(tiny):

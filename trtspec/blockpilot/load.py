@@ -13,7 +13,10 @@ where cost(B, n) is the measured time of one draft(B) + verify(B) call for n req
 for AR). Precisely, it compares the whole batch's tokens per second with the request in the group
 of c or in the AR group (groups of other sizes cost what they cost either way), so joining a
 large AR group is seen to be nearly free. tau per block size is learnt online from the requests
-that finished at it (a prior of 1.25x the batch-1 break-even tau, worth two requests, starts it).
+that finished at it, pooled by decode cycles (so a short request weighs little), after a prior of
+1.25x the batch-1 break-even tau worth 64 cycles; apart for greedy and sampled requests: at T > 0
+a drafter accepts far less (demo pair, B = 12: tau 4.1 greedy, 2.3 at T = 0.7), so sampled
+requests learn on their own to fall back to AR.
 The choice is still made once per request, at admission, as in the research.
 """
 
@@ -30,7 +33,7 @@ from trtspec.cycle_costs import Timer
 from trtspec.runtime.schedule import BlockChoice
 
 BATCHES = (1, 2, 4, 8, 16)
-PRIOR_WEIGHT = 2.0       # the prior counts as this many finished requests
+PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
 PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (the policy chose speculation)
 
 
@@ -77,40 +80,50 @@ def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...]
 
 @dataclass
 class LoadAwareChooser:
-    """(the policy's choice, the engine's load) -> the choice to run; learns tau per block size."""
+    """(the policy's choice, the engine's load, sampled?) -> the choice to run; learns tau per block
+    size, for greedy and sampled requests apart."""
 
     costs: CostTable
-    _taus: dict[int, list[float]] = field(default_factory=dict)
+    _seen: dict[tuple[int, bool], list[float]] = field(default_factory=dict)  # [committed tokens, cycles]
     _lock: threading.Lock = field(default_factory=threading.Lock)
     decisions: dict[str, int] = field(default_factory=dict)  # "kept" / "ar" counts, for reports
 
-    def tau(self, size: int) -> float:
-        """Expected acceptance length at `size`: what finished requests showed, after a prior."""
+    def tau(self, size: int, sampled: bool = False) -> float:
+        """Expected acceptance length at `size` (greedy or sampled): what finished requests showed,
+        after a prior."""
         if size <= 1:
             return 1.0
         prior = PRIOR_BREAK_EVEN * self.costs.cost(size, 1) / self.costs.cost(1, 1)
         with self._lock:
-            seen = self._taus.get(size, [])
-            return (PRIOR_WEIGHT * prior + sum(seen)) / (PRIOR_WEIGHT + len(seen))
+            committed, cycles = self._seen.get((size, sampled), (0.0, 0.0))
+        return (PRIOR_CYCLES * prior + committed) / (PRIOR_CYCLES + cycles)
 
-    def observe(self, choice: BlockChoice, tau: float) -> None:
-        """A request that ran at `choice` finished with acceptance length `tau`."""
-        if choice.size > 1 and tau > 0:
+    def observe(self, choice: BlockChoice, tau: float, cycles: int, sampled: bool = False) -> None:
+        """A request that ran at `choice` finished after `cycles` decode cycles with acceptance length
+        `tau`. Pooled by cycles, so a short request (a warm-up of a few tokens) weighs little."""
+        if choice.size > 1 and cycles > 0:
             with self._lock:
-                self._taus.setdefault(choice.size, []).append(tau)
+                seen = self._seen.setdefault((choice.size, sampled), [0.0, 0.0])
+                seen[0] += tau * cycles
+                seen[1] += cycles
 
-    def rate(self, size: int, groups: Counter) -> float:
-        """Tokens per millisecond of the whole batch if the new request runs at `size`: each group
-        of n requests at block size b costs cost(b, n) per cycle and commits n * tau(b) tokens."""
-        groups = groups + Counter({size: 1})
-        cycle = sum(self.costs.cost(b, n) for b, n in groups.items())
-        return sum(n * self.tau(b) for b, n in groups.items()) / cycle
+    def rate(self, size: int, sampled: bool, groups: Counter) -> float:
+        """Tokens per millisecond of the whole batch if the new request runs at `size`: the n requests
+        at block size b share one call costing cost(b, n) per cycle, and each commits its tau(b)."""
+        groups = groups + Counter({(size, sampled): 1})
+        calls = Counter()
+        for (b, _), n in groups.items():
+            calls[b] += n
+        cycle = sum(self.costs.cost(b, n) for b, n in calls.items())
+        return sum(n * self.tau(b, s) for (b, s), n in groups.items()) / cycle
 
-    def __call__(self, choice: BlockChoice, load) -> BlockChoice:
+    def __call__(self, choice: BlockChoice, load, sampled: bool = False) -> BlockChoice:
         if choice.size <= 1 or choice.size not in self.costs.cycle_ms:
             return choice
-        groups = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes)  # the decoding requests
-        keep = self.rate(choice.size, groups) > self.rate(1, groups)
+        regimes = load.sampled or (False,) * len(load.block_sizes)
+        groups = Counter((b if b in self.costs.cycle_ms else 1, s)  # the decoding requests
+                         for b, s in zip(load.block_sizes, regimes))
+        keep = self.rate(choice.size, sampled, groups) > self.rate(1, sampled, groups)
         verdict = "kept" if keep else "ar"
         with self._lock:
             self.decisions[verdict] = self.decisions.get(verdict, 0) + 1
