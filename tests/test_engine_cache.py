@@ -50,9 +50,12 @@ def test_auto_builds_once_reuses_and_decodes_like_eager(target_dir, drafter_dir,
     assert small.returncode == 0 and "engine" not in small.stderr.decode() and len(_engines(cache)) == 1
 
 
-def test_an_explicit_onnxruntime_backend_refuses_what_it_cannot_build(target_dir, tmp_path):
+def test_an_explicit_onnxruntime_backend_refuses_what_it_cannot_build(target_dir, drafter_dir, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("x = 1\n")
     alone = _run(tmp_path / "cache", "run", prompt, "--target", target_dir, "--backend", "onnxruntime")
     assert_one_line_error(alone, "--backend onnxruntime", "--drafter")
+    bf16 = _run(tmp_path / "cache", "run", prompt, "--target", target_dir, "--drafter", drafter_dir,
+                "--backend", "onnxruntime", "--dtype", "bfloat16")
+    assert_one_line_error(bf16, "float32", "--dtype bfloat16")
     assert not (tmp_path / "cache").exists()
