@@ -178,7 +178,8 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
 
     if engine is None and backend != "eager":
         engine = _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts)
-        draft_counts = None  # baked into the engine with its draft vocabulary
+        if engine is not None:
+            draft_counts = None  # baked into the engine with its draft vocabulary
     if engine is None and device in ("auto", "cpu"):
         _choose_threads(list(resolve_target(target).glob("*.safetensors")))
     if engine is not None:
