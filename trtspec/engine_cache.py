@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from trtspec import __version__
-from trtspec.engines.manifest import MANIFEST_FILE, checkpoint_sha256, file_sha256
+from trtspec.engines.manifest import MANIFEST_FILE, checkpoint_sha256, record_artifacts
 
 BACKENDS = ("auto", "eager", "onnxruntime")
 CACHE_ENV = "TRTSPEC_CACHE"
@@ -52,13 +52,6 @@ def wants_engine(backend: str, device: torch.device, dtype: str, block_sizes: tu
     return backend == "auto" and usable and all(b >= BLOCK_SIZES[0] for b in block_sizes)  # B = 2: eager only
 
 
-def _directory_sha256(directory: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(directory)).encode() + b"\0" + file_sha256(path).encode())
-    return digest.hexdigest()
-
-
 def cached_engine(target_dir: Path, drafter_dir: Path, *, device: str, block_sizes: tuple[int, ...] = (),
                   draft_vocab: int | None = None, draft_counts: Path | None = None,
                   echo: Callable[[str], None] = print) -> Path:
@@ -72,7 +65,7 @@ def cached_engine(target_dir: Path, drafter_dir: Path, *, device: str, block_siz
                          max_batch=MAX_BATCH, draft_vocab=draft_vocab, draft_counts=draft_counts)
     counts = Path(draft_counts) if draft_counts else Path(drafter_dir) / DRAFTER_VOCAB_DIR
     key = {"target": checkpoint_sha256(Path(target_dir)), "drafter": checkpoint_sha256(Path(drafter_dir)),
-           "draft_vocab": draft_vocab, "counts": _directory_sha256(counts) if draft_vocab and counts.is_dir() else None,
+           "draft_vocab": draft_vocab, "counts": record_artifacts(counts) if draft_vocab and counts.is_dir() else None,
            "block_sizes": sizes, "max_batch": MAX_BATCH, "trtspec": __version__}
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_root() / "engines" / name

@@ -35,9 +35,13 @@ class ExecutorClock:
     and per graph (`by_graph`: draft, target)."""
 
     def __init__(self, executor):
-        self.executor, self.seconds = executor, 0.0
+        self.executor = executor
         self.by_graph: dict[str, float] = {DRAFT: 0.0, TARGET: 0.0}
         self._cuda = executor.device.type == "cuda"
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.by_graph.values())
 
     def __enter__(self) -> "ExecutorClock":
         run = self.executor.run
@@ -48,9 +52,7 @@ class ExecutorClock:
             if self._cuda:  # launches are asynchronous: wait, so the model's time is counted as model
                 torch.cuda.synchronize(self.executor.device)
             if profile != PREFILL:
-                elapsed = time.perf_counter() - began
-                self.seconds += elapsed
-                self.by_graph[graph] = self.by_graph.get(graph, 0.0) + elapsed
+                self.by_graph[graph] += time.perf_counter() - began
 
         self.executor.run = timed  # an instance attribute shadows the method while profiling
         return self

@@ -8,8 +8,9 @@ import click
 
 from trtspec.bench import BenchConfig, load_prompts, run_bench, write_json
 from trtspec import limits
-from trtspec.commands.options import (BlockSizesType, Ranged, backend_option, draft_vocab_options, engine_sizes, limit_option, load_pipeline, max_new_tokens_option,
-                                      model_options, policy_option, sampling_config, sampling_options)
+from trtspec.commands.options import (BlockSizesType, Ranged, backend_option, draft_vocab_options, engine_sizes,
+                                      limit_option, load_pipeline, max_new_tokens_option, model_options,
+                                      policy_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
 DEFAULT = BenchConfig()
@@ -64,8 +65,9 @@ Examples:
               help="Instead, serve the prompts to N concurrent clients (a closed loop over one continuous-batching "
                    "engine) for each N, and report throughput, latency and TTFT per block size against AR.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
-def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, policy, draft_vocab, draft_counts, temperature, top_k, top_p, seed,
-          max_new_tokens, limit, repeats, against_eager, profile, concurrency, json_path) -> None:
+def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, policy, draft_vocab,
+          draft_counts, temperature, top_k, top_p, seed, max_new_tokens, limit, repeats, against_eager, profile,
+          concurrency, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
     Every repeat runs AR and then each block size over all prompts (same backend and loop;
@@ -84,7 +86,7 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
     if against_eager and engine is None:
         raise TrtspecError("--against-eager compares a built engine with eager PyTorch; give --engine DIR")
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy, draft_vocab=draft_vocab,
-                             draft_counts=draft_counts, backend="eager" if against_eager else backend,
+                             draft_counts=draft_counts, backend=backend,
                              block_sizes=engine_sizes(block_sizes))
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")

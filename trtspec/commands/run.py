@@ -8,8 +8,9 @@ import sys
 import click
 
 from trtspec import limits
-from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes, load_pipeline, max_new_tokens_option, model_options,
-                                      policy_option, sampling_config, sampling_options)
+from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
+                                      load_pipeline, max_new_tokens_option, model_options, policy_option,
+                                      sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import GenerationConfig
 
@@ -71,8 +72,9 @@ Examples:
                    "(continuous batching); one JSON line per prompt, in order, goes to stdout.")
 @click.option("--max-running", type=Ranged(limits.BATCH), default=8, show_default=True, metavar="N",
               help="With --batch: requests decoded together.")
-def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size, policy, draft_vocab, draft_counts, temperature, top_k, top_p, seed,
-        max_new_tokens, max_context, stop, chat, ar, compare_ar, as_json, batch_file, max_running) -> None:
+def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size, policy, draft_vocab, draft_counts,
+        temperature, top_k, top_p, seed, max_new_tokens, max_context, stop, chat, ar, compare_ar, as_json, batch_file,
+        max_running) -> None:
     """Generate a continuation of PROMPT_FILE ('-' reads stdin), or of every prompt of --batch FILE.
 
     Text streams to stdout as it is committed and statistics go to stderr; with --json one

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 
 from trtspec import limits
-from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes, load_pipeline, model_options,
-                                      policy_option)
+from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
+                                      load_pipeline, model_options, policy_option)
 from trtspec.errors import TrtspecError
 
 
@@ -55,8 +55,8 @@ carries a "trtspec" object with the block size run, tau, histogram and ceiling f
               help="The model name clients give. [default: the target's directory name]")
 @click.option("--graceful-shutdown", type=Ranged(limits.NON_NEGATIVE_REAL), default=10.0, show_default=True,
               metavar="S", help="On SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled.")
-def serve(target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts, host, port, max_concurrency, max_queued, block_size,
-          max_context, served_model_name, graceful_shutdown) -> None:
+def serve(target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts, host, port,
+          max_concurrency, max_queued, block_size, max_context, served_model_name, graceful_shutdown) -> None:
     """Serve the model over HTTP with OpenAI's API (completions, chat completions, streaming),
     plus /health and Prometheus /metrics, until Ctrl-C or SIGTERM."""
     from pathlib import Path
