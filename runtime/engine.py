@@ -161,9 +161,11 @@ class Engine:
         with self._wake:
             if self._closed:
                 raise TrtspecError("the engine is shut down")
-            if len(self._queue) >= self.config.max_queued:
-                raise Busy(f"the engine is busy: {len(self._queue)} requests are waiting "
-                           f"(max-queued {self.config.max_queued}); retry later")
+            # free slots take their requests at the next cycle boundary, so they count as room too:
+            # the engine holds max_running + max_queued however fast requests arrive
+            if len(self._queue) >= self.config.max_queued + len(self._free):
+                raise Busy(f"the engine is busy: {len(self._active)} requests are running and "
+                           f"{len(self._queue)} waiting (max-queued {self.config.max_queued}); retry later")
             self._queue.append(request)
             self._wake.notify()
         return request

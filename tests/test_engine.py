@@ -158,11 +158,15 @@ def test_bad_requests_fail_alone_and_the_batch_finishes_unchanged(tiny):
 
 
 def test_a_full_queue_answers_busy(tiny):
-    with tiny.engine(EngineConfig(max_running=1, max_queued=1)) as engine:
+    """The engine holds max_running + max_queued requests whether or not its loop has admitted the
+    first ones yet (requests can arrive faster than cycles end); the next one is refused."""
+    with tiny.engine(EngineConfig(max_running=2, max_queued=1)) as engine:
         config = GenerationConfig(block_size=4, max_new_tokens=200)
-        with pytest.raises(Busy, match="busy"):
-            for _ in range(3):  # one runs (once admitted), one waits, the next is refused
+        with engine._wake:  # the loop cannot admit anything meanwhile: the worst case for arrivals
+            held = [engine.submit([5, 9, 33], config) for _ in range(3)]
+            with pytest.raises(Busy, match="busy"):
                 engine.submit([5, 9, 33], config)
+        assert all(len(r.result(timeout=120).tokens) == 200 for r in held)
 
 
 def test_cancelling_frees_the_slot_within_a_cycle(tiny):
