@@ -88,15 +88,15 @@ def test_auto_works_out_of_the_box(tmp_path):
 
 
 def test_demo_engine_built_with_defaults_reproduces_eager(demo, tmp_path):
-    """`trtspec build` with its defaults (demo pair, 12/16/20/24, best backend here), then the
+    """`trtspec build` with its defaults (demo pair, 8/12/16/20/24, best backend here), then the
     ONNX Runtime engine's greedy output equals eager PyTorch's on HumanEval prompts."""
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
     result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", "build", "-o", tmp_path / "engine"],
                             capture_output=True, timeout=600)
     assert result.returncode == 0, result.stderr.decode()
-    assert "B=12 (target profile 2, draft profile 0)" in result.stdout.decode()
+    assert "B=12 (target profile 3, draft profile 1)" in result.stdout.decode()
     engine = Pipeline(resolve_target(None), resolve_drafter(None, None), engine=tmp_path / "engine")
-    assert engine.backend == "onnxruntime" and engine.runner.block_sizes == (12, 16, 20, 24)
+    assert engine.backend == "onnxruntime" and engine.runner.block_sizes == (8, 12, 16, 20, 24)
     assert engine.policy is not None and engine.default_block_size == AUTO  # the demo policy, embedded
     _, prompts = load_prompts("humaneval", limit=6)
     for prompt in prompts:

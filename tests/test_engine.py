@@ -192,6 +192,11 @@ def test_the_engine_needs_its_slots(tiny):
         EngineConfig(max_running=0)
 
 
+def _cycles(size: int, accepted: dict[int, int]) -> list[int]:
+    """An acceptance histogram at block size `size`: {accepted drafts: cycles}."""
+    return [accepted.get(a, 0) for a in range(size)]
+
+
 def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
     from trtspec.blockpilot.load import CostTable, LoadAwareChooser
     from trtspec.runtime.engine import Load
@@ -203,7 +208,7 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
     chooser = LoadAwareChooser(costs)
     twelve = BlockChoice(12)
     for _ in range(20):
-        chooser.observe(twelve, 4.0, cycles=32)  # tau 4 at B=12: 4 / 30 ms beats 1 / 10.5 ms alone
+        chooser.observe(twelve, _cycles(12, {3: 32}))  # tau 4 at B=12: 4 / 30 ms beats 1 / 10.5 ms alone
     assert chooser(twelve, Load(0, 1, ())) == twelve
     assert chooser(twelve, Load(0, 9, (1,) * 8)) == BlockChoice(1)  # joining eight AR requests is nearly free
     assert chooser(twelve, Load(0, 3, (12, 12))) == twelve
@@ -211,16 +216,44 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
     # Sampled requests learn their own tau: accepting little at T > 0 sends them to AR, not greedy ones.
     assert chooser(twelve, Load(0, 1, ()), sampled=True) == twelve  # the prior: speculation
     for _ in range(20):
-        chooser.observe(twelve, 2.0, cycles=32, sampled=True)  # 2 / 30 ms < 1 / 10.5 ms
+        chooser.observe(twelve, _cycles(12, {1: 32}), sampled=True)  # 2 / 30 ms < 1 / 10.5 ms
     assert chooser(twelve, Load(0, 1, ()), sampled=True) == BlockChoice(1)
     assert chooser(twelve, Load(0, 1, ())) == twelve
     # One sampled B=12 neighbour shares the greedy request's call and commits its own (smaller) tau.
     expected = (chooser.tau(12) + chooser.tau(12, sampled=True)) / costs.cost(12, 2)
     assert chooser.rate(12, False, Counter({(12, True): 1})) == pytest.approx(expected)
     for _ in range(200):
-        chooser.observe(twelve, 1.5, cycles=32)  # it turns out to accept little: AR even alone
+        chooser.observe(twelve, _cycles(12, {0: 16, 1: 16}))  # it turns out to accept little: AR even alone
     assert chooser(twelve, Load(0, 1, ())) == BlockChoice(1)
     assert chooser.decisions == {"kept": 4, "ar": 3}
+
+
+def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it():
+    """Evidence at B = 12 also tells what B = 8 would accept (each cycle cut at 8); a burst of
+    requests arriving together is judged as the batch it will be, not as the first one alone."""
+    from trtspec.blockpilot.load import PRIOR_CYCLES, CostTable, LoadAwareChooser
+    from trtspec.runtime.engine import Load
+    from trtspec.runtime.schedule import BlockChoice
+
+    batches = (1, 2, 4, 8, 16)
+    costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches],
+                                12: [25 + 5 * n for n in batches]})
+    chooser, twelve = LoadAwareChooser(costs), BlockChoice(12)
+    cycles = 10_000 * PRIOR_CYCLES  # the prior weighs nothing beside this
+    chooser.observe(twelve, _cycles(12, {11: cycles // 2, 3: cycles // 2}))  # tau 8 at B=12
+    assert chooser.tau(12) == pytest.approx(8.0, rel=1e-3)
+    assert chooser.tau(8) == pytest.approx(6.0, rel=1e-3)  # (8 + 4) / 2: the full blocks cut at 8
+    assert chooser.tau(8, sampled=True) < 3.0  # no sampled request ran: the prior alone
+    # alone: 8 / 30 ms (B=12) > 6 / 23 ms (B=8) > 1 / 10.5 ms (AR)
+    assert chooser(twelve, Load(0, 1, ())) == twelve
+    # three others decode at 12: joining their call (32 / 45 ms) beats a call of its own at 8 (30 / 63 ms)
+    assert chooser(twelve, Load(0, 4, (12, 12, 12))) == twelve
+    # four arrive together: four at 8 (24 / 32 ms) beat four at 12 (32 / 45 ms) and at AR (4 / 12 ms)
+    assert chooser(twelve, Load(0, 4, ())) == BlockChoice(8)
+    # eight decode at AR: joining them (9 / 14.5 ms) beats 8 (14 / 37 ms) and 12 (16 / 44 ms)
+    assert chooser(twelve, Load(0, 9, (1,) * 8)) == BlockChoice(1)
+    assert chooser(BlockChoice(8), Load(0, 1, ())) == BlockChoice(8)  # never a larger block than the policy's
+    assert chooser.decisions == {"kept": 3, "smaller": 1, "ar": 1}
 
 
 def test_static_buffers_for_graph_replay_decode_the_same(tiny):

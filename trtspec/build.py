@@ -37,7 +37,7 @@ CHECK_TOLERANCE = 1e-3  # max |logit difference| vs eager torch at float32 for a
 
 @dataclass(frozen=True)
 class BuildConfig:
-    block_sizes: tuple[int, ...] = (12, 16, 20, 24)
+    block_sizes: tuple[int, ...] = (8, 12, 16, 20, 24)
     backend: str = "auto"
     dtype: str = "auto"
     device: str = "auto"

@@ -1,22 +1,27 @@
-"""BlockPilot under load: the policy's choice, kept only while speculation still pays at this batch.
+"""BlockPilot under load: the policy's choice, or a smaller block, or AR, whichever the batch pays for.
 
 The policy was trained on per-request labels measured one request at a time, where a cycle at
 block size B costs about as much as a few autoregressive steps. Batched, the picture changes: an
 autoregressive step for n requests costs little more than for one (the weights are read once), a
 verify of n blocks of B costs n*B tokens of compute. So when a request is admitted, the engine
-asks `LoadAwareChooser` whether the policy's choice c still beats autoregressive decoding at the
-batch it joins:
+asks `LoadAwareChooser` which of the policy's choice c, a smaller block size the policy could
+also choose, and AR gives the most committed tokens per second at the batch it joins:
 
-    tau_c / cost(c, n)  >  1 / cost(AR, n)        (committed tokens per second, per request)
+    rate(s) = sum over groups g of n_g * tau_g  /  sum over groups g of cost(B_g, n_g)
 
-where cost(B, n) is the measured time of one draft(B) + verify(B) call for n requests (verify(1)
-for AR). Precisely, it compares the whole batch's tokens per second with the request in the group
-of c or in the AR group (groups of other sizes cost what they cost either way), so joining a
-large AR group is seen to be nearly free. tau per block size is learnt online from the requests
-that finished at it, pooled by decode cycles (so a short request weighs little), after a prior of
-1.25x the batch-1 break-even tau worth 64 cycles; apart for greedy and sampled requests: at T > 0
-a drafter accepts far less (demo pair, B = 12: tau 4.1 greedy, 2.3 at T = 0.7), so sampled
-requests learn on their own to fall back to AR.
+where the request runs in the group of size s, cost(B, n) is the measured time of one draft(B) +
+verify(B) call for n requests (verify(1) for AR), and the requests still prefilling count as
+joining the same group (they face the same choice; this matters when a burst arrives together).
+Joining a large AR group is seen to be nearly free; at moderate load a smaller block keeps most
+of the acceptance for much less verify compute (demo pair on 2 CPU threads, 4 clients: B = 8
+beats both the policy's 12 and AR).
+
+tau per block size is learnt online from the requests that finished, pooled by decode cycles (so a
+short request weighs little), after a prior of 1.25x the batch-1 break-even tau worth 64 cycles;
+apart for greedy and sampled requests (demo pair, B = 12: tau 4.1 greedy, 2.3 at T = 0.7), so
+sampled requests learn on their own to fall back to AR. A smaller size s than the one a request
+ran at is estimated from its acceptance histogram, each cycle cut at s (min(a, s - 1) + 1): the
+drafter's first s - 1 proposals of a longer block stand for a block of s.
 The choice is still made once per request, at admission, as in the research.
 """
 
@@ -53,7 +58,7 @@ class CostTable:
 
 
 def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...] = BATCHES, context: int = 256,
-                  repeats: int = 3) -> CostTable:
+                  repeats: int = 5) -> CostTable:
     """Time draft(B) + verify(B) on the runner itself, for every block size and batch (1 = AR), at
     `context` cached positions (what the caches hold is irrelevant to the timing)."""
     batches = tuple(b for b in batches if b <= runner.slots) or (1,)
@@ -84,33 +89,43 @@ class LoadAwareChooser:
     size, for greedy and sampled requests apart."""
 
     costs: CostTable
-    _seen: dict[tuple[int, bool], list[float]] = field(default_factory=dict)  # [committed tokens, cycles]
+    _seen: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict)  # acceptance histograms
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    decisions: dict[str, int] = field(default_factory=dict)  # "kept" / "ar" counts, for reports
+    decisions: dict[str, int] = field(default_factory=dict)  # "kept" / "smaller" / "ar" counts, for reports
 
     def tau(self, size: int, sampled: bool = False) -> float:
-        """Expected acceptance length at `size` (greedy or sampled): what finished requests showed,
-        after a prior."""
+        """Expected acceptance length at `size` (greedy or sampled): what finished requests at this
+        size or a larger one showed, after a prior."""
         if size <= 1:
             return 1.0
         prior = PRIOR_BREAK_EVEN * self.costs.cost(size, 1) / self.costs.cost(1, 1)
+        committed = cycles = 0.0
         with self._lock:
-            committed, cycles = self._seen.get((size, sampled), (0.0, 0.0))
+            for (ran, regime), histogram in self._seen.items():
+                if regime != sampled or ran < size:
+                    continue
+                accepted = np.arange(len(histogram))
+                if ran > size:  # the same cycles, as if cut at `size`
+                    accepted = np.minimum(accepted, size - 1)
+                committed += float((accepted + 1) @ histogram)
+                cycles += float(histogram.sum())
         return (PRIOR_CYCLES * prior + committed) / (PRIOR_CYCLES + cycles)
 
-    def observe(self, choice: BlockChoice, tau: float, cycles: int, sampled: bool = False) -> None:
-        """A request that ran at `choice` finished after `cycles` decode cycles with acceptance length
-        `tau`. Pooled by cycles, so a short request (a warm-up of a few tokens) weighs little."""
-        if choice.size > 1 and cycles > 0:
+    def observe(self, choice: BlockChoice, histogram: list[int], sampled: bool = False) -> None:
+        """A request that ran at `choice` finished with this acceptance histogram (cycles by accepted
+        drafts). Pooled by cycles, so a short request (a warm-up of a few tokens) weighs little."""
+        if choice.size > 1 and sum(histogram) > 0:
             with self._lock:
-                seen = self._seen.setdefault((choice.size, sampled), [0.0, 0.0])
-                seen[0] += tau * cycles
-                seen[1] += cycles
+                seen = self._seen.get((choice.size, sampled), np.zeros(0))
+                width = max(len(seen), len(histogram))
+                self._seen[(choice.size, sampled)] = (np.pad(seen, (0, width - len(seen)))
+                                                      + np.pad(np.asarray(histogram, float), (0, width - len(histogram))))
 
-    def rate(self, size: int, sampled: bool, groups: Counter) -> float:
-        """Tokens per millisecond of the whole batch if the new request runs at `size`: the n requests
-        at block size b share one call costing cost(b, n) per cycle, and each commits its tau(b)."""
-        groups = groups + Counter({(size, sampled): 1})
+    def rate(self, size: int, sampled: bool, groups: Counter, joining: int = 1) -> float:
+        """Tokens per millisecond of the whole batch if the new request (and `joining` - 1 others)
+        runs at `size`: the n requests at block size b share one call costing cost(b, n) per cycle,
+        and each commits its tau(b)."""
+        groups = groups + Counter({(size, sampled): joining})
         calls = Counter()
         for (b, _), n in groups.items():
             calls[b] += n
@@ -123,8 +138,10 @@ class LoadAwareChooser:
         regimes = load.sampled or (False,) * len(load.block_sizes)
         groups = Counter((b if b in self.costs.cycle_ms else 1, s)  # the decoding requests
                          for b, s in zip(load.block_sizes, regimes))
-        keep = self.rate(choice.size, sampled, groups) > self.rate(1, sampled, groups)
-        verdict = "kept" if keep else "ar"
+        joining = max(1, load.running - len(load.block_sizes))  # this one and those still prefilling
+        smaller = sorted((b for b in self.costs.cycle_ms if 1 < b < choice.size), reverse=True)
+        best = max([choice.size, *smaller, 1], key=lambda b: self.rate(b, sampled, groups, joining))  # ties: earlier
+        verdict = "kept" if best == choice.size else "ar" if best == 1 else "smaller"
         with self._lock:
             self.decisions[verdict] = self.decisions.get(verdict, 0) + 1
-        return choice if keep else BlockChoice(1)
+        return choice if best == choice.size else BlockChoice(best)
