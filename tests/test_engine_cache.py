@@ -59,3 +59,23 @@ def test_an_explicit_onnxruntime_backend_refuses_what_it_cannot_build(target_dir
                 "--backend", "onnxruntime", "--dtype", "bfloat16")
     assert_one_line_error(bf16, "float32", "--dtype bfloat16")
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_cache_key_changes_with_the_drafters_shipped_policy(target_dir, drafter_dir, tmp_path):
+    """The engine embeds the drafter's BlockPilot policy, so a new policy must not reuse an engine
+    built with the old one."""
+    import shutil
+
+    from trtspec.blockpilot.policy import DRAFTER_POLICY_DIR, POLICY_CONFIG
+    from trtspec.engine_cache import engine_key
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(drafter_dir, drafter)
+    shutil.rmtree(drafter / DRAFTER_POLICY_DIR, ignore_errors=True)
+    bare = engine_key(target_dir, drafter, (4, 8))
+    assert engine_key(target_dir, drafter, (4, 8)) == bare and engine_key(target_dir, drafter, (4, 12)) != bare
+    (drafter / DRAFTER_POLICY_DIR).mkdir()
+    (drafter / DRAFTER_POLICY_DIR / POLICY_CONFIG).write_text('{"choices": ["8"]}')
+    first = engine_key(target_dir, drafter, (4, 8))
+    (drafter / DRAFTER_POLICY_DIR / POLICY_CONFIG).write_text('{"choices": ["12"]}')
+    assert len({bare, first, engine_key(target_dir, drafter, (4, 8))}) == 3

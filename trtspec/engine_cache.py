@@ -52,23 +52,34 @@ def wants_engine(backend: str, device: torch.device, dtype: str, block_sizes: tu
     return backend == "auto" and usable and all(b >= BLOCK_SIZES[0] for b in block_sizes)  # B = 2: eager only
 
 
+def engine_key(target_dir: Path, drafter_dir: Path, sizes: tuple[int, ...], draft_vocab: int | None = None,
+               draft_counts: Path | None = None) -> str:
+    """The cache entry's name: a hash of everything the built engine holds, the drafter's shipped
+    BlockPilot policy included (the engine embeds it)."""
+    from trtspec.blockpilot.policy import drafter_policy
+    from trtspec.export.bindings import MAX_BATCH
+    from trtspec.models.draft_vocab import DRAFTER_VOCAB_DIR
+
+    counts = Path(draft_counts) if draft_counts else drafter_dir / DRAFTER_VOCAB_DIR
+    policy = drafter_policy(drafter_dir)
+    key = {"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir),
+           "draft_vocab": draft_vocab, "counts": record_artifacts(counts) if draft_vocab and counts.is_dir() else None,
+           "policy": record_artifacts(policy) if policy is not None else None,
+           "block_sizes": sizes, "max_batch": MAX_BATCH, "trtspec": __version__}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def cached_engine(target_dir: Path, drafter_dir: Path, *, device: str, block_sizes: tuple[int, ...] = (),
                   draft_vocab: int | None = None, draft_counts: Path | None = None,
                   echo: Callable[[str], None] = print) -> Path:
     """The ONNX Runtime engine of this pair and these options, built into the cache if it is not there."""
     from trtspec.build import BuildConfig, build_engine
     from trtspec.export.bindings import MAX_BATCH
-    from trtspec.models.draft_vocab import DRAFTER_VOCAB_DIR
 
     sizes = tuple(sorted(set(BLOCK_SIZES) | set(block_sizes)))
     config = BuildConfig(block_sizes=sizes, backend="onnxruntime", dtype="float32", device=device,
                          max_batch=MAX_BATCH, draft_vocab=draft_vocab, draft_counts=draft_counts)
-    counts = Path(draft_counts) if draft_counts else Path(drafter_dir) / DRAFTER_VOCAB_DIR
-    key = {"target": checkpoint_sha256(Path(target_dir)), "drafter": checkpoint_sha256(Path(drafter_dir)),
-           "draft_vocab": draft_vocab, "counts": record_artifacts(counts) if draft_vocab and counts.is_dir() else None,
-           "block_sizes": sizes, "max_batch": MAX_BATCH, "trtspec": __version__}
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_root() / "engines" / name
+    path = cache_root() / "engines" / engine_key(Path(target_dir), Path(drafter_dir), sizes, draft_vocab, draft_counts)
     if (path / MANIFEST_FILE).is_file():
         echo(f"using the ONNX Runtime engine built for this pair earlier: {path}")
         return path
