@@ -18,6 +18,7 @@ each cycle's newly committed token ids on the engine thread; `Request.result()` 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -35,6 +36,8 @@ from trtspec.runtime.runners.batched import BatchRunner
 from trtspec.runtime.sampling import Sampler
 from trtspec.runtime.schedule import AUTO, BlockChoice, BlockPolicy
 from trtspec.runtime.stats import DecodeStats
+
+RECENT_S = 1.0  # time constant of Load.recent, the engine's recent running count
 
 OnCommit = Callable[[list[int]], None]
 
@@ -63,6 +66,7 @@ class Load:
     running: int
     block_sizes: tuple[int, ...]  # current block size of each running request that is decoding
     sampled: tuple[bool, ...] = ()  # whether each of them samples (T > 0), in the same order
+    recent: float = 0.0  # requests running, averaged over the last second or so (RECENT_S)
 
 
 class Request:
@@ -147,6 +151,7 @@ class Engine:
         self._ids = itertools.count()
         self._wake = threading.Condition(threading.RLock())  # the engine thread re-enters it in _retire
         self._closed = False
+        self._recent, self._recent_at = 0.0, time.perf_counter()
         self._thread = threading.Thread(target=self._loop, name="trtspec-engine", daemon=True)
         self._thread.start()
 
@@ -174,7 +179,7 @@ class Engine:
         with self._wake:
             decoding = [a for a in self._active if a.core is not None]
             return Load(len(self._queue), len(self._active), tuple(a.core.block_size(0) for a in decoding),
-                        tuple(not a.request.config.sampling.greedy for a in decoding))
+                        tuple(not a.request.config.sampling.greedy for a in decoding), self._recent)
 
     def close(self, cancel: bool = True, timeout: float | None = 60.0) -> None:
         """Stop taking requests; cancel what is queued and running (or let it finish), then stop."""
@@ -199,6 +204,7 @@ class Engine:
         while True:
             with self._wake:
                 self._schedule()
+                self._average_load()
                 if not self._active:
                     if self._closed and not self._queue:
                         return
@@ -222,6 +228,15 @@ class Engine:
             limit = min(request.config.max_new_tokens, self.runner.max_context - len(request.prompt))
             self._active.append(_Active(request, self._free.pop(), Sampler(request.config.sampling, self.runner.device),
                                         limit))
+
+    def _average_load(self) -> None:
+        """The running count, averaged with a time constant of RECENT_S: clients of a closed loop or a
+        server resubmit a moment after their requests finish, so the instant count undercounts the
+        batch a new request will live in."""
+        now = time.perf_counter()
+        keep = math.exp(-(now - self._recent_at) / RECENT_S)
+        self._recent = keep * self._recent + (1.0 - keep) * len(self._active)
+        self._recent_at = now
 
     def _iteration(self) -> None:
         self._prefill()

@@ -250,7 +250,27 @@ def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it(
     assert chooser(twelve, Load(0, 4, (12, 12, 12))) == BlockChoice(8)
     assert chooser(twelve, Load(0, 4, ())) == BlockChoice(8)  # four arrived together, none decodes yet
     assert chooser(BlockChoice(8), Load(0, 1, ())) == BlockChoice(8)  # never a larger block than the policy's
-    assert chooser.decisions == {"kept": 2, "smaller": 2}
+    # alone for an instant, but four ran lately (clients about to come back): judged as a batch of four
+    assert chooser(twelve, Load(0, 1, (), recent=3.8)) == BlockChoice(8)
+    assert chooser.decisions == {"kept": 2, "smaller": 3}
+
+
+def test_load_aware_blockpilot_explores_before_it_judges():
+    """With no finished request at the policy's size the choice is kept even where the prior would
+    say AR: AR requests show no acceptance, so an engine that never speculated would never learn."""
+    from trtspec.blockpilot.load import PRIOR_CYCLES, CostTable, LoadAwareChooser
+    from trtspec.runtime.engine import Load
+    from trtspec.runtime.schedule import BlockChoice
+
+    batches = (1, 2, 4, 8, 16)
+    costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches]})
+    chooser, eight = LoadAwareChooser(costs), BlockChoice(8)
+    assert chooser(eight, Load(0, 8, ())) == eight  # the prior (2.74) would lose to AR at eight requests
+    chooser.observe(eight, _cycles(8, {1: int(PRIOR_CYCLES) - 1}))  # tau 2, just short of enough cycles
+    assert chooser(eight, Load(0, 8, ())) == eight
+    chooser.observe(eight, _cycles(8, {1: 1}))
+    assert chooser(eight, Load(0, 8, ())) == BlockChoice(1)  # 8 x 2 / 44 ms < 8 / 14 ms
+    assert chooser.decisions == {"kept": 2, "ar": 1}
 
 
 def test_static_buffers_for_graph_replay_decode_the_same(tiny):

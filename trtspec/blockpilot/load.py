@@ -25,6 +25,9 @@ apart for greedy and sampled requests (demo pair, B = 12: tau 4.1 greedy, 2.3 at
 sampled requests learn on their own to fall back to AR. A smaller size s than the one a request
 ran at is estimated from its acceptance histogram, each cycle cut at s (min(a, s - 1) + 1): the
 drafter's first s - 1 proposals of a longer block stand for a block of s.
+Until requests at the policy's choice (or a larger size) have shown PRIOR_CYCLES decode cycles,
+the choice is kept as it is: an engine that turned to AR on a guess would never see what
+speculation accepts (AR requests show no acceptance), so it explores first.
 The choice is still made once per request, at admission, as in the research.
 """
 
@@ -101,6 +104,11 @@ class LoadAwareChooser:
         if size <= 1:
             return 1.0
         prior = PRIOR_BREAK_EVEN * self.costs.cost(size, 1) / self.costs.cost(1, 1)
+        committed, cycles = self._evidence(size, sampled)
+        return (PRIOR_CYCLES * prior + committed) / (PRIOR_CYCLES + cycles)
+
+    def _evidence(self, size: int, sampled: bool) -> tuple[float, float]:
+        """(committed tokens, cycles) that finished requests at `size` or larger show for `size`."""
         committed = cycles = 0.0
         with self._lock:
             for (ran, regime), histogram in self._seen.items():
@@ -111,7 +119,7 @@ class LoadAwareChooser:
                     accepted = np.minimum(accepted, size - 1)
                 committed += float((accepted + 1) @ histogram)
                 cycles += float(histogram.sum())
-        return (PRIOR_CYCLES * prior + committed) / (PRIOR_CYCLES + cycles)
+        return committed, cycles
 
     def observe(self, choice: BlockChoice, histogram: list[int], sampled: bool = False) -> None:
         """A request that ran at `choice` finished with this acceptance histogram (cycles by accepted
@@ -130,12 +138,19 @@ class LoadAwareChooser:
     def __call__(self, choice: BlockChoice, load, sampled: bool = False) -> BlockChoice:
         if choice.size <= 1 or choice.size not in self.costs.cycle_ms:
             return choice
+        if self._evidence(choice.size, sampled)[1] < PRIOR_CYCLES:  # explore: nothing to judge by yet
+            self._count("kept")
+            return choice
         decoding = list(load.sampled or (False,) * len(load.block_sizes))
         joining = max(1, load.running - len(load.block_sizes))  # this one and those still prefilling
-        batch = decoding + [sampled] * joining
+        expected = max(len(decoding) + joining, round(load.recent))  # and those about to come back
+        batch = decoding + [sampled] * (expected - len(decoding))
         smaller = sorted((b for b in self.costs.cycle_ms if 1 < b < choice.size), reverse=True)
         best = max([choice.size, *smaller, 1], key=lambda b: self.rate(b, batch))  # ties: the earlier
-        verdict = "kept" if best == choice.size else "ar" if best == 1 else "smaller"
+        self._count("kept" if best == choice.size else "ar" if best == 1 else "smaller")
+        return choice if best == choice.size else BlockChoice(best)
+
+    def _count(self, verdict: str) -> None:
         with self._lock:
             self.decisions[verdict] = self.decisions.get(verdict, 0) + 1
-        return choice if best == choice.size else BlockChoice(best)
+
