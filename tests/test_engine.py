@@ -210,6 +210,7 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
         chooser.observe(twelve, _cycles(12, {3: 32}))  # tau 4 at B=12: 4 / 30 ms beats 1 / 10.5 ms alone
     assert chooser(twelve, Load(0, 1, ())) == twelve
     assert chooser(twelve, Load(0, 9, (1,) * 8)) == BlockChoice(1)  # joining eight AR requests is nearly free
+    assert chooser(twelve, Load(0, 9, (12,) * 8)) == BlockChoice(1)  # nine at AR beat nine at 12 by far: drift
     assert chooser(twelve, Load(0, 3, (12, 12))) == twelve
     assert chooser(BlockChoice(1), Load(0, 1, ())) == BlockChoice(1)
     # Sampled requests learn their own tau: accepting little at T > 0 sends them to AR, not greedy ones.
@@ -224,7 +225,7 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
     for _ in range(200):
         chooser.observe(twelve, _cycles(12, {0: 16, 1: 16}))  # it turns out to accept little: AR even alone
     assert chooser(twelve, Load(0, 1, ())) == BlockChoice(1)
-    assert chooser.decisions == {"kept": 4, "ar": 3}
+    assert chooser.decisions == {"kept": 4, "ar": 4}
 
 
 def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it():
@@ -246,13 +247,15 @@ def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it(
     assert chooser.tau(8, sampled=True) < 3.0  # no sampled request ran: the prior alone
     # alone: 8 / 30 ms (B=12) > 6 / 23 ms (B=8) > 1 / 10.5 ms (AR)
     assert chooser(twelve, Load(0, 1, ())) == twelve
-    # a batch of four: 4 x 6 / 32 ms at 8 > 4 x 8 / 45 ms at 12 > 4 / 12 ms at AR, whatever the others run now
-    assert chooser(twelve, Load(0, 4, (12, 12, 12))) == BlockChoice(8)
+    # a batch of four: 4 x 6 / 32 ms at 8 > 4 x 8 / 45 ms at 12 > 4 / 12 ms at AR
     assert chooser(twelve, Load(0, 4, ())) == BlockChoice(8)  # four arrived together, none decodes yet
+    assert chooser(twelve, Load(0, 4, (8, 8, 8))) == BlockChoice(8)
+    # ... but 12 is within 10% of 8 there: with three at 12 already, joining them beats opening a second call
+    assert chooser(twelve, Load(0, 4, (12, 12, 12))) == twelve
     assert chooser(BlockChoice(8), Load(0, 1, ())) == BlockChoice(8)  # never a larger block than the policy's
     # alone for an instant, but four ran lately (clients about to come back): judged as a batch of four
     assert chooser(twelve, Load(0, 1, (), recent=3.8)) == BlockChoice(8)
-    assert chooser.decisions == {"kept": 2, "smaller": 3}
+    assert chooser.decisions == {"kept": 3, "smaller": 3}
 
 
 def test_load_aware_blockpilot_explores_before_it_judges():

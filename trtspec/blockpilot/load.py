@@ -15,7 +15,9 @@ is judged as if every request in it ran at s, not at the sizes the others happen
 every admission applies the same rule, so the batch drifts to what pays at its size. (Judging
 only this request's effect, with the others fixed, locks a batch into whatever its first
 requests chose: joining a running group at 8 costs less than opening an AR call, though all-AR
-is faster; on the demo pair at 8 and 16 clients that ran 10-15% below AR.) On the demo pair on 2
+is faster; on the demo pair at 8 and 16 clients that ran 10-15% below AR.) Near a tie (within
+STAY_MARGIN) it joins the size most of the batch runs: flipping between two close options splits
+the batch into two groups, and two calls per cycle cost more than either option. On the demo pair on 2
 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12 and AR; from 8
 clients, AR.
 
@@ -34,6 +36,7 @@ The choice is still made once per request, at admission, as in the research.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +47,7 @@ from trtspec.runtime.schedule import BlockChoice
 
 BATCHES = (1, 2, 4, 8, 16)
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
+STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the batch's current size
 PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (the policy chose speculation)
 
 
@@ -145,8 +149,12 @@ class LoadAwareChooser:
         joining = max(1, load.running - len(load.block_sizes))  # this one and those still prefilling
         expected = max(len(decoding) + joining, round(load.recent))  # and those about to come back
         batch = decoding + [sampled] * (expected - len(decoding))
-        smaller = sorted((b for b in self.costs.cycle_ms if 1 < b < choice.size), reverse=True)
-        best = max([choice.size, *smaller, 1], key=lambda b: self.rate(b, batch))  # ties: the earlier
+        candidates = [choice.size, *sorted((b for b in self.costs.cycle_ms if 1 < b < choice.size), reverse=True), 1]
+        rates = {b: self.rate(b, batch) for b in candidates}
+        best = max(candidates, key=rates.get)  # ties: the earlier
+        current = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes).most_common(1)
+        if current and current[0][0] in rates and rates[current[0][0]] >= (1 - STAY_MARGIN) * rates[best]:
+            best = current[0][0]  # near a tie, join what most of the batch runs: two groups cost two calls
         self._count("kept" if best == choice.size else "ar" if best == 1 else "smaller")
         return choice if best == choice.size else BlockChoice(best)
 
