@@ -17,7 +17,10 @@ only this request's effect, with the others fixed, locks a batch into whatever i
 requests chose: joining a running group at 8 costs less than opening an AR call, though all-AR
 is faster; on the demo pair at 8 and 16 clients that ran 10-15% below AR.) Near a tie (within
 STAY_MARGIN) it joins the size most of the batch runs: flipping between two close options splits
-the batch into two groups, and two calls per cycle cost more than either option. On the demo pair on 2
+the batch into two groups, and two calls per cycle cost more than either option. Speculation must
+beat AR by AR_MARGIN: it has costs the cycle model leaves out (each request's first draft reads
+its whole prompt in a call of its own; per-row host work in accepting and emitting), and on the
+demo pair the model read B = 8 at 8 clients as a tie with AR where it measured 0.88-0.91x. On the demo pair on 2
 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12 and AR; from 8
 clients, AR.
 
@@ -48,6 +51,7 @@ from trtspec.runtime.schedule import BlockChoice
 BATCHES = (1, 2, 4, 8, 16)
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
 STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the batch's current size
+AR_MARGIN = 0.1         # speculation must beat AR by this much: its per-request costs outside the cycle model
 PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (the policy chose speculation)
 
 
@@ -150,7 +154,7 @@ class LoadAwareChooser:
         expected = max(len(decoding) + joining, round(load.recent))  # and those about to come back
         batch = decoding + [sampled] * (expected - len(decoding))
         candidates = [choice.size, *sorted((b for b in self.costs.cycle_ms if 1 < b < choice.size), reverse=True), 1]
-        rates = {b: self.rate(b, batch) for b in candidates}
+        rates = {b: self.rate(b, batch) * (1 + AR_MARGIN if b == 1 else 1) for b in candidates}
         best = max(candidates, key=rates.get)  # ties: the earlier
         current = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes).most_common(1)
         if current and current[0][0] in rates and rates[current[0][0]] >= (1 - STAY_MARGIN) * rates[best]:
