@@ -319,7 +319,7 @@ class Engine:
             active.stepper(logits[row])
             active.calls += 1
             active.shared += len(members)
-            if self.runner.mask_token_id is not None:
+            if self.runner.mask_token_id is not None and size > 1:  # an AR request never drafts
                 active.context = features[row, :active.core.accepted(0) + 1].clone()
 
     def _emit(self, active: _Active) -> None:
