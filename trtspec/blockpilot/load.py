@@ -31,10 +31,8 @@ sampled requests learn on their own to fall back to AR. A smaller size s than th
 ran at is estimated from its acceptance histogram, each cycle cut at s (min(a, s - 1) + 1): the
 drafter's first s - 1 proposals of a longer block stand for a block of s.
 Until requests at the policy's choice (or a larger size) have shown PRIOR_CYCLES decode cycles,
-the choice is kept as it is, one request at a time: an engine that turned to AR on a guess would
-never see what speculation accepts (AR requests show no acceptance), so it explores first; while
-an exploring request still decodes, others are judged on the prior (a burst of eight exploring
-together cost 10% of a run at 8 clients).
+the choice is kept as it is: an engine that turned to AR on a guess would never see what
+speculation accepts (AR requests show no acceptance), so it explores first.
 The choice is still made once per request, at admission, as in the research.
 """
 
@@ -148,11 +146,10 @@ class LoadAwareChooser:
     def __call__(self, choice: BlockChoice, load, sampled: bool = False) -> BlockChoice:
         if choice.size <= 1 or choice.size not in self.costs.cycle_ms:
             return choice
-        decoding = list(load.sampled or (False,) * len(load.block_sizes))
-        exploring = any(b >= choice.size and s == sampled for b, s in zip(load.block_sizes, decoding))
-        if self._evidence(choice.size, sampled)[1] < PRIOR_CYCLES and not exploring:  # nothing to judge by yet
+        if self._evidence(choice.size, sampled)[1] < PRIOR_CYCLES:  # explore: nothing to judge by yet
             self._count("kept")
             return choice
+        decoding = list(load.sampled or (False,) * len(load.block_sizes))
         joining = max(1, load.running - len(load.block_sizes))  # this one and those still prefilling
         expected = max(len(decoding) + joining, round(load.recent))  # and those about to come back
         batch = decoding + [sampled] * (expected - len(decoding))
