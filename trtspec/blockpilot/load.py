@@ -20,9 +20,9 @@ STAY_MARGIN) it joins the size most of the batch runs: flipping between two clos
 the batch into two groups, and two calls per cycle cost more than either option. Speculation must
 beat AR by AR_MARGIN: it has costs the cycle model leaves out (each request's first draft reads
 its whole prompt in a call of its own; per-row host work in accepting and emitting), and on the
-demo pair the model read B = 8 at 8 clients as a tie with AR where it measured 0.88-0.91x. On the demo pair on 2
-CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12 and AR; from 8
-clients, AR.
+demo pair the model read B = 8 at 8 clients as a tie with AR where it measured 0.88-0.91x.
+On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12
+and AR; from 8 clients, AR.
 
 tau per block size is learnt online from the requests that finished, pooled by decode cycles (so a
 short request weighs little), after a prior of 1.25x the batch-1 break-even tau worth 64 cycles;
@@ -134,14 +134,16 @@ class LoadAwareChooser:
         drafts). Pooled by cycles, so a short request (a warm-up of a few tokens) weighs little."""
         if choice.size > 1 and sum(histogram) > 0:
             with self._lock:
-                seen = self._seen.get((choice.size, sampled), np.zeros(0))
-                width = max(len(seen), len(histogram))
-                self._seen[(choice.size, sampled)] = (np.pad(seen, (0, width - len(seen)))
-                                                      + np.pad(np.asarray(histogram, float), (0, width - len(histogram))))
+                seen, new = self._seen.get((choice.size, sampled), np.zeros(0)), np.asarray(histogram, float)
+                width = max(len(seen), len(new))
+                pooled = np.pad(seen, (0, width - len(seen))) + np.pad(new, (0, width - len(new)))
+                self._seen[(choice.size, sampled)] = pooled
 
     def rate(self, size: int, regimes: list[bool]) -> float:
         """Tokens per millisecond of a batch of these requests (sampled or not) all at `size`."""
-        return sum(self.tau(size, sampled) for sampled in regimes) / self.costs.cost(size, len(regimes))
+        sampled = sum(regimes)  # tau once per regime, not once per request
+        committed = (len(regimes) - sampled) * self.tau(size) + sampled * self.tau(size, sampled=True)
+        return committed / self.costs.cost(size, len(regimes))
 
     def __call__(self, choice: BlockChoice, load, sampled: bool = False) -> BlockChoice:
         if choice.size <= 1 or choice.size not in self.costs.cycle_ms:
@@ -156,9 +158,10 @@ class LoadAwareChooser:
         candidates = [choice.size, *sorted((b for b in self.costs.cycle_ms if 1 < b < choice.size), reverse=True), 1]
         rates = {b: self.rate(b, batch) * (1 + AR_MARGIN if b == 1 else 1) for b in candidates}
         best = max(candidates, key=rates.get)  # ties: the earlier
-        current = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes).most_common(1)
-        if current and current[0][0] in rates and rates[current[0][0]] >= (1 - STAY_MARGIN) * rates[best]:
-            best = current[0][0]  # near a tie, join what most of the batch runs: two groups cost two calls
+        counts = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes)
+        usual = max(counts, key=counts.get, default=0)  # the size most of the batch runs now (0: none)
+        if usual in rates and rates[usual] >= (1 - STAY_MARGIN) * rates[best]:
+            best = usual  # near a tie, join what most of the batch runs: two groups cost two calls
         self._count("kept" if best == choice.size else "ar" if best == 1 else "smaller")
         return choice if best == choice.size else BlockChoice(best)
 
