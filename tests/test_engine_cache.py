@@ -58,6 +58,10 @@ def test_an_explicit_onnxruntime_backend_refuses_what_it_cannot_build(target_dir
     bf16 = _run(tmp_path / "cache", "run", prompt, "--target", target_dir, "--drafter", drafter_dir,
                 "--backend", "onnxruntime", "--dtype", "bfloat16")
     assert_one_line_error(bf16, "float32", "--dtype bfloat16")
+    # a bad draft vocabulary is refused before a build is announced (or started)
+    pair = ("run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--backend", "onnxruntime")
+    assert_one_line_error(_run(tmp_path / "cache", *pair, "--draft-vocab", 321), "at most the vocabulary size 320")
+    assert_one_line_error(_run(tmp_path / "cache", *pair, "--draft-vocab", 24), "needs token counts")
     assert not (tmp_path / "cache").exists()
 
 
