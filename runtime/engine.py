@@ -357,7 +357,7 @@ class Engine:
                 stats.finish_reason = "cancelled"
             stats.decode_s = time.perf_counter() - active.decoding_since
             stats.batch_mean = active.shared / active.calls if active.calls else 0.0
-            if stats.auto and error is None and hasattr(self.chooser, "observe"):
+            if error is None and hasattr(self.chooser, "observe"):  # every request's acceptance, auto or not
                 self.chooser.observe(BlockChoice(stats.block_size, stats.grow_to), stats.histogram,
                                      not active.request.config.sampling.greedy)
             if active.request.first_token_at is not None:

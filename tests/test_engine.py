@@ -276,6 +276,30 @@ def test_load_aware_blockpilot_explores_before_it_judges():
     assert chooser.decisions == {"kept": 2, "ar": 1}
 
 
+def test_the_engine_learns_acceptance_from_every_speculative_request():
+    """tau is a property of the drafter on the engine's traffic, not of `auto` requests alone: an
+    engine that served fixed sizes already knows what `auto` would accept. A growing block's grown
+    cycles count as full acceptance at its base size; AR requests show nothing."""
+    from trtspec.blockpilot.load import CostTable, LoadAwareChooser
+
+    chooser = LoadAwareChooser(CostTable((1, 2), {1: [1.0, 1.5], 4: [2.0, 3.0], 8: [3.0, 5.0]}))
+    configs = [GenerationConfig(block_size=8, max_new_tokens=60),
+               GenerationConfig(block_size=4, grow_to=8, max_new_tokens=60),
+               GenerationConfig(block_size=1, max_new_tokens=20)]
+    runner = BatchRunner.eager(*predictable_pair(), slots=2)  # cycles that accept nothing, part or all
+    with Engine(runner, config=EngineConfig(max_running=2), chooser=chooser) as engine:
+        fixed, growing, _ = [engine.submit([5, 9, 33, 2, 7], c).result(timeout=120).stats for c in configs]
+    assert growing.grown_cycles > 0  # else the growing request shows nothing here
+
+    def cut(histogram: list[int], size: int) -> tuple[float, float]:  # (committed, cycles) as if at `size`
+        return (float(sum((min(a, size - 1) + 1) * n for a, n in enumerate(histogram))), float(sum(histogram)))
+
+    assert chooser._evidence(8, False) == cut(fixed.histogram, 8)
+    expected = [x + y for x, y in zip(cut(fixed.histogram, 4), cut(growing.histogram, 4))]
+    assert chooser._evidence(4, False) == pytest.approx(expected)
+    assert chooser._evidence(4, True) == (0.0, 0.0)
+
+
 def test_static_buffers_for_graph_replay_decode_the_same(tiny):
     """The CUDA-graph binding mode (whole cache as past, inputs in fixed buffers) on the CPU: the
     same tokens and acceptance as the plain batched runner."""

@@ -3,8 +3,9 @@
 For each concurrency c, c clients share one continuous-batching engine (c slots); each client
 sends the next prompt of the set as soon as its previous request finished, until every prompt
 ran once. That is done for AR (through the same backend: the pipeline without its drafter), each
-requested block size and `auto` (BlockPilot, load-aware), `repeats` times, and the medians are
-reported. Greedy requests are also compared with the same request decoded alone.
+requested block size and `auto` (BlockPilot, load-aware), `repeats` times, each repeat in an order
+rotated by one (the host's state drifts over a run; no row should always run first or last), and the
+medians are reported. Greedy requests are also compared with the same request decoded alone.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
             for run in runs:  # warm-up: each engine and block size once
                 closed_loop(engines[run.choice.size == 1], warm, _config(run.choice, 8, sampling), clients,
                             LoadRun(clients, run.choice))
-            for _ in range(repeats):
-                for run in runs:
+            for repeat in range(repeats):
+                for run in runs[repeat % len(runs):] + runs[:repeat % len(runs)]:  # none always first or last
                     closed_loop(engines[run.choice.size == 1], ids, _config(run.choice, max_new_tokens, sampling),
                                 clients, run)
                     if progress is not None:

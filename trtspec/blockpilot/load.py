@@ -24,8 +24,9 @@ demo pair the model read B = 8 at 8 clients as a tie with AR where it measured 0
 On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12
 and AR; from 8 clients, AR.
 
-tau per block size is learnt online from the requests that finished, pooled by decode cycles (so a
-short request weighs little), after a prior of 1.25x the batch-1 break-even tau worth 64 cycles;
+tau per block size is learnt online from every speculative request the engine finished (auto or a
+fixed size: the drafter and the traffic are the same), pooled by decode cycles (so a short request
+weighs little), after a prior of 1.25x the batch-1 break-even tau worth 64 cycles;
 apart for greedy and sampled requests (demo pair, B = 12: tau 4.1 greedy, 2.3 at T = 0.7), so
 sampled requests learn on their own to fall back to AR. A smaller size s than the one a request
 ran at is estimated from its acceptance histogram, each cycle cut at s (min(a, s - 1) + 1): the
@@ -131,10 +132,14 @@ class LoadAwareChooser:
 
     def observe(self, choice: BlockChoice, histogram: list[int], sampled: bool = False) -> None:
         """A request that ran at `choice` finished with this acceptance histogram (cycles by accepted
-        drafts). Pooled by cycles, so a short request (a warm-up of a few tokens) weighs little."""
+        drafts). Pooled by cycles, so a short request (a warm-up of a few tokens) weighs little. A
+        growing block's grown cycles count as what its base size would have accepted (all of it)."""
         if choice.size > 1 and sum(histogram) > 0:
+            new = np.asarray(histogram, float)
+            if len(new) > choice.size:
+                new = np.append(new[:choice.size - 1], new[choice.size - 1:].sum())
             with self._lock:
-                seen, new = self._seen.get((choice.size, sampled), np.zeros(0)), np.asarray(histogram, float)
+                seen = self._seen.get((choice.size, sampled), np.zeros(0))
                 width = max(len(seen), len(new))
                 pooled = np.pad(seen, (0, width - len(seen))) + np.pad(new, (0, width - len(new)))
                 self._seen[(choice.size, sampled)] = pooled
