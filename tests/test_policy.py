@@ -136,6 +136,25 @@ def test_auto_picks_a_candidate_and_stays_lossless(trained, target_dir, drafter_
         assert auto.tokens == baseline.generate(prompt, GenerationConfig(block_size=1, max_new_tokens=20)).tokens
 
 
+def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, drafter_dir):
+    """`bench --concurrency` with auto: the engine measured every (block size, batch) cell it may
+    choose between (AR included) and the row says so; the output stays lossless."""
+    from trtspec.api import Pipeline
+    from trtspec.concurrency import run_load
+    from trtspec.runtime.sampling import SamplingConfig
+
+    work, _, _ = trained
+    pipeline = Pipeline(target_dir, drafter_dir, policy=work / "policy")
+    rows = run_load(pipeline, PROMPTS, (BlockChoice(AUTO),), (3,), max_new_tokens=12, sampling=SamplingConfig())
+    auto = rows[-1]
+    assert auto["block_size"] == "auto" and auto["identical_to_serial"] == auto["greedy_requests"] == len(PROMPTS)
+    costs = auto["cycle_costs_ms"]
+    assert costs["batches"] == [1, 2]  # the batches up to the engine's 3 slots
+    assert set(costs["cycle_ms"]) == {"1", *map(str, pipeline.policy.block_sizes)}
+    assert all(len(ms) == 2 and min(ms) > 0 for ms in costs["cycle_ms"].values())
+    assert "cycle_costs_ms" not in rows[0]  # AR judged nothing
+
+
 def test_a_policy_may_choose_not_to_speculate(target_dir, drafter_dir, tmp_path):
     """AR as a candidate: a policy that always prefers it decodes those requests with the target
     alone (the same tokens as AR), and an engine needs no block size for it."""

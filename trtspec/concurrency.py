@@ -20,7 +20,7 @@ import numpy as np
 from trtspec.runtime.decode import Generation, GenerationConfig
 from trtspec.runtime.engine import EngineConfig
 from trtspec.runtime.sampling import SamplingConfig
-from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.schedule import AUTO, BlockChoice
 from trtspec.runtime.stats import mean_tau, pooled_ceiling_fraction
 
 
@@ -120,12 +120,15 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
         finally:
             for engine in engines.values():
                 engine.close()
+        chooser = engines[False].chooser
         for run in runs:
             if serial is not None:
                 outputs = [g.tokens for repeat in run.generations for g in repeat]
                 run.compared = len(outputs)
                 run.identical = sum(a == b for a, b in zip(outputs, serial * repeats))
             rows.append(run.to_dict(runs[0]))
+            if run.choice.size == AUTO and chooser is not None:  # what load-aware BlockPilot judged by
+                rows[-1]["cycle_costs_ms"] = chooser.costs.to_dict()
     return rows
 
 

@@ -72,29 +72,37 @@ class CostTable:
 
 
 def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...] = BATCHES, context: int = 256,
-                  repeats: int = 5) -> CostTable:
+                  rounds: int = 9) -> CostTable:
     """Time draft(B) + verify(B) on the runner itself, for every block size and batch (1 = AR), at
-    `context` cached positions (what the caches hold is irrelevant to the timing)."""
+    `context` cached positions (what the caches hold is irrelevant to the timing). Each round times
+    every cell once and a cell's figure is its median over the rounds: a host's speed drifts over
+    seconds, and timing the cells one after another would hand that drift to whichever size came
+    first (the choice between AR and B = 8 at 4 clients turns on a few percent)."""
     batches = tuple(b for b in batches if b <= runner.slots) or (1,)
     context = min(context, runner.max_context - max(block_sizes) - 1)
     width = runner.specs["target"].outputs[1].shape({"batch": 1, "tokens": 1})[-1]  # the drafter's feature width
-    timer, generator, table = Timer(runner.device, repeats=repeats, warmup=1), torch.Generator().manual_seed(0), {}
+    generator, cells = torch.Generator().manual_seed(0), {}
+    for size in sorted(set(block_sizes) | {1}):
+        for batch in batches:
+            slots, starts = list(range(batch)), [context] * batch
+            blocks = torch.randint(2, 100, (batch, size), generator=generator)
+            contexts = [torch.zeros(size, width, dtype=runner.dtype, device=runner.device)] * batch
+
+            def cycle(size=size, slots=slots, starts=starts, blocks=blocks, contexts=contexts) -> None:
+                if size > 1:
+                    runner.draft(slots, contexts, blocks, [s + size for s in starts])
+                runner.verify(slots, blocks, starts)
+
+            cells[size, batch] = cycle
+    once, times = Timer(runner.device, repeats=1, warmup=0), {cell: [] for cell in cells}
     with torch.inference_mode():
-        for size in sorted(set(block_sizes) | {1}):
-            row = []
-            for batch in batches:
-                slots, starts = list(range(batch)), [context] * batch
-                blocks = torch.randint(2, 100, (batch, size), generator=generator)
-                contexts = [torch.zeros(size, width, dtype=runner.dtype, device=runner.device)] * batch
-
-                def cycle() -> None:
-                    if size > 1:
-                        runner.draft(slots, contexts, blocks, [s + size for s in starts])
-                    runner.verify(slots, blocks, starts)
-
-                row.append(timer(cycle))
-            table[size] = row
-    return CostTable(batches, table)
+        for cycle in cells.values():  # warm-up
+            cycle()
+        for _ in range(rounds):
+            for cell, cycle in cells.items():
+                times[cell].append(once(cycle))
+    sizes = sorted({size for size, _ in cells})
+    return CostTable(batches, {size: [float(np.median(times[size, b])) for b in batches] for size in sizes})
 
 
 @dataclass
