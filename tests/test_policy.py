@@ -152,6 +152,7 @@ def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, dra
     assert costs["batches"] == [1, 2]  # the batches up to the engine's 3 slots
     assert set(costs["cycle_ms"]) == {"1", *map(str, pipeline.policy.block_sizes)}
     assert all(len(ms) == 2 and min(ms) > 0 for ms in costs["cycle_ms"].values())
+    assert set(auto["learnt_tau"]) == set(costs["cycle_ms"]) - {"1"} and min(auto["learnt_tau"].values()) >= 1
     assert "cycle_costs_ms" not in rows[0]  # AR judged nothing
 
 

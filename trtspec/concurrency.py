@@ -129,6 +129,8 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
             rows.append(run.to_dict(runs[0]))
             if run.choice.size == AUTO and chooser is not None:  # what load-aware BlockPilot judged by
                 rows[-1]["cycle_costs_ms"] = chooser.costs.to_dict()
+                rows[-1]["learnt_tau"] = {str(b): chooser.tau(b, not sampling.greedy)  # pooled by cycles
+                                          for b in chooser.costs.cycle_ms if b > 1}
     return rows
 
 
