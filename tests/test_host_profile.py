@@ -1,7 +1,11 @@
 """`trtspec bench --profile`: draft, verify and host time per cycle, native core vs the Python oracle."""
 
 import json
+import os
+import subprocess
+import sys
 
+import pytest
 from helpers import trtspec
 
 
@@ -27,3 +31,17 @@ def test_profile_needs_a_built_engine(target_dir, drafter_dir):
     result = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--profile-host")  # the old name too
     stderr = result.stderr.decode()
     assert result.returncode == 1 and "Traceback" not in stderr and "--engine DIR" in stderr, stderr
+
+
+def test_profile_runs_on_the_cached_engine_of_the_onnxruntime_backend(target_dir, drafter_dir, tmp_path):
+    """No --engine: the backend that builds one on first use is as good (the default `auto` on a CPU)."""
+    pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
+    env = {**os.environ, "TRTSPEC_CACHE": str(tmp_path / "cache"), "TRTSPEC_BACKEND": "onnxruntime"}
+    result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", "bench", "--target", str(target_dir),
+                             "--drafter", str(drafter_dir), "--prompts", str(prompts), "--block-sizes", "4",
+                             "--max-new-tokens", "8", "--repeats", "1", "--profile"],
+                            capture_output=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr.decode()
+    assert "building an ONNX Runtime engine" in result.stderr.decode() and "draft ms" in result.stdout.decode()

@@ -58,7 +58,7 @@ Examples:
               help="With --engine: also run the source checkpoints in eager PyTorch, interleaved, and report "
                    "identical outputs and time per token relative to eager.")
 @click.option("--profile", "--profile-host", "profile", is_flag=True,
-              help="With a compiled engine: instead, split each decode cycle's time into draft, verify (the "
+              help="With a compiled engine (--engine DIR, or the auto/onnxruntime backend's cached one): instead, split each decode cycle's time into draft, verify (the "
                    "executor's graph runs) and host work, per block size and for the AR step, through the native "
                    "controller and the Python reference controller.")
 @click.option("--concurrency", metavar="N,N,...",
@@ -81,8 +81,8 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
     config = BenchConfig(block_sizes=block_sizes, max_new_tokens=max_new_tokens,
                          repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
     name, prompts = load_prompts(prompts_spec, limit)
-    if profile and (engine is None or against_eager):
-        raise TrtspecError("--profile times a built engine's graph runs; give --engine DIR (without --against-eager)")
+    if profile and against_eager:
+        raise TrtspecError("--profile times one engine's graph runs; drop --against-eager")
     if against_eager and engine is None:
         raise TrtspecError("--against-eager compares a built engine with eager PyTorch; give --engine DIR")
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy, draft_vocab=draft_vocab,
@@ -90,6 +90,9 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
                              block_sizes=engine_sizes(block_sizes))
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
+    if profile and pipeline.backend == "torch-eager":  # no graph runs to time
+        raise TrtspecError("--profile times a compiled engine's graph runs, and this run is eager; give --engine DIR "
+                           "or --backend onnxruntime")
     if concurrency:
         from trtspec.bench import machine_info
         from trtspec.concurrency import format_table, run_load
