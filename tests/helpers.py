@@ -4,6 +4,7 @@ BPE tokenizer trained with `tokenizers`, and DFlash drafters saved in the z-lab 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -153,10 +154,13 @@ def predictable_pair(seed: int = 1, vocab_size: int = 64, beta: float = 1.2, lik
     return target, drafter
 
 
-def trtspec(*args, stdin: bytes | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run the real `trtspec` entry point in a subprocess."""
+def trtspec(*args, stdin: bytes | None = None, timeout: int = 300,
+            env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """Run the real `trtspec` entry point in a subprocess (`env`: variables to set, or with None to unset)."""
+    environment = {**os.environ, **(env or {})}
+    environment = {name: value for name, value in environment.items() if value is not None}
     return subprocess.run([sys.executable, "-m", "trtspec", *map(str, args)], input=stdin,
-                          capture_output=True, timeout=timeout)
+                          capture_output=True, timeout=timeout, env=environment)
 
 
 def trtspec_in_process(*args) -> subprocess.CompletedProcess:

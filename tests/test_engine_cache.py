@@ -2,23 +2,17 @@
 decoding exactly what eager PyTorch decodes."""
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
-from helpers import assert_one_line_error
+from helpers import assert_one_line_error, trtspec
 
 pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
 
 
 def _run(cache, *args, backend: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRTSPEC_CACHE": str(cache)}
-    env.pop("TRTSPEC_BACKEND", None)  # the suite's eager default: here the CLI's own default applies
-    if backend is not None:
-        env["TRTSPEC_BACKEND"] = backend
-    return subprocess.run([sys.executable, "-m", "trtspec", *map(str, args)], capture_output=True, env=env,
-                          timeout=600)
+    # backend None: not the suite's eager default but the CLI's own default
+    return trtspec(*args, env={"TRTSPEC_CACHE": str(cache), "TRTSPEC_BACKEND": backend}, timeout=600)
 
 
 def _engines(cache) -> list:

@@ -1,9 +1,6 @@
 """`trtspec bench --profile`: draft, verify and host time per cycle, native core vs the Python oracle."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from helpers import trtspec
@@ -38,10 +35,8 @@ def test_profile_runs_on_the_cached_engine_of_the_onnxruntime_backend(target_dir
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
-    env = {**os.environ, "TRTSPEC_CACHE": str(tmp_path / "cache"), "TRTSPEC_BACKEND": "onnxruntime"}
-    result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", "bench", "--target", str(target_dir),
-                             "--drafter", str(drafter_dir), "--prompts", str(prompts), "--block-sizes", "4",
-                             "--max-new-tokens", "8", "--repeats", "1", "--profile"],
-                            capture_output=True, env=env, timeout=600)
+    result = trtspec("--threads", 1, "bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts,
+                     "--block-sizes", 4, "--max-new-tokens", 8, "--repeats", 1, "--profile", timeout=600,
+                     env={"TRTSPEC_CACHE": str(tmp_path / "cache"), "TRTSPEC_BACKEND": "onnxruntime"})
     assert result.returncode == 0, result.stderr.decode()
     assert "building an ONNX Runtime engine" in result.stderr.decode() and "draft ms" in result.stdout.decode()

@@ -84,13 +84,10 @@ def cached_engine(target_dir: Path, drafter_dir: Path, *, device: str, block_siz
         echo(f"using the ONNX Runtime engine built for this pair earlier: {path}")
         return path
     if draft_vocab is not None:  # a bad K or missing counts: one line now, not after announcing a build
-        from trtspec.models.checkpoint import read_json
-        from trtspec.models.config import target_config_from_dict
         from trtspec.models.draft_vocab import select
+        from trtspec.models.target import load_target_config
 
-        config_file = Path(target_dir) / "config.json"
-        target_config = target_config_from_dict(read_json(config_file, str(config_file)))
-        select(draft_vocab, draft_counts, drafter_dir, target_config.vocab_size)
+        select(draft_vocab, draft_counts, drafter_dir, load_target_config(target_dir).vocab_size)
     echo(f"building an ONNX Runtime engine for this pair into {path} (once: later runs reuse it; "
          "--backend eager skips it)")
     build_engine(Path(target_dir), Path(drafter_dir), path, config)

@@ -81,8 +81,8 @@ def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...]
     batches = tuple(b for b in batches if b <= runner.slots) or (1,)
     context = min(context, runner.max_context - max(block_sizes) - 1)
     width = runner.specs["target"].outputs[1].shape({"batch": 1, "tokens": 1})[-1]  # the drafter's feature width
-    generator, cells = torch.Generator().manual_seed(0), {}
-    for size in sorted(set(block_sizes) | {1}):
+    sizes, generator, cells = sorted(set(block_sizes) | {1}), torch.Generator().manual_seed(0), {}
+    for size in sizes:
         for batch in batches:
             slots, starts = list(range(batch)), [context] * batch
             blocks = torch.randint(2, 100, (batch, size), generator=generator)
@@ -101,7 +101,6 @@ def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...]
         for _ in range(rounds):
             for cell, cycle in cells.items():
                 times[cell].append(once(cycle))
-    sizes = sorted({size for size, _ in cells})
     return CostTable(batches, {size: [float(np.median(times[size, b])) for b in batches] for size in sizes})
 
 

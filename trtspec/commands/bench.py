@@ -58,9 +58,10 @@ Examples:
               help="With --engine: also run the source checkpoints in eager PyTorch, interleaved, and report "
                    "identical outputs and time per token relative to eager.")
 @click.option("--profile", "--profile-host", "profile", is_flag=True,
-              help="With a compiled engine (--engine DIR, or the auto/onnxruntime backend's cached one): instead, split each decode cycle's time into draft, verify (the "
-                   "executor's graph runs) and host work, per block size and for the AR step, through the native "
-                   "controller and the Python reference controller.")
+              help="With a compiled engine (--engine DIR, or the auto/onnxruntime backend's cached one): instead, "
+                   "split each decode cycle's time into draft, verify (the executor's graph runs) and host work, per "
+                   "block size and for the AR step, through the native controller and the Python reference "
+                   "controller.")
 @click.option("--concurrency", metavar="N,N,...",
               help="Instead, serve the prompts to N concurrent clients (a closed loop over one continuous-batching "
                    "engine) for each N, and report throughput, latency and TTFT per block size against AR.")

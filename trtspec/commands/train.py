@@ -87,12 +87,9 @@ def draft_vocab(target, data_files, corpus_files, output) -> None:
     Use the target's own continuations of prompts like the ones you will serve (generate-data),
     not the evaluation prompts. The counts and their sources are stored; K is chosen when loading.
     """
-    from pathlib import Path
-
     from trtspec.assets import resolve_target
     from trtspec.fileio import DRAFT_VOCAB, check_output_dir, staged_directory
-    from trtspec.models.config import target_config_from_dict
-    from trtspec.models.checkpoint import read_json
+    from trtspec.models.target import load_target_config
     from trtspec.tokenizer import TextCodec
     from trtspec.training.draft_vocab import count_tokens
 
@@ -101,8 +98,7 @@ def draft_vocab(target, data_files, corpus_files, output) -> None:
     if not inputs:
         raise TrtspecError("give --data FILE (generate-data output) or --corpus FILE to count tokens in")
     target_dir = resolve_target(target)
-    config = target_config_from_dict(read_json(Path(target_dir) / "config.json", "target"),
-                                     str(Path(target_dir) / "config.json"))
+    config = load_target_config(target_dir)
     counts = count_tokens(TextCodec(target_dir), config.vocab_size, data_files, corpus_files, target_dir)
     with staged_directory(output, DRAFT_VOCAB, inputs) as staging:
         counts.save(staging)

@@ -131,13 +131,18 @@ class DecoderTarget(nn.Module):
 Qwen3Target = DecoderTarget  # the name it had when Qwen3 was the only family; callers still use it
 
 
+def load_target_config(path: str | Path) -> Qwen3Config:
+    """A target directory's config (its `model_type` picks the family), without reading its weights."""
+    config_file = checkpoint_dir(path, "target") / "config.json"
+    return target_config_from_dict(read_json(config_file, "target"), str(config_file))
+
+
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> DecoderTarget:
     """Load a local Hugging Face Qwen3, Llama 3.x or Qwen3-MoE directory (single-file or sharded
     safetensors); its `model_type` picks the family."""
     directory = checkpoint_dir(path, "target")
-    config_file = directory / "config.json"
-    config = target_config_from_dict(read_json(config_file, "target"), str(config_file))
+    config = load_target_config(directory)
     tensors = load_state_dict(directory, "target")
     if config.tie_word_embeddings and "model.embed_tokens.weight" in tensors:
         tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
