@@ -159,6 +159,27 @@ def test_sigterm_during_build_leaves_no_staging_directory(target_dir, drafter_di
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no staging directory, no half engine
 
 
+def test_a_signal_during_an_import_waits_for_the_import(tmp_path):
+    """SIGTERM while staging raises an exception where the program is; inside a native module's
+    initialisation (a build imports onnx lazily) that crashed the process (SIGSEGV, about one build
+    in twenty). So a signal that lands mid-import is taken again once the import is done."""
+    (tmp_path / "slow_import.py").write_text("import os, signal, time\n"
+                                             "os.kill(os.getpid(), signal.SIGTERM)\n"
+                                             "time.sleep(0.3)\n"
+                                             "print('imported', flush=True)\n")
+    output = tmp_path / "out"
+    script = (f"import sys, time; sys.path.insert(0, {str(tmp_path)!r})\n"
+              "from trtspec.fileio import DRAFT_VOCAB, staged_directory\n"
+              f"with staged_directory({str(output)!r}, DRAFT_VOCAB):\n"
+              "    import slow_import\n"
+              "    time.sleep(10)\n"
+              "print('finished')\n")
+    result = subprocess.run([sys.executable, "-B", "-c", script], capture_output=True, timeout=60)  # -B: no __pycache__
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr.decode()
+    assert result.stdout.decode().split() == ["imported"]  # the import completed; the work after it did not
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slow_import.py"]  # no staging directory, no output
+
+
 def test_a_killed_runs_staging_directory_is_removed_by_the_next_run(target_dir, drafter_dir, engine, tmp_path):
     output = tmp_path / "out"
     process, staging = _build_until_staging(target_dir, drafter_dir, output)

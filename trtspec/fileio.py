@@ -195,6 +195,9 @@ def _signals_raise() -> Iterator[None]:
     previous = {}
 
     def terminate(number, frame):
+        if _importing(frame):  # an exception inside a native module's initialisation crashes the process
+            threading.Timer(0.05, os.kill, (os.getpid(), number)).start()  # so: again once the import is done
+            return
         raise Terminated(128 + number)
 
     for number in (signal.SIGTERM, signal.SIGHUP):
@@ -205,6 +208,15 @@ def _signals_raise() -> Iterator[None]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+def _importing(frame) -> bool:
+    """Whether Python is importing a module at this frame (e.g. onnx, lazily, during a build)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _write_marker(directory: Path, kind: str) -> None:
