@@ -244,12 +244,18 @@ class Engine:
         for active in self._active:
             if active.core is not None and active.core.running:
                 groups.setdefault(active.core.block_size(0), []).append(active)
-        with torch.inference_mode():
-            for size, members in sorted(groups.items()):
+        timed = hasattr(self.chooser, "observe_cycle")
+        for size, members in sorted(groups.items()):
+            began = time.perf_counter()
+            with torch.inference_mode():
                 if size > 1:
                     self._draft(size, members)
                 self._verify(size, members)
-        for active in list(self._active):
+            for active in members:
+                self._emit(active)
+            if timed:  # what a cycle of this shape costs here, host work included: load-aware BlockPilot's costs
+                self.chooser.observe_cycle(size, len(members), (time.perf_counter() - began) * 1e3)
+        for active in list(self._active):  # any that finished without a cycle
             self._emit(active)
 
     def _prefill(self) -> None:

@@ -238,19 +238,20 @@ def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it(
 
     batches = (1, 2, 4, 8, 16)
     costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches],
-                                12: [25 + 5 * n for n in batches]})
+                                12: [24 + 5 * n for n in batches]})
     chooser, twelve = LoadAwareChooser(costs), BlockChoice(12)
     cycles = 10_000 * PRIOR_CYCLES  # the prior weighs nothing beside this
     chooser.observe(twelve, _cycles(12, {11: cycles // 2, 3: cycles // 2}))  # tau 8 at B=12
     assert chooser.tau(12) == pytest.approx(8.0, rel=1e-3)
     assert chooser.tau(8) == pytest.approx(6.0, rel=1e-3)  # (8 + 4) / 2: the full blocks cut at 8
     assert chooser.tau(8, sampled=True) < 3.0  # no sampled request ran: the prior alone
-    # alone: 8 / 30 ms (B=12) > 6 / 23 ms (B=8) > 1 / 10.5 ms (AR)
+    # alone: 8 / 29 ms (B=12) > 6 / 23 ms (B=8) > 1 / 10.5 ms (AR)
     assert chooser(twelve, Load(0, 1, ())) == twelve
-    # a batch of four: 4 x 6 / 32 ms at 8 > 4 x 8 / 45 ms at 12 > 4 / 12 ms at AR
+    # a batch of four: 4 x 6 / 32 ms at 8 > 4 x 8 / 44 ms at 12 > 4 / 12 ms at AR
     assert chooser(twelve, Load(0, 4, ())) == BlockChoice(8)  # four arrived together, none decodes yet
     assert chooser(twelve, Load(0, 4, (8, 8, 8))) == BlockChoice(8)
-    # ... but 12 is within 10% of 8 there: with three at 12 already, joining them beats opening a second call
+    # ... but 12 is within STAY_MARGIN (4%) of 8 there: with three at 12 already, joining them beats opening a
+    # second call
     assert chooser(twelve, Load(0, 4, (12, 12, 12))) == twelve
     assert chooser(BlockChoice(8), Load(0, 1, ())) == BlockChoice(8)  # never a larger block than the policy's
     # alone for an instant, but four ran lately (clients about to come back): judged as a batch of four
@@ -276,6 +277,32 @@ def test_load_aware_blockpilot_explores_before_it_judges():
     assert chooser.decisions == {"kept": 2, "ar": 1}
 
 
+def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():
+    """The start-up table times bare calls at a fixed context; the engine's own cycles (host work
+    included) replace it for the shapes the engine ran, and scale it for the others."""
+    from trtspec.blockpilot.load import MEASURED_MIN, WINDOW, CostTable, LoadAwareChooser
+    from trtspec.runtime.engine import Load
+    from trtspec.runtime.schedule import BlockChoice
+
+    chooser, eight = LoadAwareChooser(CostTable((1, 2, 4), {1: [10.0, 11.0, 12.0], 8: [20.0, 30.0, 50.0]})), BlockChoice(8)
+    chooser.observe(eight, _cycles(8, {3: 100_000}))  # tau 4 at B = 8
+    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # the table: 4 x 4 / 50 ms < 4 / 12 ms
+    for _ in range(MEASURED_MIN - 1):
+        chooser.observe_cycle(8, 4, 40.0)
+    assert chooser.cost(8, 4) == 50.0  # too few cycles of that shape yet
+    chooser.observe_cycle(8, 4, 40.0)
+    assert chooser.cost(8, 4) == 40.0
+    assert chooser.cost(8, 2) == pytest.approx(30.0 * 0.8)  # the table, scaled by measured / table
+    assert chooser.cost(1, 4) == pytest.approx(12.0 * 0.8)
+    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # 16 / 40 ms < 4 / 9.6 ms
+    for _ in range(MEASURED_MIN):  # AR's cycles carry more host work per token than the table shows
+        chooser.observe_cycle(1, 4, 12.5)
+    assert chooser(eight, Load(0, 4, ())) == eight  # 16 / 40 ms > 4 / 12.5 ms
+    for _ in range(WINDOW):  # the host slowed down: only the latest cycles count
+        chooser.observe_cycle(8, 4, 60.0)
+    assert chooser.cost(8, 4) == 60.0 and chooser(eight, Load(0, 4, ())) == BlockChoice(1)
+
+
 def test_the_engine_learns_acceptance_from_every_speculative_request():
     """tau is a property of the drafter on the engine's traffic, not of `auto` requests alone: an
     engine that served fixed sizes already knows what `auto` would accept. A growing block's grown
@@ -288,7 +315,7 @@ def test_the_engine_learns_acceptance_from_every_speculative_request():
                GenerationConfig(block_size=1, max_new_tokens=20)]
     runner = BatchRunner.eager(*predictable_pair(), slots=2)  # cycles that accept nothing, part or all
     with Engine(runner, config=EngineConfig(max_running=2), chooser=chooser) as engine:
-        fixed, growing, _ = [engine.submit([5, 9, 33, 2, 7], c).result(timeout=120).stats for c in configs]
+        fixed, growing, ar = [engine.submit([5, 9, 33, 2, 7], c).result(timeout=120).stats for c in configs]
     assert growing.grown_cycles > 0  # else the growing request shows nothing here
 
     def cut(histogram: list[int], size: int) -> tuple[float, float]:  # (committed, cycles) as if at `size`
@@ -298,6 +325,9 @@ def test_the_engine_learns_acceptance_from_every_speculative_request():
     expected = [x + y for x, y in zip(cut(fixed.histogram, 4), cut(growing.histogram, 4))]
     assert chooser._evidence(4, False) == pytest.approx(expected)
     assert chooser._evidence(4, True) == (0.0, 0.0)
+    # ... and it timed every cycle it ran, by (block size, batch): each request ran alone here
+    assert {batch for _, batch in chooser._cycles} == {1} and {size for size, _ in chooser._cycles} == {1, 4, 8}
+    assert sum(map(len, chooser._cycles.values())) == fixed.cycles + growing.cycles + ar.cycles
 
 
 def test_static_buffers_for_graph_replay_decode_the_same(tiny):

@@ -153,6 +153,9 @@ def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, dra
     assert set(costs["cycle_ms"]) == {"1", *map(str, pipeline.policy.block_sizes)}
     assert all(len(ms) == 2 and min(ms) > 0 for ms in costs["cycle_ms"].values())
     assert set(auto["learnt_tau"]) == set(costs["cycle_ms"]) - {"1"} and min(auto["learnt_tau"].values()) >= 1
+    measured = auto["measured_cycle_ms"]  # the engine's own cycles, by block size and batch
+    assert measured and set(measured) <= set(costs["cycle_ms"])
+    assert all(int(batch) <= 3 and ms > 0 for by_batch in measured.values() for batch, ms in by_batch.items())
     assert "cycle_costs_ms" not in rows[0]  # AR judged nothing
 
 

@@ -128,7 +128,11 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
                 run.identical = sum(a == b for a, b in zip(outputs, serial * repeats))
             rows.append(run.to_dict(runs[0]))
             if run.choice.size == AUTO and chooser is not None:  # what load-aware BlockPilot judged by
-                rows[-1]["cycle_costs_ms"] = chooser.costs.to_dict()
+                rows[-1]["cycle_costs_ms"] = chooser.costs.to_dict()  # timed at start-up
+                measured = {}  # and what the engine's own cycles took: size -> batch -> median ms
+                for (size, batch), ms in sorted(chooser.measured().items()):
+                    measured.setdefault(str(size), {})[str(batch)] = ms
+                rows[-1]["measured_cycle_ms"] = measured
                 rows[-1]["learnt_tau"] = {str(b): chooser.tau(b, not sampling.greedy)  # pooled by cycles
                                           for b in chooser.costs.cycle_ms if b > 1}
     return rows

@@ -10,17 +10,19 @@ also choose, and AR commits the most tokens per second for a batch of the size i
     rate(s) = sum over the batch's requests of tau_i(s)  /  cost(s, n)
 
 with n the requests running (this one, those decoding and those still prefilling) and cost(s, n)
-the measured time of one draft(s) + verify(s) call for n requests (verify(1) for AR). The batch
+the time of one cycle at s for n requests: what the engine measured for its own cycles of that
+shape lately (draft + verify + the rows' host work, median of the last WINDOW), else the cost table
+timed when the engine started (bare draft(s) + verify(s) calls at a fixed context) scaled by how far
+that table is from what the engine measures. The start-up table alone misjudged the demo pair at
+4 clients: its B = 8 / AR ratio moved ~10% between engine starts, and the decision turns on ~7%;
+the engine's own cycles give medians over hundreds of cycles of the real traffic. The batch
 is judged as if every request in it ran at s, not at the sizes the others happen to run now:
 every admission applies the same rule, so the batch drifts to what pays at its size. (Judging
 only this request's effect, with the others fixed, locks a batch into whatever its first
 requests chose: joining a running group at 8 costs less than opening an AR call, though all-AR
 is faster; on the demo pair at 8 and 16 clients that ran 10-15% below AR.) Near a tie (within
 STAY_MARGIN) it joins the size most of the batch runs: flipping between two close options splits
-the batch into two groups, and two calls per cycle cost more than either option. Speculation must
-beat AR by AR_MARGIN: it has costs the cycle model leaves out (each request's first draft reads
-its whole prompt in a call of its own; per-row host work in accepting and emitting), and on the
-demo pair the model read B = 8 at 8 clients as a tie with AR where it measured 0.88-0.91x.
+the batch into two groups, and two calls per cycle cost more than either option.
 On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12
 and AR; from 8 clients, AR.
 
@@ -40,7 +42,7 @@ The choice is still made once per request, at admission, as in the research.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,8 +53,9 @@ from trtspec.runtime.schedule import BlockChoice
 
 BATCHES = (1, 2, 4, 8, 16)
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
-STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the batch's current size
-AR_MARGIN = 0.1         # speculation must beat AR by this much: its per-request costs outside the cycle model
+STAY_MARGIN = 0.04      # a size within this fraction of the best rate keeps the batch's current size
+MEASURED_MIN = 16        # cycles of one (size, batch) shape before the engine's own timing replaces the table
+WINDOW = 256             # the latest cycles of a shape that its measured cost is the median of
 PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (the policy chose speculation)
 
 
@@ -109,8 +112,10 @@ class LoadAwareChooser:
     """(the policy's choice, the engine's load, sampled?) -> the choice to run; learns tau per block
     size, for greedy and sampled requests apart."""
 
-    costs: CostTable
+    costs: CostTable  # timed at start-up
     _seen: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict)  # acceptance histograms
+    _cycles: dict[tuple[int, int], deque] = field(default_factory=dict)  # (size, batch) -> the engine's cycle ms
+    _medians: dict[tuple[int, int], float] | None = None  # of _cycles, until the next cycle comes in
     _lock: threading.Lock = field(default_factory=threading.Lock)
     decisions: dict[str, int] = field(default_factory=dict)  # "kept" / "smaller" / "ar" counts, for reports
 
@@ -119,7 +124,7 @@ class LoadAwareChooser:
         size or a larger one showed, after a prior."""
         if size <= 1:
             return 1.0
-        prior = PRIOR_BREAK_EVEN * self.costs.cost(size, 1) / self.costs.cost(1, 1)
+        prior = PRIOR_BREAK_EVEN * self.cost(size, 1) / self.cost(1, 1)
         committed, cycles = self._evidence(size, sampled)
         return (PRIOR_CYCLES * prior + committed) / (PRIOR_CYCLES + cycles)
 
@@ -151,11 +156,36 @@ class LoadAwareChooser:
                 pooled = np.pad(seen, (0, width - len(seen))) + np.pad(new, (0, width - len(new)))
                 self._seen[(choice.size, sampled)] = pooled
 
+    def observe_cycle(self, size: int, batch: int, ms: float) -> None:
+        """The engine ran one cycle of `batch` requests at `size` (1: AR) in `ms` milliseconds."""
+        with self._lock:
+            self._cycles.setdefault((size, batch), deque(maxlen=WINDOW)).append(ms)
+            self._medians = None
+
+    def measured(self) -> dict[tuple[int, int], float]:
+        """(size, batch) -> median ms of the engine's latest cycles, for shapes with enough of them."""
+        with self._lock:
+            if self._medians is None:
+                self._medians = {cell: float(np.median(times)) for cell, times in self._cycles.items()
+                                 if len(times) >= MEASURED_MIN}
+            return self._medians
+
+    def cost(self, size: int, batch: int) -> float:
+        """ms of a cycle at `size` for `batch` requests: measured by the engine if it ran that shape
+        lately, else the start-up table scaled to what the engine measures (median ratio over the
+        measured shapes: the table times bare calls at a fixed context, the engine real cycles)."""
+        measured = self.measured()
+        if (size, batch) in measured:
+            return measured[size, batch]
+        scale = np.median([ms / self.costs.cost(*cell) for cell, ms in measured.items()
+                           if cell[0] in self.costs.cycle_ms]) if measured else 1.0
+        return float(scale) * self.costs.cost(size, batch)
+
     def rate(self, size: int, regimes: list[bool]) -> float:
         """Tokens per millisecond of a batch of these requests (sampled or not) all at `size`."""
         sampled = sum(regimes)  # tau once per regime, not once per request
         committed = (len(regimes) - sampled) * self.tau(size) + sampled * self.tau(size, sampled=True)
-        return committed / self.costs.cost(size, len(regimes))
+        return committed / self.cost(size, len(regimes))
 
     def __call__(self, choice: BlockChoice, load, sampled: bool = False) -> BlockChoice:
         if choice.size <= 1 or choice.size not in self.costs.cycle_ms:
@@ -168,7 +198,7 @@ class LoadAwareChooser:
         expected = max(len(decoding) + joining, round(load.recent))  # and those about to come back
         batch = decoding + [sampled] * (expected - len(decoding))
         candidates = [choice.size, *sorted((b for b in self.costs.cycle_ms if 1 < b < choice.size), reverse=True), 1]
-        rates = {b: self.rate(b, batch) * (1 + AR_MARGIN if b == 1 else 1) for b in candidates}
+        rates = {b: self.rate(b, batch) for b in candidates}
         best = max(candidates, key=rates.get)  # ties: the earlier
         counts = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes)
         usual = max(counts, key=counts.get, default=0)  # the size most of the batch runs now (0: none)
