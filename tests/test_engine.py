@@ -284,23 +284,23 @@ def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
 
-    chooser, eight = LoadAwareChooser(CostTable((1, 2, 4), {1: [10.0, 11.0, 12.0], 8: [20.0, 30.0, 50.0]})), BlockChoice(8)
+    chooser, eight = LoadAwareChooser(CostTable((1, 2, 4), {1: [10.0, 11.0, 12.0], 8: [20.0, 30.0, 60.0]})), BlockChoice(8)
     chooser.observe(eight, _cycles(8, {3: 100_000}))  # tau 4 at B = 8
-    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # the table: 4 x 4 / 50 ms < 4 / 12 ms
+    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # the table: 4 x 4 / 60 ms < 4 / 12 ms (by > AR_MARGIN)
     for _ in range(MEASURED_MIN - 1):
-        chooser.observe_cycle(8, 4, 40.0)
-    assert chooser.cost(8, 4) == 50.0  # too few cycles of that shape yet
-    chooser.observe_cycle(8, 4, 40.0)
-    assert chooser.cost(8, 4) == 40.0
+        chooser.observe_cycle(8, 4, 48.0)
+    assert chooser.cost(8, 4) == 60.0  # too few cycles of that shape yet
+    chooser.observe_cycle(8, 4, 48.0)
+    assert chooser.cost(8, 4) == 48.0
     assert chooser.cost(8, 2) == pytest.approx(30.0 * 0.8)  # the table, scaled by measured / table
     assert chooser.cost(1, 4) == pytest.approx(12.0 * 0.8)
-    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # 16 / 40 ms < 4 / 9.6 ms
+    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # 16 / 48 ms < 4 / 9.6 ms
     for _ in range(MEASURED_MIN):  # AR's cycles carry more host work per token than the table shows
         chooser.observe_cycle(1, 4, 12.5)
-    assert chooser(eight, Load(0, 4, ())) == eight  # 16 / 40 ms > 4 / 12.5 ms
+    assert chooser(eight, Load(0, 4, ())) == eight  # 16 / 48 ms > 4 / 12.5 ms
     for _ in range(WINDOW):  # the host slowed down: only the latest cycles count
-        chooser.observe_cycle(8, 4, 60.0)
-    assert chooser.cost(8, 4) == 60.0 and chooser(eight, Load(0, 4, ())) == BlockChoice(1)
+        chooser.observe_cycle(8, 4, 64.0)
+    assert chooser.cost(8, 4) == 64.0 and chooser(eight, Load(0, 4, ())) == BlockChoice(1)
 
 
 def test_the_engine_learns_acceptance_from_every_speculative_request():

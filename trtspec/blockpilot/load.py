@@ -22,7 +22,11 @@ only this request's effect, with the others fixed, locks a batch into whatever i
 requests chose: joining a running group at 8 costs less than opening an AR call, though all-AR
 is faster; on the demo pair at 8 and 16 clients that ran 10-15% below AR.) Near a tie (within
 STAY_MARGIN) it joins the size most of the batch runs: flipping between two close options splits
-the batch into two groups, and two calls per cycle cost more than either option.
+the batch into two groups, and two calls per cycle cost more than either option (on the demo pair
+at 4 clients a margin of 4% let a few AR requests into a batch at B = 8: each held a second call in
+every cycle of its long life, and the cell ran 18% below B = 8 alone). AR must beat speculation by
+AR_MARGIN: where they tie on throughput, speculation serves each request sooner (demo pair, 4
+clients: B = 8 and AR within a few percent, p50 latency 0.66 s against 0.79 s).
 On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12
 and AR; from 8 clients, AR.
 
@@ -53,7 +57,8 @@ from trtspec.runtime.schedule import BlockChoice
 
 BATCHES = (1, 2, 4, 8, 16)
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
-STAY_MARGIN = 0.04      # a size within this fraction of the best rate keeps the batch's current size
+STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the batch's current size
+AR_MARGIN = 0.05        # AR must beat speculation by this much: at equal throughput, speculation serves sooner
 MEASURED_MIN = 16        # cycles of one (size, batch) shape before the engine's own timing replaces the table
 WINDOW = 256             # the latest cycles of a shape that its measured cost is the median of
 PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (the policy chose speculation)
@@ -198,7 +203,7 @@ class LoadAwareChooser:
         expected = max(len(decoding) + joining, round(load.recent))  # and those about to come back
         batch = decoding + [sampled] * (expected - len(decoding))
         candidates = [choice.size, *sorted((b for b in self.costs.cycle_ms if 1 < b < choice.size), reverse=True), 1]
-        rates = {b: self.rate(b, batch) for b in candidates}
+        rates = {b: self.rate(b, batch) / (1 + AR_MARGIN if b == 1 else 1) for b in candidates}
         best = max(candidates, key=rates.get)  # ties: the earlier
         counts = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes)
         usual = max(counts, key=counts.get, default=0)  # the size most of the batch runs now (0: none)
