@@ -67,6 +67,7 @@ class Load:
     block_sizes: tuple[int, ...]  # current block size of each running request that is decoding
     sampled: tuple[bool, ...] = ()  # whether each of them samples (T > 0), in the same order
     recent: float = 0.0  # requests running, averaged over the last second or so (RECENT_S)
+    slots: int = 0  # requests that can run together (max_running; 0: unknown)
 
 
 class Request:
@@ -179,7 +180,8 @@ class Engine:
         with self._wake:
             decoding = [a for a in self._active if a.core is not None]
             return Load(len(self._queue), len(self._active), tuple(a.core.block_size(0) for a in decoding),
-                        tuple(not a.request.config.sampling.greedy for a in decoding), self._recent)
+                        tuple(not a.request.config.sampling.greedy for a in decoding), self._recent,
+                        self.config.max_running)
 
     def close(self, cancel: bool = True, timeout: float | None = 60.0) -> None:
         """Stop taking requests; cancel what is queued and running (or let it finish), then stop."""
@@ -292,9 +294,9 @@ class Engine:
         context = torch.cat(active.features) if active.features else None
         block_size, grow_to, chosen = config.block_size, config.grow_to, config.block_size == AUTO
         if chosen:
-            choice = self.policy.choose(context, tail)
-            if self.chooser is not None:
-                choice = self.chooser(choice, self.load(), not config.sampling.greedy)
+            ask_policy = lambda: self.policy.choose(context, tail)  # noqa: E731 - the chooser may not need it
+            choice = ask_policy() if self.chooser is None else \
+                self.chooser(ask_policy, self.load(), not config.sampling.greedy)
             block_size, grow_to = choice.size, choice.grow_to
             for size in choice.sizes:
                 check_built_size(self.runner, size)

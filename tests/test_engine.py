@@ -210,7 +210,7 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
         chooser.observe(twelve, _cycles(12, {3: 32}))  # tau 4 at B=12: 4 / 30 ms beats 1 / 10.5 ms alone
     assert chooser(twelve, Load(0, 1, ())) == twelve
     assert chooser(twelve, Load(0, 9, (1,) * 8)) == BlockChoice(1)  # joining eight AR requests is nearly free
-    assert chooser(twelve, Load(0, 9, (12,) * 8)) == BlockChoice(1)  # nine at AR beat nine at 12 by far: drift
+    assert chooser(twelve, Load(0, 17, (12,) * 16)) == BlockChoice(1)  # 17 at AR beat 17 at 12 by far: drift
     assert chooser(twelve, Load(0, 3, (12, 12))) == twelve
     assert chooser(BlockChoice(1), Load(0, 1, ())) == BlockChoice(1)
     # Sampled requests learn their own tau: accepting little at T > 0 sends them to AR, not greedy ones.
@@ -226,6 +226,28 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
         chooser.observe(twelve, _cycles(12, {0: 16, 1: 16}))  # it turns out to accept little: AR even alone
     assert chooser(twelve, Load(0, 1, ())) == BlockChoice(1)
     assert chooser.decisions == {"kept": 4, "ar": 4}
+
+
+def test_load_aware_blockpilot_asks_the_policy_only_when_speculation_has_a_chance():
+    """The policy's forward costs the engine thread a millisecond or two per request: where AR beats
+    every size the policy could choose, the chooser decides without it."""
+    from trtspec.blockpilot.load import CostTable, LoadAwareChooser
+    from trtspec.runtime.engine import Load
+    from trtspec.runtime.schedule import BlockChoice
+
+    batches = (1, 2, 4, 8, 16)
+    costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches],
+                                12: [25 + 5 * n for n in batches]})
+    chooser, asked = LoadAwareChooser(costs), []
+    chooser.observe(BlockChoice(12), _cycles(12, {2: 1000}))  # tau 3 at 12 and at 8
+
+    def policy() -> BlockChoice:
+        asked.append(True)
+        return BlockChoice(12)
+
+    assert chooser(policy, Load(0, 16, (1,) * 15)) == BlockChoice(1) and not asked  # 16 x 3 / 68 ms < 16 / 18 ms
+    assert chooser(policy, Load(0, 1, ())) == BlockChoice(8) and asked == [True]  # 3 / 23 ms > 3 / 30 ms, 1 / 10.5 ms
+    assert chooser.decisions == {"ar": 1, "smaller": 1}
 
 
 def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it():
@@ -250,13 +272,15 @@ def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it(
     # a batch of four: 4 x 6 / 32 ms at 8 > 4 x 8 / 44 ms at 12 > 4 / 12 ms at AR
     assert chooser(twelve, Load(0, 4, ())) == BlockChoice(8)  # four arrived together, none decodes yet
     assert chooser(twelve, Load(0, 4, (8, 8, 8))) == BlockChoice(8)
+    assert chooser(twelve, Load(3, 1, (), slots=4)) == BlockChoice(8)  # one admitted, three queued for free slots
+    assert chooser(twelve, Load(3, 1, (), slots=1)) == twelve  # ... but no slot is free: it runs alone
     # ... but 12 is within STAY_MARGIN (4%) of 8 there: with three at 12 already, joining them beats opening a
     # second call
     assert chooser(twelve, Load(0, 4, (12, 12, 12))) == twelve
     assert chooser(BlockChoice(8), Load(0, 1, ())) == BlockChoice(8)  # never a larger block than the policy's
     # alone for an instant, but four ran lately (clients about to come back): judged as a batch of four
     assert chooser(twelve, Load(0, 1, (), recent=3.8)) == BlockChoice(8)
-    assert chooser.decisions == {"kept": 3, "smaller": 3}
+    assert chooser.decisions == {"kept": 4, "smaller": 4}
 
 
 def test_load_aware_blockpilot_explores_before_it_judges():

@@ -9,7 +9,7 @@ also choose, and AR commits the most tokens per second for a batch of the size i
 
     rate(s) = sum over the batch's requests of tau_i(s)  /  cost(s, n)
 
-with n the requests running (this one, those decoding and those still prefilling) and cost(s, n)
+with n the size of the batch the request joins (below) and cost(s, n)
 the time of one cycle at s for n requests: what the engine measured for its own cycles of that
 shape lately (draft + verify + the rows' host work, median of the last WINDOW), else the cost table
 timed when the engine started (bare draft(s) + verify(s) calls at a fixed context) scaled by how far
@@ -26,7 +26,11 @@ the batch into two groups, and two calls per cycle cost more than either option 
 at 4 clients a margin of 4% let a few AR requests into a batch at B = 8: each held a second call in
 every cycle of its long life, and the cell ran 18% below B = 8 alone). AR must beat speculation by
 AR_MARGIN: where they tie on throughput, speculation serves each request sooner (demo pair, 4
-clients: B = 8 and AR within a few percent, p50 latency 0.66 s against 0.79 s).
+clients: B = 8 ahead of AR by 3-11%, p50 latency 0.66 s against 0.79 s), and a request sent to AR
+by a misjudged tie holds its own call in the batch's cycles for three times as many cycles as one
+sent to B = 8 (traced at the start of a 4-client burst: one such request cost the burst 14%).
+The batch a request joins counts the requests decoding, those still prefilling, those queued for
+the free slots, and the running count averaged over about a second (clients about to come back).
 On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12
 and AR; from 8 clients, AR.
 
@@ -41,6 +45,8 @@ Until requests at the policy's choice (or a larger size) have shown PRIOR_CYCLES
 the choice is kept as it is: an engine that turned to AR on a guess would never see what
 speculation accepts (AR requests show no acceptance), so it explores first.
 The choice is still made once per request, at admission, as in the research.
+Where AR beats every size the policy could choose, the policy is not asked (its forward costs the
+engine thread 1-2 ms per request; at 16 clients on the demo pair that was 2% of the throughput).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -58,7 +65,7 @@ from trtspec.runtime.schedule import BlockChoice
 BATCHES = (1, 2, 4, 8, 16)
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
 STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the batch's current size
-AR_MARGIN = 0.05        # AR must beat speculation by this much: at equal throughput, speculation serves sooner
+AR_MARGIN = 0.1         # AR must beat speculation by this much: at equal throughput, speculation serves sooner
 MEASURED_MIN = 16        # cycles of one (size, batch) shape before the engine's own timing replaces the table
 WINDOW = 256             # the latest cycles of a shape that its measured cost is the median of
 PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (the policy chose speculation)
@@ -120,7 +127,9 @@ class LoadAwareChooser:
     costs: CostTable  # timed at start-up
     _seen: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict)  # acceptance histograms
     _cycles: dict[tuple[int, int], deque] = field(default_factory=dict)  # (size, batch) -> the engine's cycle ms
-    _medians: dict[tuple[int, int], float] | None = None  # of _cycles, until the next cycle comes in
+    _medians: dict[tuple[int, int], float] = field(default_factory=dict)  # of the shapes with MEASURED_MIN cycles
+    _scale: float = 1.0  # measured / table, median over those shapes
+    _changed: set = field(default_factory=set)  # shapes with cycles the medians have not seen yet
     _lock: threading.Lock = field(default_factory=threading.Lock)
     decisions: dict[str, int] = field(default_factory=dict)  # "kept" / "smaller" / "ar" counts, for reports
 
@@ -165,26 +174,33 @@ class LoadAwareChooser:
         """The engine ran one cycle of `batch` requests at `size` (1: AR) in `ms` milliseconds."""
         with self._lock:
             self._cycles.setdefault((size, batch), deque(maxlen=WINDOW)).append(ms)
-            self._medians = None
+            self._changed.add((size, batch))
 
     def measured(self) -> dict[tuple[int, int], float]:
         """(size, batch) -> median ms of the engine's latest cycles, for shapes with enough of them."""
         with self._lock:
-            if self._medians is None:
-                self._medians = {cell: float(np.median(times)) for cell, times in self._cycles.items()
-                                 if len(times) >= MEASURED_MIN}
-            return self._medians
+            self._update_medians()
+            return dict(self._medians)
+
+    def _update_medians(self) -> None:
+        """Medians of the shapes with new cycles, when a cost is asked for (at admissions), not at
+        every cycle: the engine thread pays for it. Under the lock."""
+        fresh = [cell for cell in self._changed if len(self._cycles[cell]) >= MEASURED_MIN]
+        for cell in fresh:
+            self._medians[cell] = float(np.median(self._cycles[cell]))
+        if fresh:
+            self._scale = float(np.median([ms / self.costs.cost(*cell) for cell, ms in self._medians.items()
+                                           if cell[0] in self.costs.cycle_ms]))
+        self._changed.clear()
 
     def cost(self, size: int, batch: int) -> float:
         """ms of a cycle at `size` for `batch` requests: measured by the engine if it ran that shape
         lately, else the start-up table scaled to what the engine measures (median ratio over the
         measured shapes: the table times bare calls at a fixed context, the engine real cycles)."""
-        measured = self.measured()
-        if (size, batch) in measured:
-            return measured[size, batch]
-        scale = np.median([ms / self.costs.cost(*cell) for cell, ms in measured.items()
-                           if cell[0] in self.costs.cycle_ms]) if measured else 1.0
-        return float(scale) * self.costs.cost(size, batch)
+        with self._lock:
+            self._update_medians()
+            measured, scale = self._medians.get((size, batch)), self._scale
+        return measured if measured is not None else scale * self.costs.cost(size, batch)
 
     def rate(self, size: int, regimes: list[bool]) -> float:
         """Tokens per millisecond of a batch of these requests (sampled or not) all at `size`."""
@@ -192,25 +208,39 @@ class LoadAwareChooser:
         committed = (len(regimes) - sampled) * self.tau(size) + sampled * self.tau(size, sampled=True)
         return committed / self.cost(size, len(regimes))
 
-    def __call__(self, choice: BlockChoice, load, sampled: bool = False) -> BlockChoice:
+    def __call__(self, choice: BlockChoice | Callable[[], BlockChoice], load, sampled: bool = False) -> BlockChoice:
+        """The size to run for a request the policy gave `choice` (or a function that gives it: it is
+        only asked when AR does not beat every size the policy could choose, since the policy's
+        forward costs the engine thread 1-2 ms per request)."""
+        if callable(choice):
+            widest = max(self.costs.cycle_ms)  # the policy's largest size: every candidate is judged
+            if widest > 1 and self._best(widest, load, sampled) == 1:  # then AR beats any choice too
+                self._count("ar")
+                return BlockChoice(1)
+            choice = choice()
         if choice.size <= 1 or choice.size not in self.costs.cycle_ms:
             return choice
-        if self._evidence(choice.size, sampled)[1] < PRIOR_CYCLES:  # explore: nothing to judge by yet
-            self._count("kept")
-            return choice
+        best = self._best(choice.size, load, sampled)
+        self._count("kept" if best == choice.size else "ar" if best == 1 else "smaller")
+        return choice if best == choice.size else BlockChoice(best)
+
+    def _best(self, size: int, load, sampled: bool) -> int:
+        """Of `size`, the smaller sizes and AR, the one that pays for the batch this request joins."""
+        if self._evidence(size, sampled)[1] < PRIOR_CYCLES:  # explore: nothing to judge by yet
+            return size
         decoding = list(load.sampled or (False,) * len(load.block_sizes))
         joining = max(1, load.running - len(load.block_sizes))  # this one and those still prefilling
-        expected = max(len(decoding) + joining, round(load.recent))  # and those about to come back
+        waiting = min(load.queued, max(0, load.slots - load.running)) if load.slots else load.queued
+        expected = max(len(decoding) + joining + waiting, round(load.recent))  # and those about to come (back)
         batch = decoding + [sampled] * (expected - len(decoding))
-        candidates = [choice.size, *sorted((b for b in self.costs.cycle_ms if 1 < b < choice.size), reverse=True), 1]
+        candidates = [size, *sorted((b for b in self.costs.cycle_ms if 1 < b < size), reverse=True), 1]
         rates = {b: self.rate(b, batch) / (1 + AR_MARGIN if b == 1 else 1) for b in candidates}
         best = max(candidates, key=rates.get)  # ties: the earlier
         counts = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes)
         usual = max(counts, key=counts.get, default=0)  # the size most of the batch runs now (0: none)
         if usual in rates and rates[usual] >= (1 - STAY_MARGIN) * rates[best]:
             best = usual  # near a tie, join what most of the batch runs: two groups cost two calls
-        self._count("kept" if best == choice.size else "ar" if best == 1 else "smaller")
-        return choice if best == choice.size else BlockChoice(best)
+        return best
 
     def _count(self, verdict: str) -> None:
         with self._lock:
