@@ -303,7 +303,7 @@ def test_load_aware_blockpilot_explores_before_it_judges():
 
 def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():
     """The start-up table times bare calls at a fixed context; the engine's own cycles (host work
-    included) replace it for the shapes the engine ran, and scale it for the others."""
+    included) replace it for the shapes the engine ran, and are fitted to it for the others."""
     from trtspec.blockpilot.load import MEASURED_MIN, WINDOW, CostTable, LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
@@ -316,15 +316,41 @@ def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():
     assert chooser.cost(8, 4) == 60.0  # too few cycles of that shape yet
     chooser.observe_cycle(8, 4, 48.0)
     assert chooser.cost(8, 4) == 48.0
-    assert chooser.cost(8, 2) == pytest.approx(30.0 * 0.8)  # the table, scaled by measured / table
+    assert chooser.cost(8, 2) == pytest.approx(30.0 * 0.8)  # one shape: the table scaled by measured / table
     assert chooser.cost(1, 4) == pytest.approx(12.0 * 0.8)
     assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # 16 / 48 ms < 4 / 9.6 ms
     for _ in range(MEASURED_MIN):  # AR's cycles carry more host work per token than the table shows
         chooser.observe_cycle(1, 4, 12.5)
     assert chooser(eight, Load(0, 4, ())) == eight  # 16 / 48 ms > 4 / 12.5 ms
+    # two shapes: a line through them, 12 -> 12.5 ms and 60 -> 48 ms, finds the host work every cycle carries
+    assert chooser.cost(8, 2) == pytest.approx(12.5 + (30 - 12) * 35.5 / 48)
     for _ in range(WINDOW):  # the host slowed down: only the latest cycles count
         chooser.observe_cycle(8, 4, 64.0)
     assert chooser.cost(8, 4) == 64.0 and chooser(eight, Load(0, 4, ())) == BlockChoice(1)
+
+
+def test_load_aware_blockpilot_adds_the_host_work_the_table_lacks():
+    """The table times bare calls; every real cycle adds the engine's host work. Fitted as a ratio,
+    that work would be spread over the table's costs and AR, the cheapest call, would look cheaper
+    than it runs (the demo pair at 4 clients: the figures below; AR put at 8.2 ms a cycle, where the
+    engine then measured 12.1 ms). A line through the measured shapes keeps it per cycle."""
+    from trtspec.blockpilot.load import MEASURED_MIN, CostTable, LoadAwareChooser, fit_host_work
+    from trtspec.runtime.engine import Load
+    from trtspec.runtime.schedule import BlockChoice
+
+    table = CostTable((1, 2, 4), {1: [8.2, 9.1, 10.3], 8: [16.1, 22.7, 34.4]})  # timed at start-up, 4 clients
+    chooser, eight = LoadAwareChooser(table), BlockChoice(8)
+    chooser.observe(eight, _cycles(8, {1: 30_000, 2: 70_000}))  # tau 2.7
+    for batch, ms in ((1, 14.6), (2, 19.5), (4, 27.1)):
+        for _ in range(MEASURED_MIN):
+            chooser.observe_cycle(8, batch, ms)
+    slope, host = fit_host_work(np.array([16.1, 22.7, 34.4]), np.array([14.6, 19.5, 27.1]))
+    assert 0.6 < slope < 0.75 and 3 < host < 4.5
+    assert chooser.cost(1, 4) == pytest.approx(slope * 10.3 + host)  # ~10.7 ms, not 10.3 x 0.86 = 8.9 (the ratio)
+    assert chooser(eight, Load(0, 4, ())) == eight  # 4 x 2.7 / 27.1 ms > 4 / 10.7 ms (+ AR_MARGIN); not 4 / 8.9
+    too_alike = fit_host_work(np.array([20.0, 21.0]), np.array([10.0, 12.0]))
+    assert too_alike == (pytest.approx((10 / 20 + 12 / 21) / 2), 0.0)  # the median ratio
+    assert fit_host_work(np.array([10.0, 40.0]), np.array([5.0, 30.0]))[1] == 0.0  # no host work: the ratio
 
 
 def test_the_engine_learns_acceptance_from_every_speculative_request():

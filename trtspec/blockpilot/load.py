@@ -12,10 +12,15 @@ also choose, and AR commits the most tokens per second for a batch of the size i
 with n the size of the batch the request joins (below) and cost(s, n)
 the time of one cycle at s for n requests: what the engine measured for its own cycles of that
 shape lately (draft + verify + the rows' host work, median of the last WINDOW), else the cost table
-timed when the engine started (bare draft(s) + verify(s) calls at a fixed context) scaled by how far
-that table is from what the engine measures. The start-up table alone misjudged the demo pair at
-4 clients: its B = 8 / AR ratio moved ~10% between engine starts, and the decision turns on ~7%;
-the engine's own cycles give medians over hundreds of cycles of the real traffic. The batch
+timed when the engine started (bare draft(s) + verify(s) calls at a fixed context) fitted to what
+the engine measures: measured = slope x table + host, a line through the measured shapes (every
+real cycle carries the engine's host work, which the table's bare calls lack; a plain ratio
+spread it over the table's costs and so made AR, the cheapest call, look cheaper still: on the
+demo pair at 4 clients it put AR at 8.2 ms a cycle and sent the first requests there, where the
+engine then measured 12.1 ms; the line through the B = 8, 12 and 16 shapes gives 10.9). The
+start-up table alone misjudged the demo pair at 4 clients: its B = 8 / AR ratio moved ~10% between
+engine starts, and the decision turns on ~7%; the engine's own cycles give medians over hundreds of
+cycles of the real traffic. The batch
 is judged as if every request in it ran at s, not at the sizes the others happen to run now:
 every admission applies the same rule, so the batch drifts to what pays at its size. (Judging
 only this request's effect, with the others fixed, locks a batch into whatever its first
@@ -119,6 +124,17 @@ def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...]
     return CostTable(batches, {size: [float(np.median(times[size, b])) for b in batches] for size in sizes})
 
 
+def fit_host_work(table: np.ndarray, measured: np.ndarray) -> tuple[float, float]:
+    """(slope, host ms) with measured ~ slope x table + host over the shapes the engine ran: the
+    table times bare calls, real cycles add the engine's host work per cycle. Where the shapes
+    are too alike to fit a line, or the line finds no host work, the median ratio (host 0)."""
+    if len(table) >= 2 and table.max() >= 1.5 * table.min():
+        slope, host = np.polyfit(table, measured, 1)
+        if slope > 0 and host >= 0:
+            return float(slope), float(host)
+    return (float(np.median(measured / table)), 0.0) if len(table) else (1.0, 0.0)
+
+
 @dataclass
 class LoadAwareChooser:
     """(the policy's choice, the engine's load, sampled?) -> the choice to run; learns tau per block
@@ -128,7 +144,7 @@ class LoadAwareChooser:
     _seen: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict)  # acceptance histograms
     _cycles: dict[tuple[int, int], deque] = field(default_factory=dict)  # (size, batch) -> the engine's cycle ms
     _medians: dict[tuple[int, int], float] = field(default_factory=dict)  # of the shapes with MEASURED_MIN cycles
-    _scale: float = 1.0  # measured / table, median over those shapes
+    _fit: tuple[float, float] = (1.0, 0.0)  # (slope, host ms): table -> measured, over those shapes
     _changed: set = field(default_factory=set)  # shapes with cycles the medians have not seen yet
     _lock: threading.Lock = field(default_factory=threading.Lock)
     decisions: dict[str, int] = field(default_factory=dict)  # "kept" / "smaller" / "ar" counts, for reports
@@ -189,18 +205,18 @@ class LoadAwareChooser:
         for cell in fresh:
             self._medians[cell] = float(np.median(self._cycles[cell]))
         if fresh:
-            self._scale = float(np.median([ms / self.costs.cost(*cell) for cell, ms in self._medians.items()
-                                           if cell[0] in self.costs.cycle_ms]))
+            cells = [cell for cell in self._medians if cell[0] in self.costs.cycle_ms]
+            self._fit = fit_host_work(np.array([self.costs.cost(*cell) for cell in cells]),
+                                      np.array([self._medians[cell] for cell in cells]))
         self._changed.clear()
 
     def cost(self, size: int, batch: int) -> float:
         """ms of a cycle at `size` for `batch` requests: measured by the engine if it ran that shape
-        lately, else the start-up table scaled to what the engine measures (median ratio over the
-        measured shapes: the table times bare calls at a fixed context, the engine real cycles)."""
+        lately, else the start-up table fitted to what the engine measures (`fit_host_work`)."""
         with self._lock:
             self._update_medians()
-            measured, scale = self._medians.get((size, batch)), self._scale
-        return measured if measured is not None else scale * self.costs.cost(size, batch)
+            measured, (slope, host) = self._medians.get((size, batch)), self._fit
+        return measured if measured is not None else slope * self.costs.cost(size, batch) + host
 
     def rate(self, size: int, regimes: list[bool]) -> float:
         """Tokens per millisecond of a batch of these requests (sampled or not) all at `size`."""
