@@ -17,6 +17,7 @@ each cycle's newly committed token ids on the engine thread; `Request.result()` 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -294,7 +295,7 @@ class Engine:
         context = torch.cat(active.features) if active.features else None
         block_size, grow_to, chosen = config.block_size, config.grow_to, config.block_size == AUTO
         if chosen:
-            ask_policy = lambda: self.policy.choose(context, tail)  # noqa: E731 - the chooser may not need it
+            ask_policy = functools.partial(self.policy.choose, context, tail)  # the chooser may not need it
             choice = ask_policy() if self.chooser is None else \
                 self.chooser(ask_policy, self.load(), not config.sampling.greedy)
             block_size, grow_to = choice.size, choice.grow_to

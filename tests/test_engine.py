@@ -274,8 +274,8 @@ def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it(
     assert chooser(twelve, Load(0, 4, (8, 8, 8))) == BlockChoice(8)
     assert chooser(twelve, Load(3, 1, (), slots=4)) == BlockChoice(8)  # one admitted, three queued for free slots
     assert chooser(twelve, Load(3, 1, (), slots=1)) == twelve  # ... but no slot is free: it runs alone
-    # ... but 12 is within STAY_MARGIN (4%) of 8 there: with three at 12 already, joining them beats opening a
-    # second call
+    # ... but 12 is within STAY_MARGIN (10%) of 8 there (3% below): with three at 12 already, joining them beats
+    # opening a second call
     assert chooser(twelve, Load(0, 4, (12, 12, 12))) == twelve
     assert chooser(BlockChoice(8), Load(0, 1, ())) == BlockChoice(8)  # never a larger block than the policy's
     # alone for an instant, but four ran lately (clients about to come back): judged as a batch of four
