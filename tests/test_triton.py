@@ -103,6 +103,14 @@ def server(long_engine_dir, tmp_path_factory):
         assert not _alive(process.pid), "triton-serve left processes behind"
 
 
+@pytest.fixture
+def client(server):
+    """An HTTP client of the server, closed after the test: an open connection would hold the
+    server's shutdown at the end of the module for its 30 s exit timeout."""
+    with http.InferenceServerClient(server["http"]) as client:
+        yield client
+
+
 def _inputs(module, prompt, **scalars):
     text = module.InferInput("text_input", [1], "BYTES")
     text.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
@@ -121,28 +129,28 @@ def _ask(client, prompt=PROMPT, **scalars):
     return result.as_numpy("text_output")[0].decode(), json.loads(result.as_numpy("stats")[0])
 
 
-def test_http_greedy_output_equals_trtspec_run(server, tmp_path):
+def test_http_greedy_output_equals_trtspec_run(server, client, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPT)
     local = trtspec("run", prompt, "--engine", server["engine"], "--block-size", 8, "--max-new-tokens", MAX_TOKENS,
                     "--json")
     assert local.returncode == 0, local.stderr.decode()
-    text, stats = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(8))
+    text, stats = _ask(client, block_size=np.int32(8))
     assert text == json.loads(local.stdout)["text"]
     assert stats["block_size"] == 8 and stats["tau"] >= 1 and len(stats["histogram"]) == 8
     assert {"ceiling_fraction", "decode_tokens_per_s", "block_size_auto"} <= set(stats)
-    grown_text, grown = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(4), grow_to=np.int32(8))
+    grown_text, grown = _ask(client, block_size=np.int32(4), grow_to=np.int32(8))
     assert grown_text == text and grown["block_size"] == 4 and grown["grow_to"] == 8 and len(grown["histogram"]) == 8
     # the smallest positive FP32 temperature samples without overflowing the softmax: it is greedy decoding
-    tiny, _ = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(8),
+    tiny, _ = _ask(client, block_size=np.int32(8),
                    temperature=np.float32(1e-45), seed=np.int64(2**63 - 1))
     assert tiny == text
 
 
-def test_grpc_streaming_delivers_the_same_text_in_pieces(server):
+def test_grpc_streaming_delivers_the_same_text_in_pieces(server, client):
     """Four streams at once: each delivers the text of the plain model in pieces, as the cycles
     it shares with the others commit."""
-    expected, _ = _ask(http.InferenceServerClient(server["http"]), block_size=np.int32(8), max_tokens=np.int32(64))
+    expected, _ = _ask(client, block_size=np.int32(8), max_tokens=np.int32(64))
     clients = [grpc.InferenceServerClient(server["grpc"]) for _ in range(4)]
     streams = [queue.Queue() for _ in clients]
     for client, results in zip(clients, streams):
@@ -163,8 +171,9 @@ def test_grpc_streaming_delivers_the_same_text_in_pieces(server):
             assert stats["new_tokens"] >= 1
             shared.append(stats["batch_mean"])
     finally:
-        for client in clients:
-            client.stop_stream()
+        for stream_client in clients:
+            stream_client.stop_stream()
+            stream_client.close()
     assert max(shared) > 1.0, f"the streams shared no cycle: batch_mean {shared}"
 
 
@@ -180,33 +189,32 @@ def _greedy(client, case):
     return _ask(client, prompt, max_tokens=np.int32(limit), **schedule)
 
 
-def test_sixteen_concurrent_clients_share_batched_cycles(server):
+def test_sixteen_concurrent_clients_share_batched_cycles(server, client):
     """16 clients at once on one model instance: greedy requests with AR, fixed and growing
     blocks, sampled ones, and bad ones. The greedy texts equal the same requests served alone, the
     statistics show that requests shared their cycles, and each bad request gets its own error."""
-    client = http.InferenceServerClient(server["http"])
     sequential = [_greedy(client, case) for case in GREEDY]  # each alone: it shares no cycle
     assert all(stats["batch_mean"] == 1.0 for _, stats in sequential), sequential
     outcomes, refused, failures = [], [], []
     start = threading.Barrier(16)
 
     def worker(number: int) -> None:
-        own = http.InferenceServerClient(server["http"])  # one client per thread (the HTTP client is gevent-based)
-        start.wait(timeout=60)
-        for request in range(4):
-            try:
-                if request == 1:  # sampled
-                    outcomes.append((None, *_ask(own, PROMPTS[number % 4], max_tokens=np.int32(48),
-                                                 temperature=np.float32(1.0), seed=np.int64(number))))
-                elif request == 2 and number % 4 == 0:  # bad: a block size the engine lacks
-                    with pytest.raises(InferenceServerException, match="block size 16 is not among them") as bad:
-                        _ask(own, block_size=np.int32(16))
-                    refused.append(bad.value.status())
-                else:
-                    case = (number + 5 * request) % len(GREEDY)
-                    outcomes.append((case, *_greedy(own, GREEDY[case])))
-            except BaseException as exc:  # noqa: BLE001 - every failure is reported below
-                failures.append(repr(exc))
+        with http.InferenceServerClient(server["http"]) as own:  # one per thread: the HTTP client is gevent-based
+            start.wait(timeout=60)
+            for request in range(4):
+                try:
+                    if request == 1:  # sampled
+                        outcomes.append((None, *_ask(own, PROMPTS[number % 4], max_tokens=np.int32(48),
+                                                     temperature=np.float32(1.0), seed=np.int64(number))))
+                    elif request == 2 and number % 4 == 0:  # bad: a block size the engine lacks
+                        with pytest.raises(InferenceServerException, match="block size 16 is not among them") as bad:
+                            _ask(own, block_size=np.int32(16))
+                        refused.append(bad.value.status())
+                    else:
+                        case = (number + 5 * request) % len(GREEDY)
+                        outcomes.append((case, *_greedy(own, GREEDY[case])))
+                except BaseException as exc:  # noqa: BLE001 - every failure is reported below
+                    failures.append(repr(exc))
 
     began = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(16)]
@@ -227,13 +235,12 @@ def test_sixteen_concurrent_clients_share_batched_cycles(server):
           f"batch_mean median {shared[len(shared) // 2]:.1f}, max {shared[-1]:.1f}")
 
 
-def test_triton_metrics_export_the_serving_metrics(server):
+def test_triton_metrics_export_the_serving_metrics(server, client):
     """trtspec's serving metrics (trtspec.serving.metrics, as `trtspec serve` exports them) appear
     in Triton's own /metrics, per model and instance."""
     import urllib.request
 
     pytest.importorskip("trtspec.serving.metrics", reason="the serving metrics need prometheus_client")
-    client = http.InferenceServerClient(server["http"])
     for _ in range(2):
         _ask(client, block_size=np.int32(4))
     time.sleep(1.0)  # the load gauges refresh every LOAD_POLL_S
@@ -268,8 +275,7 @@ def test_triton_metrics_export_the_serving_metrics(server):
     ("negative block size", r"must be an integer in \[2, 64\], got -3"),
     ("grow_to below block_size", "a block grows from B >= 2 to a larger size"),
 ])
-def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, case, message):
-    client = http.InferenceServerClient(server["http"])
+def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, client, case, message):
     if case == "missing text_input":
         tensors = [http.InferInput("max_tokens", [1], "INT32")]
         tensors[0].set_data_from_numpy(np.array([4], dtype=np.int32))
