@@ -173,5 +173,12 @@ def test_bench_concurrency_through_the_cli(target_dir, drafter_dir, prompts_file
         assert row["throughput_tokens_per_s"] > 0 and row["latency_p99_s"] >= row["latency_p50_s"] > 0
         assert row["speedup_vs_ar"] == pytest.approx(row["throughput_tokens_per_s"] / rows[0 if row["concurrency"] == 1 else 3]["throughput_tokens_per_s"])
     assert max(r["batch_mean"] for r in rows if r["concurrency"] == 3) > 1.0
+    for clients in (1, 3):  # each row against the fastest row at its concurrency
+        cell = [r for r in rows if r["concurrency"] == clients]
+        best = max(cell, key=lambda r: r["throughput_tokens_per_s"])
+        assert {r["best_fixed"] for r in cell} == {best["block_size"]}
+        assert best["vs_best"] == best["vs_best_paired"] == 1
+        assert all(r["vs_best"] == pytest.approx(r["throughput_tokens_per_s"] / best["throughput_tokens_per_s"])
+                   for r in cell)
     bad = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--concurrency", "0,4")
     assert_one_line_error(bad, "--concurrency takes client counts")

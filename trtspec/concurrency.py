@@ -5,7 +5,9 @@ sends the next prompt of the set as soon as its previous request finished, until
 ran once. That is done for AR (through the same backend: the pipeline without its drafter), each
 requested block size and `auto` (BlockPilot, load-aware), `repeats` times, each repeat in an order
 rotated by one (the host's state drifts over a run; no row should always run first or last), and the
-medians are reported. Greedy requests are also compared with the same request decoded alone.
+medians are reported, each row also against the fastest of AR and the fixed sizes (`vs_best`, and
+`vs_best_paired`: the median of the per-repeat ratios). Greedy requests are also compared with the
+same request decoded alone.
 """
 
 from __future__ import annotations
@@ -45,13 +47,20 @@ class LoadRun:
     def throughput(self) -> float:
         return statistics.median(self.throughput_repeats)
 
-    def to_dict(self, ar: "LoadRun") -> dict:
+    def to_dict(self, ar: "LoadRun", best: "LoadRun") -> dict:
         stats = [g.stats for run in self.generations for g in run]
         return {
             "concurrency": self.concurrency,
             "block_size": self.choice.name,
             "throughput_tokens_per_s": self.throughput,
             "speedup_vs_ar": self.throughput / ar.throughput,
+            # against the fastest of AR and the fixed sizes at this concurrency: the ratio of the medians,
+            # and the median of each repeat's ratio (a repeat's rows run back to back: a host whose speed
+            # drifts over the run slows both sides of it alike)
+            "best_fixed": best.choice.name,
+            "vs_best": self.throughput / best.throughput,
+            "vs_best_paired": statistics.median(a / b for a, b in zip(self.throughput_repeats,
+                                                                      best.throughput_repeats)),
             "latency_p50_s": float(np.percentile(self.latencies, 50)),
             "latency_p99_s": float(np.percentile(self.latencies, 99)),
             "ttft_p50_s": float(np.percentile(self.ttfts, 50)),
@@ -121,12 +130,13 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
             for engine in engines.values():
                 engine.close()
         chooser = engines[False].chooser
+        best = max((run for run in runs if run.choice.size != AUTO), key=lambda run: run.throughput)
         for run in runs:
             if serial is not None:
                 outputs = [g.tokens for repeat in run.generations for g in repeat]
                 run.compared = len(outputs)
                 run.identical = sum(a == b for a, b in zip(outputs, serial * repeats))
-            rows.append(run.to_dict(runs[0]))
+            rows.append(run.to_dict(runs[0], best))
             if run.choice.size == AUTO and chooser is not None:  # what load-aware BlockPilot judged by
                 rows[-1]["cycle_costs_ms"] = chooser.costs.to_dict()  # timed at start-up
                 measured = {}  # and what the engine's own cycles took: size -> batch -> median ms
@@ -144,12 +154,12 @@ def _config(choice: BlockChoice, max_new_tokens: int, sampling: SamplingConfig) 
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'clients':>7}  {'B':>6}  {'tok/s':>8}  {'vs AR':>6}  {'p50 s':>6}  {'p99 s':>6}  {'TTFT p50':>8}  "
-             f"{'tau':>5}  {'ceiling':>7}  {'batch':>5}  identical"]
+    lines = [f"{'clients':>7}  {'B':>6}  {'tok/s':>8}  {'vs AR':>6}  {'vs best':>7}  {'p50 s':>6}  {'p99 s':>6}  "
+             f"{'TTFT p50':>8}  {'tau':>5}  {'ceiling':>7}  {'batch':>5}  identical"]
     for r in rows:
         identical = "-" if r["identical_to_serial"] is None else f"{r['identical_to_serial']}/{r['greedy_requests']}"
         lines.append(f"{r['concurrency']:>7}  {r['block_size']:>6}  {r['throughput_tokens_per_s']:>8.1f}  "
-                     f"{r['speedup_vs_ar']:>5.2f}x  {r['latency_p50_s']:>6.2f}  {r['latency_p99_s']:>6.2f}  "
-                     f"{r['ttft_p50_s']:>8.3f}  {r['tau']:>5.2f}  {r['ceiling_fraction']:>7.1%}  "
-                     f"{r['batch_mean']:>5.1f}  {identical}")
+                     f"{r['speedup_vs_ar']:>5.2f}x  {r['vs_best']:>6.2f}x  {r['latency_p50_s']:>6.2f}  "
+                     f"{r['latency_p99_s']:>6.2f}  {r['ttft_p50_s']:>8.3f}  {r['tau']:>5.2f}  "
+                     f"{r['ceiling_fraction']:>7.1%}  {r['batch_mean']:>5.1f}  {identical}")
     return "\n".join(lines)
