@@ -322,9 +322,8 @@ def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():
     for _ in range(MEASURED_MIN):  # AR's cycles carry more host work per token than the table shows
         chooser.observe_cycle(1, 4, 12.5)
     assert chooser(eight, Load(0, 4, ())) == eight  # 16 / 48 ms > 4 / 12.5 ms
-    # AR's shapes and the speculative ones are fitted apart: one line through 12 -> 12.5 ms and 60 -> 48 ms
-    # would price B = 8 at batch 2 at 25.8 ms and AR at batch 2 at 11.8 ms, neither as its own shapes ran
-    assert chooser.cost(8, 2) == pytest.approx(30.0 * 0.8) and chooser.cost(1, 2) == pytest.approx(11.0 * 12.5 / 12)
+    # two shapes: a line through them, 12 -> 12.5 ms and 60 -> 48 ms, finds the host work every cycle carries
+    assert chooser.cost(8, 2) == pytest.approx(12.5 + (30 - 12) * 35.5 / 48)
     for _ in range(WINDOW):  # the host slowed down: only the latest cycles count
         chooser.observe_cycle(8, 4, 64.0)
     assert chooser.cost(8, 4) == 64.0 and chooser(eight, Load(0, 4, ())) == BlockChoice(1)

@@ -9,37 +9,35 @@ also choose, and AR commits the most tokens per second for a batch of the size i
 
     rate(s) = sum over the batch's requests of tau_i(s)  /  cost(s, n)
 
-with n the size of the batch the request joins (below) and cost(s, n) the time of one cycle at s
-for n requests: what the engine measured for its own cycles of that shape lately (draft + verify +
-the rows' host work, median of the last WINDOW), else the cost table timed when the engine started
-(bare draft(s) + verify(s) calls at a fixed context, the drafts reading DRAFT_ROWS context rows as
-real ones read about tau) fitted to what the engine measures: measured = slope x table + host, a
-line through the measured shapes (every real cycle carries the engine's host work, which the
-table's bare calls lack; a plain ratio spread it over the table's costs and so made AR, the
-cheapest call, look cheaper still: on the demo pair at 4 clients it put AR at 8.2 ms a cycle and
-sent the first requests there, where the engine then measured 12.1 ms; the line through the B = 8,
-12 and 16 shapes gives 10.9). AR's shapes and the speculative ones are fitted apart once the
-engine ran both (AR's real cycles ran ~15% above their bare calls there, the speculative ones ~13%
-below: one line through both priced neither well); until then AR's are priced by the speculative
-fit. The start-up table alone misjudged the demo pair at 4 clients: its B = 8 / AR ratio moved
-~10% between engine starts, and the decision turns on ~7%; the engine's own cycles give medians
-over hundreds of cycles of the real traffic. The batch is judged as if every request in it ran at
-s, not at the sizes the others happen to run now: every admission applies the same rule, so the
-batch drifts to what pays at its size. (Judging only this request's effect, with the others fixed,
-locks a batch into whatever its first requests chose: joining a running group at 8 costs less than
-opening an AR call, though all-AR is faster; on the demo pair at 8 and 16 clients that ran 10-15%
-below AR.) Near a tie (within STAY_MARGIN) it joins the size most of the batch runs: flipping
-between two close options splits the batch into two groups, and two calls per cycle cost more than
-either option (on the demo pair at 4 clients a margin of 4% let a few AR requests into a batch at
-B = 8: each held a second call in every cycle of its long life, and the cell ran 18% below B = 8
-alone). AR must beat speculation by AR_MARGIN: where they tie on throughput, speculation serves
-each request sooner (demo pair, 4 clients: B = 8 ahead of AR by 3-11%, p50 latency 0.66 s against
-0.79 s), and a request sent to AR by a misjudged tie holds its own call in the batch's cycles for
-three times as many cycles as one sent to B = 8 (traced at the start of a 4-client burst: one such
-request cost the burst 14%). The batch a request joins counts the requests decoding, those still
-prefilling, those queued for the free slots, and the running count averaged over about a second
-(clients about to come back). On the demo pair on 2 CPU threads: alone, the policy's choice; at 4
-clients, B = 8 beats both 12 and AR; from 8 clients, AR.
+with n the size of the batch the request joins (below) and cost(s, n)
+the time of one cycle at s for n requests: what the engine measured for its own cycles of that
+shape lately (draft + verify + the rows' host work, median of the last WINDOW), else the cost table
+timed when the engine started (bare draft(s) + verify(s) calls at a fixed context) fitted to what
+the engine measures: measured = slope x table + host, a line through the measured shapes (every
+real cycle carries the engine's host work, which the table's bare calls lack; a plain ratio
+spread it over the table's costs and so made AR, the cheapest call, look cheaper still: on the
+demo pair at 4 clients it put AR at 8.2 ms a cycle and sent the first requests there, where the
+engine then measured 12.1 ms; the line through the B = 8, 12 and 16 shapes gives 10.9). The
+start-up table alone misjudged the demo pair at 4 clients: its B = 8 / AR ratio moved ~10% between
+engine starts, and the decision turns on ~7%; the engine's own cycles give medians over hundreds of
+cycles of the real traffic. The batch
+is judged as if every request in it ran at s, not at the sizes the others happen to run now:
+every admission applies the same rule, so the batch drifts to what pays at its size. (Judging
+only this request's effect, with the others fixed, locks a batch into whatever its first
+requests chose: joining a running group at 8 costs less than opening an AR call, though all-AR
+is faster; on the demo pair at 8 and 16 clients that ran 10-15% below AR.) Near a tie (within
+STAY_MARGIN) it joins the size most of the batch runs: flipping between two close options splits
+the batch into two groups, and two calls per cycle cost more than either option (on the demo pair
+at 4 clients a margin of 4% let a few AR requests into a batch at B = 8: each held a second call in
+every cycle of its long life, and the cell ran 18% below B = 8 alone). AR must beat speculation by
+AR_MARGIN: where they tie on throughput, speculation serves each request sooner (demo pair, 4
+clients: B = 8 ahead of AR by 3-11%, p50 latency 0.66 s against 0.79 s), and a request sent to AR
+by a misjudged tie holds its own call in the batch's cycles for three times as many cycles as one
+sent to B = 8 (traced at the start of a 4-client burst: one such request cost the burst 14%).
+The batch a request joins counts the requests decoding, those still prefilling, those queued for
+the free slots, and the running count averaged over about a second (clients about to come back).
+On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12
+and AR; from 8 clients, AR.
 
 tau per block size is learnt online from every speculative request the engine finished (auto or a
 fixed size: the drafter and the traffic are the same), pooled by decode cycles (so a short request
@@ -73,8 +71,6 @@ BATCHES = (1, 2, 4, 8, 16)
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
 STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the batch's current size
 AR_MARGIN = 0.1         # AR must beat speculation by this much: at equal throughput, speculation serves sooner
-DRAFT_ROWS = 4           # context rows a start-up draft reads: a real draft reads the last cycle's accepted
-                         # drafts and bonus, about tau (3.6 at B = 8 on the demo pair), not B
 MEASURED_MIN = 16        # cycles of one (size, batch) shape before the engine's own timing replaces the table
 WINDOW = 256             # the latest cycles of a shape that its measured cost is the median of
 PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (the policy chose speculation)
@@ -110,7 +106,7 @@ def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...]
         for batch in batches:
             slots, starts = list(range(batch)), [context] * batch
             blocks = torch.randint(2, 100, (batch, size), generator=generator)
-            contexts = [torch.zeros(min(size, DRAFT_ROWS), width, dtype=runner.dtype, device=runner.device)] * batch
+            contexts = [torch.zeros(size, width, dtype=runner.dtype, device=runner.device)] * batch
 
             def cycle(size=size, slots=slots, starts=starts, blocks=blocks, contexts=contexts) -> None:
                 if size > 1:
@@ -148,7 +144,7 @@ class LoadAwareChooser:
     _seen: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict)  # acceptance histograms
     _cycles: dict[tuple[int, int], deque] = field(default_factory=dict)  # (size, batch) -> the engine's cycle ms
     _medians: dict[tuple[int, int], float] = field(default_factory=dict)  # of the shapes with MEASURED_MIN cycles
-    _fits: dict[bool, tuple[float, float]] = field(default_factory=dict)  # is AR -> (slope, host ms) over those shapes
+    _fit: tuple[float, float] = (1.0, 0.0)  # (slope, host ms): table -> measured, over those shapes
     _changed: set = field(default_factory=set)  # shapes with cycles the medians have not seen yet
     _lock: threading.Lock = field(default_factory=threading.Lock)
     decisions: dict[str, int] = field(default_factory=dict)  # "kept" / "smaller" / "ar" counts, for reports
@@ -208,21 +204,18 @@ class LoadAwareChooser:
         fresh = [cell for cell in self._changed if len(self._cycles[cell]) >= MEASURED_MIN]
         for cell in fresh:
             self._medians[cell] = float(np.median(self._cycles[cell]))
-        for ar in {cell[0] == 1 for cell in fresh}:  # AR's shapes and the speculative ones apart
-            cells = [cell for cell in self._medians if cell[0] in self.costs.cycle_ms and (cell[0] == 1) == ar]
-            self._fits[ar] = fit_host_work(np.array([self.costs.cost(*cell) for cell in cells]),
-                                           np.array([self._medians[cell] for cell in cells]))
+        if fresh:
+            cells = [cell for cell in self._medians if cell[0] in self.costs.cycle_ms]
+            self._fit = fit_host_work(np.array([self.costs.cost(*cell) for cell in cells]),
+                                      np.array([self._medians[cell] for cell in cells]))
         self._changed.clear()
 
     def cost(self, size: int, batch: int) -> float:
         """ms of a cycle at `size` for `batch` requests: measured by the engine if it ran that shape
-        lately, else the start-up table fitted to what the engine measures (`fit_host_work`): AR's
-        shapes by AR's fit, the speculative ones by theirs, either by the other's until it has one."""
-        ar = size == 1
+        lately, else the start-up table fitted to what the engine measures (`fit_host_work`)."""
         with self._lock:
             self._update_medians()
-            measured = self._medians.get((size, batch))
-            slope, host = self._fits.get(ar) or self._fits.get(not ar) or (1.0, 0.0)
+            measured, (slope, host) = self._medians.get((size, batch)), self._fit
         return measured if measured is not None else slope * self.costs.cost(size, batch) + host
 
     def rate(self, size: int, regimes: list[bool]) -> float:
