@@ -142,8 +142,7 @@ def test_http_greedy_output_equals_trtspec_run(server, client, tmp_path):
     grown_text, grown = _ask(client, block_size=np.int32(4), grow_to=np.int32(8))
     assert grown_text == text and grown["block_size"] == 4 and grown["grow_to"] == 8 and len(grown["histogram"]) == 8
     # the smallest positive FP32 temperature samples without overflowing the softmax: it is greedy decoding
-    tiny, _ = _ask(client, block_size=np.int32(8),
-                   temperature=np.float32(1e-45), seed=np.int64(2**63 - 1))
+    tiny, _ = _ask(client, block_size=np.int32(8), temperature=np.float32(1e-45), seed=np.int64(2**63 - 1))
     assert tiny == text
 
 
