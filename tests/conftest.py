@@ -8,11 +8,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import save_hf_target, save_random_drafter  # noqa: E402
+from trtspec.export.cache import GRAPHS_DIR  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to a busy machine
 # The CLI's default backend builds an ONNX Runtime engine of each new pair on first use; the suite
 # tests eager unless a test names a backend (tests/test_engine_cache.py tests that default itself).
 os.environ.setdefault("TRTSPEC_BACKEND", "eager")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_cache(tmp_path_factory) -> Path:
+    """The suite's cache directory ($TRTSPEC_CACHE), never the user's, and one for all xdist workers
+    of a run: a graph exported once (trtspec/export/cache.py) serves every later build of its pair."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "trtspec-cache"
+    (root / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
+    os.environ["TRTSPEC_CACHE"] = str(root)
+    return root
+
+
+@pytest.fixture
+def empty_cache(tmp_path, suite_cache) -> Path:
+    """A cache with no engines in it, for tests of building one on first use; its exported graphs
+    are the suite's (what those tests check is the engine cache, not the export)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / GRAPHS_DIR).symlink_to(suite_cache / GRAPHS_DIR, target_is_directory=True)
+    return cache
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,10 @@ def _engines(cache) -> list:
     return sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) if root.is_dir() else []
 
 
-def test_auto_builds_once_reuses_and_decodes_like_eager(target_dir, drafter_dir, tmp_path):
+def test_auto_builds_once_reuses_and_decodes_like_eager(target_dir, drafter_dir, tmp_path, empty_cache):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def add(a, b):\n")
-    cache = tmp_path / "cache"
+    cache = empty_cache
     request = ("--threads", 1, "run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--block-size", 6,
                "--max-new-tokens", 24, "--json")
     first = _run(cache, *request)

@@ -195,13 +195,15 @@ def test_engine_from_other_checkpoints_is_refused_on_the_command_line(ort_engine
                           "does not match its SHA-256")
 
 
-def test_a_failed_build_leaves_nothing_that_looks_complete(target_dir, drafter_dir, ort_engine, tmp_path, monkeypatch):
+def test_a_failed_build_leaves_nothing_that_looks_complete(target_dir, drafter_dir, ort_engine, tmp_path, monkeypatch,
+                                                           tmp_path_factory):
     import trtspec.build
 
     def broken_export(*args, **kwargs):
         (args[-1]).write_bytes(b"half a graph")
         raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-export
     monkeypatch.setattr(trtspec.build, "export_onnx", broken_export)
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))  # no cached graph to skip the export
     existing = tmp_path / "existing"
     shutil.copytree(ort_engine, existing)
     for output in (tmp_path / "fresh", existing):
@@ -211,6 +213,32 @@ def test_a_failed_build_leaves_nothing_that_looks_complete(target_dir, drafter_d
     assert not (tmp_path / "fresh").exists()
     read_manifest(existing)  # the previous engine is untouched and still verifies
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]  # no staging directories left behind
+
+
+def test_a_rebuild_takes_its_graphs_from_the_cache_and_a_damaged_entry_is_exported_again(
+        target_dir, drafter_dir, ort_engine, suite_cache, tmp_path, monkeypatch):
+    """ort_engine's build left this pair's graphs in the suite's cache: a build at other block sizes
+    exports nothing and holds the cached graphs; an entry whose bytes changed is exported afresh."""
+    import trtspec.build
+    from trtspec.export.cache import GRAPHS_DIR
+
+    real_export, exported = trtspec.build.export_onnx, []
+    monkeypatch.setattr(trtspec.build, "export_onnx",
+                        lambda *args: exported.append(args[-1].name) or real_export(*args))
+    rebuilt = tmp_path / "rebuilt"
+    build_engine(target_dir, drafter_dir, rebuilt, BuildConfig(block_sizes=(6, 12), backend="onnxruntime"),
+                 progress=False)
+    entries = {path.read_bytes(): path.name for path in (suite_cache / GRAPHS_DIR).glob("*.onnx")}
+    assert exported == [] and all((rebuilt / name).read_bytes() in entries for name in ("target.onnx", "draft.onnx"))
+
+    cache = tmp_path / "cache"  # a copy of the suite's entries, the draft graph's damaged
+    shutil.copytree(suite_cache / GRAPHS_DIR, cache / GRAPHS_DIR)
+    damaged = cache / GRAPHS_DIR / entries[(rebuilt / "draft.onnx").read_bytes()]
+    damaged.write_bytes(damaged.read_bytes()[:-100])
+    monkeypatch.setenv("TRTSPEC_CACHE", str(cache))
+    build_engine(target_dir, drafter_dir, tmp_path / "again", BuildConfig(block_sizes=(4,), backend="onnxruntime"),
+                 progress=False)
+    assert exported == ["draft.onnx"] and damaged.read_bytes() == (tmp_path / "again" / "draft.onnx").read_bytes()
 
 
 def _edit_manifest(engine, edit) -> None:

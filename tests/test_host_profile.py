@@ -30,13 +30,14 @@ def test_profile_needs_a_built_engine(target_dir, drafter_dir):
     assert result.returncode == 1 and "Traceback" not in stderr and "--engine DIR" in stderr, stderr
 
 
-def test_profile_runs_on_the_cached_engine_of_the_onnxruntime_backend(target_dir, drafter_dir, tmp_path):
+def test_profile_runs_on_the_cached_engine_of_the_onnxruntime_backend(target_dir, drafter_dir, tmp_path,
+                                                                      empty_cache):
     """No --engine: the backend that builds one on first use is as good (the default `auto` on a CPU)."""
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
     result = trtspec("--threads", 1, "bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts,
                      "--block-sizes", 4, "--max-new-tokens", 8, "--repeats", 1, "--profile", timeout=600,
-                     env={"TRTSPEC_CACHE": str(tmp_path / "cache"), "TRTSPEC_BACKEND": "onnxruntime"})
+                     env={"TRTSPEC_CACHE": str(empty_cache), "TRTSPEC_BACKEND": "onnxruntime"})
     assert result.returncode == 0, result.stderr.decode()
     assert "building an ONNX Runtime engine" in result.stderr.decode() and "draft ms" in result.stdout.decode()

@@ -8,6 +8,7 @@ failed build never leaves a directory that looks complete.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import sys
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from trtspec.engines import tensorrt as trt_engine
 from trtspec.device import MODEL_DTYPES, resolve_device, resolve_dtype
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import MAX_BATCH, MAX_BLOCK_SIZE, graph_specs
+from trtspec.export.cache import export_cached, graph_key
 from trtspec.export.exporter import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
 from trtspec.fileio import ENGINE, check_output_dir, staged_directory
 from trtspec.engines.manifest import BACKENDS, TOKENIZER_DIR, Manifest, checkpoint_sha256, record_artifacts
@@ -104,6 +106,8 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     block_sizes = sorted(config.block_sizes)
     modules = step_modules(target, drafter)
     specs = graph_specs(target.config, drafter.config)
+    sources = {"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir)}
+    exported = {**sources, "draft_vocab": ids_sha256(chosen[0]) if chosen is not None else None}
     # The TensorRT optimization profiles of these graphs; recorded for every backend (a TensorRT
     # build uses exactly this table), so it can be inspected and checked on any machine.
     table = trt_engine.profile_table(specs, block_sizes, max_context, config.max_batch)
@@ -115,13 +119,13 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
         files = {}
         for name, stage in steps[:-1]:
             bar.set_postfix_str(f"{stage} {name}")
-            if stage == "export" and backend == "torch":
-                files[name] = f"{name}.pt2"
-                torch.export.save(export_program(modules[name], specs[name], max_context, target.dtype, export_device),
-                                  str(staging / files[name]))
-            elif stage == "export":
-                files[name] = f"{name}.onnx"
-                export_onnx(modules[name], specs[name], max_context, target.dtype, export_device, staging / files[name])
+            if stage == "export":  # from the graph cache when an earlier build exported the same graph
+                suffix = ".pt2" if backend == "torch" else ".onnx"
+                files[name] = f"{name}{suffix}"
+                key = graph_key(name, suffix, specs[name], sources=exported, max_context=max_context,
+                                dtype=target.dtype, device=export_device)
+                export_cached(staging / files[name], key, functools.partial(
+                    _export, modules[name], specs[name], max_context, target.dtype, export_device))
             else:
                 plan = f"{name}.plan"
                 trt_engine.build_plan(staging / files[name], staging / plan, table[name],
@@ -139,7 +143,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             backend=backend, dtype=dtype, max_context=max_context, block_sizes=block_sizes, max_batch=config.max_batch,
             profiles=trt_engine.profile_keys(block_sizes),
             target_config=target.config.to_dict(), drafter_config=drafter.config.to_zlab(),
-            sources={"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir)},
+            sources=sources,
             artifacts=record_artifacts(staging),
             graphs={name: {"file": files[name], **specs[name].to_dict()} for name in modules},
             tensorrt_profiles=table, trtspec_version=__version__,
@@ -155,6 +159,15 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
         manifest.write(staging)
         bar.update()
     return manifest
+
+
+def _export(module: torch.nn.Module, spec, max_context: int, dtype: torch.dtype, device: torch.device,
+            path: Path) -> None:
+    """ONNX, or a torch.export program for the torch backend, by the file's suffix."""
+    if path.suffix == ".pt2":
+        torch.export.save(export_program(module, spec, max_context, dtype, device), str(path))
+    else:
+        export_onnx(module, spec, max_context, dtype, device, path)
 
 
 def _copy_tokenizer(source: Path, destination: Path) -> None:

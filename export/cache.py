@@ -1,0 +1,87 @@
+"""Exported step graphs kept for the next build of the same pair.
+
+Exporting a graph (torch.export's trace, its decompositions, the ONNX translation and check) is
+most of a CPU build of a small model: about 20 s a graph for the demo pair, against a second for
+the rest. The graphs do not depend on the engine's block sizes, batch limit or policy (every axis
+is dynamic), so a rebuild with other options, or the cached `--backend auto` engine of another
+block-size set, exports exactly what an earlier build did. Graphs are kept in the cache
+directory (`$TRTSPEC_CACHE/graphs`) under a hash of everything that determines them: both
+checkpoints' contents, the draft vocabulary, the graph's interface, the context length, dtype and
+device, the versions of torch and the ONNX exporter, and the source of the export and model code.
+A graph over `MAX_CACHED_BYTES` (a large model, whose export is no longer the slow part and whose
+copy would cost gigabytes) is not kept. The build's self-check against eager PyTorch runs on a
+cached graph as on a fresh one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import shutil
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from trtspec import __version__
+from trtspec.errors import TrtspecError
+from trtspec.export.bindings import GraphSpec
+from trtspec.fileio import atomic_write_text, staged_file
+
+GRAPHS_DIR = "graphs"
+MAX_CACHED_BYTES = 1 << 30
+SOURCES = ("export", "models")  # trtspec subpackages whose code decides what a graph computes
+
+
+def graph_key(name: str, suffix: str, spec: GraphSpec, *, sources: dict[str, str | None], max_context: int,
+              dtype: torch.dtype, device: torch.device) -> str:
+    """The cache entry's name; `sources`: content hashes of the checkpoints and the draft vocabulary."""
+    key = {"graph": name, "format": suffix, "spec": spec.to_dict(), "sources": sources, "max_context": max_context,
+           "dtype": str(dtype), "device": device.type, "trtspec": __version__, "code": _code_sha256(),
+           "versions": {package: _version(package) for package in ("torch", "onnx", "onnxscript")}}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + suffix
+
+
+def export_cached(destination: Path, key: str, export: Callable[[Path], None]) -> bool:
+    """Write the graph to `destination`: a copy of the cached one, or `export(destination)` and keep
+    a copy. True when it came from the cache. An entry whose bytes no longer match the SHA-256 kept
+    beside it is exported afresh; a cache that cannot be read or written is skipped."""
+    from trtspec.engine_cache import cache_root
+
+    cached = cache_root() / GRAPHS_DIR / key
+    digest = cached.with_name(cached.name + ".sha256")
+    with contextlib.suppress(OSError):
+        if cached.is_file() and digest.is_file() and _sha256(cached) == digest.read_text().strip():
+            shutil.copyfile(cached, destination)
+            return True
+    export(destination)
+    if destination.stat().st_size <= MAX_CACHED_BYTES:
+        with contextlib.suppress(OSError, TrtspecError):
+            with staged_file(cached) as temporary:
+                shutil.copyfile(destination, temporary)
+            atomic_write_text(digest, _sha256(destination))
+    return False
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as stream:
+        return hashlib.file_digest(stream, "sha256").hexdigest()
+
+
+def _code_sha256() -> str:
+    digest = hashlib.sha256()
+    for package in SOURCES:
+        folder = Path(importlib.import_module(f"trtspec.{package}").__file__).parent
+        for path in sorted(folder.glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
