@@ -29,7 +29,7 @@ import torch
 from trtspec import __version__
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import GraphSpec
-from trtspec.fileio import atomic_write_text, staged_file
+from trtspec.fileio import atomic_write_text, cache_root, staged_file
 
 GRAPHS_DIR = "graphs"
 MAX_CACHED_BYTES = 1 << 30
@@ -45,25 +45,22 @@ def graph_key(name: str, suffix: str, spec: GraphSpec, *, sources: dict[str, str
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + suffix
 
 
-def export_cached(destination: Path, key: str, export: Callable[[Path], None]) -> bool:
+def export_cached(destination: Path, key: str, export: Callable[[Path], None]) -> None:
     """Write the graph to `destination`: a copy of the cached one, or `export(destination)` and keep
-    a copy. True when it came from the cache. An entry whose bytes no longer match the SHA-256 kept
-    beside it is exported afresh; a cache that cannot be read or written is skipped."""
-    from trtspec.engine_cache import cache_root
-
+    a copy. An entry whose bytes no longer match the SHA-256 kept beside it is exported afresh; a
+    cache that cannot be read or written is skipped."""
     cached = cache_root() / GRAPHS_DIR / key
     digest = cached.with_name(cached.name + ".sha256")
     with contextlib.suppress(OSError):
         if cached.is_file() and digest.is_file() and _sha256(cached) == digest.read_text().strip():
             shutil.copyfile(cached, destination)
-            return True
+            return
     export(destination)
     if destination.stat().st_size <= MAX_CACHED_BYTES:
         with contextlib.suppress(OSError, TrtspecError):
             with staged_file(cached) as temporary:
                 shutil.copyfile(destination, temporary)
             atomic_write_text(digest, _sha256(destination))
-    return False
 
 
 def _sha256(path: Path) -> str:

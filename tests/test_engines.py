@@ -241,6 +241,34 @@ def test_a_rebuild_takes_its_graphs_from_the_cache_and_a_damaged_entry_is_export
     assert exported == ["draft.onnx"] and damaged.read_bytes() == (tmp_path / "again" / "draft.onnx").read_bytes()
 
 
+def test_the_graph_cache_keeps_small_graphs_checks_them_and_never_fails_a_build(tmp_path, monkeypatch):
+    """export_cached's rules with a stand-in export (any callable that writes the file)."""
+    import trtspec.export.cache as cache
+
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def export(path):
+        calls.append(path.name)
+        path.write_bytes(b"graph " + str(len(calls)).encode())
+
+    cache.export_cached(tmp_path / "a.onnx", "k.onnx", export)     # a miss: exported and kept
+    cache.export_cached(tmp_path / "b.onnx", "k.onnx", export)     # a hit: copied
+    assert calls == ["a.onnx"] and (tmp_path / "b.onnx").read_bytes() == b"graph 1"
+    entry = tmp_path / "cache" / cache.GRAPHS_DIR / "k.onnx"
+    entry.write_bytes(b"graph X")                                  # damaged: exported afresh, the entry mended
+    cache.export_cached(tmp_path / "c.onnx", "k.onnx", export)
+    assert calls == ["a.onnx", "c.onnx"] and entry.read_bytes() == b"graph 2"
+    monkeypatch.setattr(cache, "MAX_CACHED_BYTES", 3)              # too large to keep
+    cache.export_cached(tmp_path / "d.onnx", "big.onnx", export)
+    assert not (entry.parent / "big.onnx").exists() and (tmp_path / "d.onnx").read_bytes() == b"graph 3"
+    (tmp_path / "file").write_text("")                             # a cache that cannot be created
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "file"))
+    monkeypatch.setattr(cache, "MAX_CACHED_BYTES", 1 << 30)
+    cache.export_cached(tmp_path / "e.onnx", "k.onnx", export)
+    assert (tmp_path / "e.onnx").read_bytes() == b"graph 4"
+
+
 def _edit_manifest(engine, edit) -> None:
     data = json.loads((engine / MANIFEST_FILE).read_text())
     edit(data)

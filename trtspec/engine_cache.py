@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -24,21 +23,15 @@ import torch
 
 from trtspec import __version__
 from trtspec.engines.manifest import MANIFEST_FILE, checkpoint_sha256, record_artifacts
+from trtspec.fileio import CACHE_ENV, cache_root
 
 BACKENDS = ("auto", "eager", "onnxruntime")
-CACHE_ENV = "TRTSPEC_CACHE"
 # ONNX Runtime graphs are shape-dynamic, so every block size a user is likely to ask for is built in:
 # a size costs only its line in the manifest and its self-check.
 BLOCK_SIZES = tuple(range(3, 33))
 BACKEND_HELP = ("auto: on a CPU with onnxruntime installed, an ONNX Runtime engine built on first use into the "
                 f"cache (${CACHE_ENV}, default ~/.cache/trtspec) and reused after; eager otherwise (on CUDA build a "
                 "TensorRT engine explicitly: trtspec build). eager: the checkpoints in PyTorch. Env TRTSPEC_BACKEND.")
-
-
-def cache_root() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtspec"
 
 
 def wants_engine(backend: str, device: torch.device, dtype: str, block_sizes: tuple[int, ...]) -> bool:

@@ -43,8 +43,16 @@ DRAFT_VOCAB = "draft vocabulary"
 STAGING, TEMPORARY, REPLACED = "trtspec-staging", "trtspec-tmp", "trtspec-old"
 
 PathLike = str | os.PathLike
+CACHE_ENV = "TRTSPEC_CACHE"
 # OSErrors that mean "this place cannot take the output", reported as one line, not a traceback
 WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+def cache_root() -> Path:
+    """Where trtspec keeps what it builds on its own (engines for `--backend auto`, exported graphs)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtspec"
 
 
 def _resolved(path: PathLike) -> Path:
