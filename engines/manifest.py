@@ -19,7 +19,7 @@ from pathlib import Path
 from trtspec.device import MODEL_DTYPES
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, GraphSpec, graph_specs
-from trtspec.fileio import MARKER
+from trtspec.fileio import MARKER, file_sha256
 from trtspec.models.config import DFlashConfig, Qwen3Config, target_config_from_dict
 
 MANIFEST_FILE = "manifest.json"
@@ -29,14 +29,6 @@ CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.jso
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 DTYPES = tuple(MODEL_DTYPES)
 UNLISTED = (MANIFEST_FILE, MARKER)  # the only files of an engine directory that are not artifacts
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for chunk in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def checkpoint_sha256(directory: Path) -> str:

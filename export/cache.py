@@ -16,6 +16,7 @@ cached graph as on a fresh one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import json
@@ -29,7 +30,7 @@ import torch
 from trtspec import __version__
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import GraphSpec
-from trtspec.fileio import atomic_write_text, cache_root, staged_file
+from trtspec.fileio import atomic_write_text, cache_root, file_sha256, staged_file
 
 GRAPHS_DIR = "graphs"
 MAX_CACHED_BYTES = 1 << 30
@@ -52,7 +53,7 @@ def export_cached(destination: Path, key: str, export: Callable[[Path], None]) -
     cached = cache_root() / GRAPHS_DIR / key
     digest = cached.with_name(cached.name + ".sha256")
     with contextlib.suppress(OSError):
-        if cached.is_file() and digest.is_file() and _sha256(cached) == digest.read_text().strip():
+        if cached.is_file() and digest.is_file() and file_sha256(cached) == digest.read_text().strip():
             shutil.copyfile(cached, destination)
             return
     export(destination)
@@ -60,14 +61,10 @@ def export_cached(destination: Path, key: str, export: Callable[[Path], None]) -
         with contextlib.suppress(OSError, TrtspecError):
             with staged_file(cached) as temporary:
                 shutil.copyfile(destination, temporary)
-            atomic_write_text(digest, _sha256(destination))
+            atomic_write_text(digest, file_sha256(destination))
 
 
-def _sha256(path: Path) -> str:
-    with path.open("rb") as stream:
-        return hashlib.file_digest(stream, "sha256").hexdigest()
-
-
+@functools.cache
 def _code_sha256() -> str:
     digest = hashlib.sha256()
     for package in SOURCES:

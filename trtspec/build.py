@@ -107,7 +107,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     modules = step_modules(target, drafter)
     specs = graph_specs(target.config, drafter.config)
     sources = {"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir)}
-    exported = {**sources, "draft_vocab": ids_sha256(chosen[0]) if chosen is not None else None}
+    graph_sources = {**sources, "draft_vocab": ids_sha256(chosen[0]) if chosen is not None else None}
     # The TensorRT optimization profiles of these graphs; recorded for every backend (a TensorRT
     # build uses exactly this table), so it can be inspected and checked on any machine.
     table = trt_engine.profile_table(specs, block_sizes, max_context, config.max_batch)
@@ -122,7 +122,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             if stage == "export":  # from the graph cache when an earlier build exported the same graph
                 suffix = ".pt2" if backend == "torch" else ".onnx"
                 files[name] = f"{name}{suffix}"
-                key = graph_key(name, suffix, specs[name], sources=exported, max_context=max_context,
+                key = graph_key(name, suffix, specs[name], sources=graph_sources, max_context=max_context,
                                 dtype=target.dtype, device=export_device)
                 export_cached(staging / files[name], key, functools.partial(
                     _export, modules[name], specs[name], max_context, target.dtype, export_device))

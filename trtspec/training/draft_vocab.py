@@ -9,7 +9,8 @@ import torch
 from tqdm import tqdm
 
 from trtspec import __version__
-from trtspec.engines.manifest import checkpoint_sha256, file_sha256
+from trtspec.engines.manifest import checkpoint_sha256
+from trtspec.fileio import file_sha256
 from trtspec.errors import TrtspecError
 from trtspec.models.draft_vocab import TokenCounts
 from trtspec.training.data import read_training_data
