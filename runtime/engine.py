@@ -213,11 +213,14 @@ class Engine:
                         return
                     self._wake.wait(0.05)
                     continue
+            running = len(self._active)
             try:
                 self._iteration()
             except Exception as error:  # a fault of the runtime, not of one request: fail the batch, go on
                 for active in list(self._active):
                     self._retire(active, error)
+            if len(self._active) < running:  # let the clients of finished requests resubmit before the next
+                time.sleep(0)  # cycle (a closed loop's next request would otherwise leave its slot empty for one)
 
     def _schedule(self) -> None:
         """Drop cancelled requests; admit queued ones into free slots (under the lock)."""

@@ -172,6 +172,8 @@ def test_bench_concurrency_through_the_cli(target_dir, drafter_dir, prompts_file
         assert row["identical_to_serial"] == row["greedy_requests"] == 3  # greedy: equal to each request alone
         assert row["throughput_tokens_per_s"] > 0 and row["latency_p99_s"] >= row["latency_p50_s"] > 0
         assert row["speedup_vs_ar"] == pytest.approx(row["throughput_tokens_per_s"] / rows[0 if row["concurrency"] == 1 else 3]["throughput_tokens_per_s"])
+        if row["concurrency"] == 3:  # 3 prompts for 3 clients: no steady state without a drain, the whole run counts
+            assert row["job_tokens_per_s"] == row["throughput_tokens_per_s"]
     assert max(r["batch_mean"] for r in rows if r["concurrency"] == 3) > 1.0
     for clients in (1, 3):  # each row against the fastest row at its concurrency
         cell = [r for r in rows if r["concurrency"] == clients]
@@ -182,3 +184,20 @@ def test_bench_concurrency_through_the_cli(target_dir, drafter_dir, prompts_file
                    for r in cell)
     bad = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--concurrency", "0,4")
     assert_one_line_error(bad, "--concurrency takes client counts")
+
+
+def test_the_closed_loop_counts_the_steady_state_apart_from_the_drain(pipeline):
+    """Throughput at c clients counts what was committed while all c had a request in flight: up to
+    the moment the first client finds the prompt set empty. The rest of the run is the drain."""
+    from trtspec.concurrency import LoadRun, closed_loop
+    from trtspec.runtime.decode import GenerationConfig
+    from trtspec.runtime.engine import EngineConfig
+
+    prompts = [pipeline.codec.encode(p) for p in PROMPTS * 2]  # 6 prompts, 2 clients: 3 each
+    run = LoadRun(2, BlockChoice(4))
+    with pipeline.engine(EngineConfig(max_running=2, max_queued=2), load_aware=False) as engine:
+        closed_loop(engine, prompts, GenerationConfig(block_size=4, max_new_tokens=16), 2, run)
+    (tokens, seconds), total = run.steady[0], sum(g.stats.new_tokens for g in run.generations[0])
+    assert total == 6 * 16 and 4 * 16 <= tokens <= total  # at least the first four requests had finished
+    assert 0 < seconds < run.seconds[0]
+    assert run.throughput_repeats == [tokens / seconds] and run.job_throughput_repeats == [total / run.seconds[0]]
