@@ -64,7 +64,8 @@ Examples:
                    "controller.")
 @click.option("--concurrency", metavar="N,N,...",
               help="Instead, serve the prompts to N concurrent clients (a closed loop over one continuous-batching "
-                   "engine) for each N, and report throughput, latency and TTFT per block size against AR.")
+                   "engine) for each N, and report throughput (while all N clients are busy; the whole run's, "
+                   "drain included, as job tok/s), latency and TTFT per block size against AR.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
 def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, policy, draft_vocab,
           draft_counts, temperature, top_k, top_p, seed, max_new_tokens, limit, repeats, against_eager, profile,
