@@ -2,17 +2,19 @@
 
 For each concurrency c, c clients share one continuous-batching engine (c slots); each client
 sends the next prompt of the set as soon as its previous request finished, until every prompt
-ran once. Throughput is the steady state's: the tokens committed while all c clients had a request
-in flight (from the start to the moment the first client finds no prompt left) over that time. After
-that moment the run drains at fewer than c clients, and how long the drain takes depends on the one
-slowest request (a speculative request's length in cycles varies with its acceptance; an AR
-request's does not), so whole-run figures at 8 or 16 clients over 32 prompts measured the drain as
-much as the concurrency. The whole run's figure is reported too (`job_tokens_per_s`). That is done for AR (through the same backend: the pipeline without its drafter), each
+ran once. That is done for AR (through the same backend: the pipeline without its drafter), each
 requested block size and `auto` (BlockPilot, load-aware), `repeats` times, each repeat in an order
 rotated by one (the host's state drifts over a run; no row should always run first or last), and the
 medians are reported, each row also against the fastest of AR and the fixed sizes (`vs_best`, and
 `vs_best_paired`: the median of the per-repeat ratios). Greedy requests are also compared with the
 same request decoded alone.
+
+Throughput is the steady state's: the tokens committed while all c clients had a request in flight
+(from the start to the moment the first client finds no prompt left), over that time. After that
+moment the run drains at fewer than c clients, and how long the drain lasts depends on the one
+slowest request (a speculative request's length in cycles varies with its acceptance; an AR
+request's does not), so whole-run figures at 8 or 16 clients over 32 prompts measured the drain as
+much as the concurrency. The whole run's figure is reported too (`job_tokens_per_s`).
 """
 
 from __future__ import annotations
