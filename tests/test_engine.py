@@ -229,8 +229,8 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
 
 
 def test_load_aware_blockpilot_asks_the_policy_only_when_speculation_has_a_chance():
-    """The policy's forward costs the engine thread a millisecond or two per request: where AR beats
-    every size the policy could choose, the chooser decides without it."""
+    """The policy's forward costs the engine thread ~5 ms per request, in which no request decodes:
+    where the load settles the size whatever it answers, the chooser decides without it."""
     from trtspec.blockpilot.load import CostTable, LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
@@ -248,6 +248,14 @@ def test_load_aware_blockpilot_asks_the_policy_only_when_speculation_has_a_chanc
     assert chooser(policy, Load(0, 16, (1,) * 15)) == BlockChoice(1) and not asked  # 16 x 3 / 68 ms < 16 / 18 ms
     assert chooser(policy, Load(0, 1, ())) == BlockChoice(8) and asked == [True]  # 3 / 23 ms > 3 / 30 ms, 1 / 10.5 ms
     assert chooser.decisions == {"ar": 1, "smaller": 1}
+    # told what the policy can answer: where the load settles on 8, an answer of 8 or 12 comes out as 8 ...
+    told = LoadAwareChooser(costs, (BlockChoice(8), BlockChoice(12)))
+    told.observe(BlockChoice(12), _cycles(12, {2: 1000}))
+    assert told(policy, Load(0, 1, ())) == BlockChoice(8) and asked == [True] and told.decisions == {"load": 1}
+    # ... but a growing block from 8 would run as it is: a policy that can answer one is asked
+    grows = LoadAwareChooser(costs, (BlockChoice(8, grow_to=12), BlockChoice(12)))
+    grows.observe(BlockChoice(12), _cycles(12, {2: 1000}))
+    assert grows(policy, Load(0, 1, ())) == BlockChoice(8) and asked == [True, True]
 
 
 def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it():
@@ -285,8 +293,9 @@ def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it(
 
 def test_load_aware_blockpilot_explores_before_it_judges():
     """With no finished request at the policy's size the choice is kept even where the prior would
-    say AR: AR requests show no acceptance, so an engine that never speculated would never learn."""
-    from trtspec.blockpilot.load import PRIOR_CYCLES, CostTable, LoadAwareChooser
+    say AR: AR requests show no acceptance, so an engine that never speculated would never learn.
+    A request of a few cycles (its last one cut by its token limit) is no evidence."""
+    from trtspec.blockpilot.load import OBSERVED_MIN, PRIOR_CYCLES, CostTable, LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
 
@@ -294,11 +303,13 @@ def test_load_aware_blockpilot_explores_before_it_judges():
     costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches]})
     chooser, eight = LoadAwareChooser(costs), BlockChoice(8)
     assert chooser(eight, Load(0, 8, ())) == eight  # the prior (2.74) would lose to AR at eight requests
-    chooser.observe(eight, _cycles(8, {1: int(PRIOR_CYCLES) - 1}))  # tau 2, just short of enough cycles
+    chooser.observe(eight, _cycles(8, {1: int(PRIOR_CYCLES) - OBSERVED_MIN}))  # tau 2, short of enough cycles
     assert chooser(eight, Load(0, 8, ())) == eight
-    chooser.observe(eight, _cycles(8, {1: 1}))
+    chooser.observe(eight, _cycles(8, {0: OBSERVED_MIN - 1}))  # a short request (its last cycle cut): no evidence
+    assert chooser.tau(8) > 2 and chooser(eight, Load(0, 8, ())) == eight
+    chooser.observe(eight, _cycles(8, {1: OBSERVED_MIN}))
     assert chooser(eight, Load(0, 8, ())) == BlockChoice(1)  # 8 x 2 / 44 ms < 8 / 14 ms
-    assert chooser.decisions == {"kept": 2, "ar": 1}
+    assert chooser.decisions == {"kept": 3, "ar": 1}
 
 
 def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():

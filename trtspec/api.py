@@ -140,7 +140,7 @@ class Pipeline:
         if self.policy is not None and load_aware:
             from trtspec.blockpilot.load import LoadAwareChooser, measure_costs
 
-            chooser = LoadAwareChooser(measure_costs(runner, self.policy.block_sizes))
+            chooser = LoadAwareChooser(measure_costs(runner, self.policy.block_sizes), self.policy.choices)
         return Engine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
 
     def generate_batch(self, prompts: list[str], configs: list[GenerationConfig], *, chat: bool = False,
