@@ -358,7 +358,13 @@ def test_load_aware_blockpilot_adds_the_host_work_the_table_lacks():
     slope, host = fit_host_work(np.array([16.1, 22.7, 34.4]), np.array([14.6, 19.5, 27.1]))
     assert 0.6 < slope < 0.75 and 3 < host < 4.5
     assert chooser.cost(1, 4) == pytest.approx(slope * 10.3 + host)  # ~10.7 ms, not 10.3 x 0.86 = 8.9 (the ratio)
-    assert chooser(eight, Load(0, 4, ())) == eight  # 4 x 2.7 / 27.1 ms > 4 / 10.7 ms (+ AR_MARGIN); not 4 / 8.9
+    # 4 x 2.7 / 27.1 ms > 4 / 10.7 ms (+ AR_MARGIN), not 4 / 8.9; joining three at 8 it stays there ...
+    assert chooser(eight, Load(0, 4, (8, 8, 8))) == eight
+    # ... but with nothing decoding yet, AR is within AR_EXPLORE of 8 on a guess: it runs AR to measure it
+    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)
+    for _ in range(MEASURED_MIN):
+        chooser.observe_cycle(1, 4, 12.1)  # what the demo pair's AR cycles took at 4 clients
+    assert chooser(eight, Load(0, 4, ())) == eight  # measured: 4 / 12.1 ms is 18% behind, nothing to explore
     too_alike = fit_host_work(np.array([20.0, 21.0]), np.array([10.0, 12.0]))
     assert too_alike == (pytest.approx((10 / 20 + 12 / 21) / 2), 0.0)  # the median ratio
     assert fit_host_work(np.array([10.0, 40.0]), np.array([5.0, 30.0]))[1] == 0.0  # no host work: the ratio

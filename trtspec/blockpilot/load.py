@@ -34,6 +34,12 @@ AR_MARGIN: where they tie on throughput, speculation serves each request sooner 
 clients: p50 latency 0.66 s against 0.79 s). The margin is small because the demo pair's two
 sides are close: with the drain out of the throughput, AR leads B = 8 by 6-12% at 8 clients and
 trails it by ~5% at 4 (a margin of 10% kept 8-client batches at B = 8, 0.91x of AR).
+AR's cost at a batch size the engine has not run AR at is the fitted table's guess, which the demo
+pair's real AR cycles missed by up to a quarter either way (4 clients: fitted 8.0 ms, measured
+10.5; 8 clients: the table 17.4, measured 15.8). So where AR comes within AR_EXPLORE of the best and the
+request would open no second group (nothing decodes yet, or AR does), it runs AR, and the engine's
+own cycles settle the next decisions: on the demo pair at 8 clients the guess had kept the first
+three of ten rounds at B = 8, 0.94x of AR over the cell.
 The batch a request joins counts the requests decoding, those still prefilling, those queued for
 the free slots, and the running count averaged over about a second (clients about to come back).
 On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12
@@ -72,6 +78,7 @@ BATCHES = (1, 2, 4, 8, 16)
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
 STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the batch's current size
 AR_MARGIN = 0.03        # AR must beat speculation by this much: at equal throughput, speculation serves sooner
+AR_EXPLORE = 0.15        # AR within this of the best, at a batch the engine never ran AR at: run AR to measure it
 OBSERVED_MIN = 8         # decode cycles a finished request needs to count as evidence of tau (below)
 MEASURED_MIN = 16        # cycles of one (size, batch) shape before the engine's own timing replaces the table
 WINDOW = 256             # the latest cycles of a shape that its measured cost is the median of
@@ -265,6 +272,9 @@ class LoadAwareChooser:
         usual = max(counts, key=counts.get, default=0)  # the size most of the batch runs now (0: none)
         if usual in rates and rates[usual] >= (1 - STAY_MARGIN) * rates[best]:
             best = usual  # near a tie, join what most of the batch runs: two groups cost two calls
+        if best != 1 and usual in (0, 1) and rates[1] >= (1 - AR_EXPLORE) * rates[best] \
+                and (1, expected) not in self.measured():
+            best = 1  # AR at this batch is the table's guess and close: run it (opening no second group) to know
         return best
 
     def _count(self, verdict: str) -> None:
