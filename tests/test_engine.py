@@ -303,9 +303,9 @@ def test_load_aware_blockpilot_explores_before_it_judges():
     costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches]})
     chooser, eight = LoadAwareChooser(costs), BlockChoice(8)
     assert chooser(eight, Load(0, 8, ())) == eight  # the prior (2.74) would lose to AR at eight requests
-    chooser.observe(eight, _cycles(8, {1: int(PRIOR_CYCLES) - OBSERVED_MIN}))  # tau 2, short of enough cycles
+    chooser.observe(eight, _cycles(8, {1: int(PRIOR_CYCLES) - 1}))  # tau 2, one cycle short of enough
     assert chooser(eight, Load(0, 8, ())) == eight
-    chooser.observe(eight, _cycles(8, {0: OBSERVED_MIN - 1}))  # a short request (its last cycle cut): no evidence
+    chooser.observe(eight, _cycles(8, {0: OBSERVED_MIN - 1}))  # a short request: counted, it would tip it to AR
     assert chooser.tau(8) > 2 and chooser(eight, Load(0, 8, ())) == eight
     chooser.observe(eight, _cycles(8, {1: OBSERVED_MIN}))
     assert chooser(eight, Load(0, 8, ())) == BlockChoice(1)  # 8 x 2 / 44 ms < 8 / 14 ms
