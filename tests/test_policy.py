@@ -27,6 +27,10 @@ def test_prefill_summary():
     entropy, top1 = summarize_prefill(features, logits, ("confidence",)).tolist()
     assert entropy == pytest.approx(torch.log(torch.tensor(4.0)).item() / 2) and top1 == pytest.approx(0.625)
     assert summarize_prefill(features, logits).shape == (9,)
+    wide = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 4  # against the textbook form
+    log_probs = wide.log_softmax(dim=-1)
+    textbook = [float(-(log_probs.exp() * log_probs).sum(-1).mean()), float(log_probs.exp().max(-1).values.mean())]
+    assert summarize_prefill(features[:1], wide, ("confidence",)).tolist() == pytest.approx(textbook, rel=1e-5)
     with pytest.raises(TrtspecError, match="unknown BlockPilot feature"):
         summarize_prefill(features, logits, ("median",))
 

