@@ -410,3 +410,34 @@ def test_static_buffers_for_graph_replay_decode_the_same(tiny):
             generations = [r.result(timeout=120) for r in [engine.submit(p, c) for p, c in zip(prompts, configs)]]
         outputs.append([(g.tokens, g.stats.histogram) for g in generations])
     assert outputs[0] == outputs[1]
+
+
+def test_load_aware_blockpilot_forgets_a_shape_it_has_not_run_lately():
+    """A median from minutes ago set against one from now judges the host's drift, not the sizes:
+    a shape not run for STALE_S is measured afresh (and AR, close to the best again, explored)."""
+    from trtspec.blockpilot.load import MEASURED_MIN, STALE_S, CostTable, LoadAwareChooser
+    from trtspec.runtime.engine import Load
+    from trtspec.runtime.schedule import BlockChoice
+
+    now = [0.0]
+    table = CostTable((1, 2, 4), {1: [8.2, 9.1, 10.3], 8: [16.1, 22.7, 34.4]})
+    chooser, eight = LoadAwareChooser(table, clock=lambda: now[0]), BlockChoice(8)
+    chooser.observe(eight, _cycles(8, {1: 30_000, 2: 70_000}))  # tau 2.7
+    for _ in range(MEASURED_MIN):
+        chooser.observe_cycle(1, 4, 12.1)  # AR measured on a slow host: 18% behind B = 8
+    for ms, batch in ((14.6, 1), (27.1, 4)):
+        for _ in range(MEASURED_MIN):
+            chooser.observe_cycle(8, batch, ms)
+    assert chooser(eight, Load(0, 4, ())) == eight
+    now[0] = STALE_S / 2
+    for _ in range(MEASURED_MIN):
+        chooser.observe_cycle(8, 4, 27.1)  # B = 8 keeps running
+    now[0] = STALE_S + 1  # AR last ran STALE_S ago, B = 8 half that
+    assert (1, 4) not in chooser.measured() and chooser.measured()[8, 4] == 27.1
+    assert (8, 1) not in chooser.measured()  # its fit is left to the shapes measured lately
+    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # close on the table's guess: explored again
+    chooser.observe_cycle(1, 4, 9.0)
+    assert (1, 4) not in chooser.measured()  # the old cycles went with it: MEASURED_MIN fresh ones count
+    for _ in range(MEASURED_MIN - 1):
+        chooser.observe_cycle(1, 4, 9.0)
+    assert chooser.cost(1, 4) == 9.0 and chooser(eight, Load(0, 4, (1, 1, 1))) == BlockChoice(1)

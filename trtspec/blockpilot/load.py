@@ -39,7 +39,9 @@ pair's real AR cycles missed by up to a quarter either way (4 clients: fitted 8.
 10.5; 8 clients: the table 17.4, measured 15.8). So where AR comes within AR_EXPLORE of the best and the
 request would open no second group (nothing decodes yet, or AR does), it runs AR, and the engine's
 own cycles settle the next decisions: on the demo pair at 8 clients the guess had kept the first
-three of ten rounds at B = 8, 0.94x of AR over the cell.
+three of ten rounds at B = 8, 0.94x of AR over the cell. A shape the engine has not run for
+STALE_S counts as never run: the host's speed drifts, and costs are only comparable when measured
+at about the same time.
 The batch a request joins counts the requests decoding, those still prefilling, those queued for
 the free slots, and the running count averaged over about a second (clients about to come back).
 On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12
@@ -64,6 +66,7 @@ the prefill's tail logits) costs the engine thread ~1.5 ms per request, in which
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -82,6 +85,7 @@ AR_EXPLORE = 0.15        # AR within this of the best, at a batch the engine nev
 OBSERVED_MIN = 8         # decode cycles a finished request needs to count as evidence of tau (below)
 MEASURED_MIN = 16        # cycles of one (size, batch) shape before the engine's own timing replaces the table
 WINDOW = 256             # the latest cycles of a shape that its measured cost is the median of
+STALE_S = 30.0           # a shape not run for this long is measured afresh: the host's speed drifts
 PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (the policy chose speculation)
 
 
@@ -156,6 +160,8 @@ class LoadAwareChooser:
     _medians: dict[tuple[int, int], float] = field(default_factory=dict)  # of the shapes with MEASURED_MIN cycles
     _fit: tuple[float, float] = (1.0, 0.0)  # (slope, host ms): table -> measured, over those shapes
     _changed: set = field(default_factory=set)  # shapes with cycles the medians have not seen yet
+    _last_run: dict[tuple[int, int], float] = field(default_factory=dict)  # shape -> `clock()` of its latest cycle
+    clock: Callable[[], float] = time.monotonic
     _lock: threading.Lock = field(default_factory=threading.Lock)
     decisions: dict[str, int] = field(default_factory=dict)  # "kept" / "smaller" / "ar" / "load" (policy not asked)
 
@@ -203,6 +209,7 @@ class LoadAwareChooser:
         with self._lock:
             self._cycles.setdefault((size, batch), deque(maxlen=WINDOW)).append(ms)
             self._changed.add((size, batch))
+            self._last_run[size, batch] = self.clock()
 
     def measured(self) -> dict[tuple[int, int], float]:
         """(size, batch) -> median ms of the engine's latest cycles, for shapes with enough of them."""
@@ -212,11 +219,20 @@ class LoadAwareChooser:
 
     def _update_medians(self) -> None:
         """Medians of the shapes with new cycles, when a cost is asked for (at admissions), not at
-        every cycle: the engine thread pays for it. Under the lock."""
-        fresh = [cell for cell in self._changed if len(self._cycles[cell]) >= MEASURED_MIN]
+        every cycle: the engine thread pays for it. A shape the engine has not run for STALE_S is
+        forgotten, its cycles too, so it is measured afresh before it counts again: the demo pair's
+        host ran AR at 8 clients half as fast again in one run as in the one before, and a median
+        from minutes ago set against one from now judged the drift, not the sizes (bench run 11: AR
+        at 4 clients measured at 6.9 ms a cycle in the first round and never again, while AR's row
+        ran at 672 tok/s, under 6 ms a cycle; `auto` stayed at B = 8, 0.92x of AR). Under the lock."""
+        old = [cell for cell, at in self._last_run.items() if self.clock() - at > STALE_S]
+        for cell in old:
+            del self._last_run[cell], self._cycles[cell]
+            self._medians.pop(cell, None)
+        fresh = [cell for cell in self._changed if cell in self._cycles and len(self._cycles[cell]) >= MEASURED_MIN]
         for cell in fresh:
             self._medians[cell] = float(np.median(self._cycles[cell]))
-        if fresh:
+        if fresh or old:
             cells = [cell for cell in self._medians if cell[0] in self.costs.cycle_ms]
             self._fit = fit_host_work(np.array([self.costs.cost(*cell) for cell in cells]),
                                       np.array([self._medians[cell] for cell in cells]))
