@@ -225,7 +225,8 @@ class LoadAwareChooser:
         from minutes ago set against one from now judged the drift, not the sizes (bench run 11: AR
         at 4 clients measured at 6.9 ms a cycle in the first round and never again, while AR's row
         ran at 672 tok/s, under 6 ms a cycle; `auto` stayed at B = 8, 0.92x of AR). Under the lock."""
-        old = [cell for cell, at in self._last_run.items() if self.clock() - at > STALE_S]
+        now = self.clock()
+        old = [cell for cell, at in self._last_run.items() if now - at > STALE_S]
         for cell in old:
             del self._last_run[cell], self._cycles[cell]
             self._medians.pop(cell, None)
