@@ -1,6 +1,7 @@
 """`trtspec bench`: prompt sets, the speed-up aggregation, and the command end to end on the tiny pair."""
 
 import json
+import statistics
 
 import pytest
 from helpers import assert_one_line_error, trtspec
@@ -179,11 +180,24 @@ def test_bench_concurrency_through_the_cli(target_dir, drafter_dir, prompts_file
         cell = [r for r in rows if r["concurrency"] == clients]
         best = max(cell, key=lambda r: r["throughput_tokens_per_s"])
         assert {r["best_fixed"] for r in cell} == {best["block_size"]}
-        assert best["vs_best"] == best["vs_best_paired"] == 1
+        assert best["vs_best"] == best["vs_best_paired"] == 1 and best["vs_best_ci95"] == [1, 1]
         assert all(r["vs_best"] == pytest.approx(r["throughput_tokens_per_s"] / best["throughput_tokens_per_s"])
                    for r in cell)
     bad = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--concurrency", "0,4")
     assert_one_line_error(bad, "--concurrency takes client counts")
+
+
+def test_the_interval_of_a_ratio_resamples_repeats_in_pairs():
+    """A host that drifts 3x over a run, and a row always 5% behind the other in the same repeat:
+    paired, the interval is exactly 0.95 (resampled apart it would span the drift). Noise widens it
+    around the ratio of the medians."""
+    from trtspec.concurrency import paired_interval
+
+    host = [100.0, 300.0, 150.0, 250.0, 120.0, 280.0, 200.0, 180.0]
+    assert paired_interval([0.95 * x for x in host], host) == pytest.approx([0.95, 0.95])
+    noisy = [x * f for x, f in zip(host, (0.9, 1.0, 0.93, 1.02, 0.96, 0.97, 1.01, 0.92))]
+    low, high = paired_interval(noisy, host)
+    assert 0.9 <= low < statistics.median(noisy) / statistics.median(host) < high <= 1.02
 
 
 def test_the_closed_loop_counts_the_steady_state_apart_from_the_drain(pipeline):
