@@ -284,8 +284,8 @@ class Engine:
                 for row, (active, chunk) in enumerate(rows):
                     active.prefilled += len(chunk)
                     active.prefill_s += took
-                    if self.runner.mask_token_id is not None:
-                        active.features.append(features[row].clone())
+                    if self.runner.mask_token_id is not None and active.request.config.block_size != 1:
+                        active.features.append(features[row].clone())  # the drafter's context (AR drafts none)
                     tail = logits[row] if active.tail_logits is None else torch.cat((active.tail_logits, logits[row]))
                     active.tail_logits = tail[-PREFILL_LOGITS:].clone()
                     if active.prefilled == len(active.request.prompt):
@@ -312,7 +312,7 @@ class Engine:
                                         self.runner.mask_token_id or 0, [grow_to])
         active.core.begin(0, bonus, len(request.prompt))
         active.stepper = Stepper(active.core, None if config.sampling.greedy else active.sampler.sample)
-        active.context = context
+        active.context = context if block_size > 1 else None
         active.features, active.tail_logits = [], None
         active.decoding_since = began
 

@@ -160,6 +160,7 @@ def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, dra
     measured = auto["measured_cycle_ms"]  # the engine's own cycles, by block size and batch
     assert measured and set(measured) <= set(costs["cycle_ms"])
     assert all(int(batch) <= 3 and ms > 0 for by_batch in measured.values() for batch, ms in by_batch.items())
+    assert sum(auto["decisions"].values()) == len(PROMPTS) + 3  # one verdict per auto request (and 3 warm-up)
     assert "cycle_costs_ms" not in rows[0]  # AR judged nothing
 
 

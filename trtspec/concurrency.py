@@ -181,6 +181,7 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
                 rows[-1]["measured_cycle_ms"] = measured
                 rows[-1]["learnt_tau"] = {str(b): chooser.tau(b, not sampling.greedy)  # pooled by cycles
                                           for b in chooser.costs.cycle_ms if b > 1}
+                rows[-1]["decisions"] = dict(chooser.decisions)  # kept the policy's choice / smaller / ar / load
     return rows
 
 

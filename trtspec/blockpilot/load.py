@@ -257,9 +257,10 @@ class LoadAwareChooser:
         """The size to run for a request the policy gave `choice` (or a function that gives it: it is
         only asked when its answer can change the outcome, since the policy's forward costs the
         engine thread ~1.5 ms per request, in which no request decodes)."""
+        rates, expected = self._rates(load, sampled)  # judged once, whichever sizes are then compared
         if callable(choice):
             widest = max(self.costs.cycle_ms)  # the policy's largest size: every candidate is judged
-            best = self._best(widest, load, sampled) if widest > 1 else 1
+            best = self._best(widest, load, sampled, rates, expected) if widest > 1 else 1
             # a choice c at or above `best` would come out as `best` too (its candidates include it and
             # none better; the same stay rule applies): only a choice below it, or a different choice
             # of that very size (a growing block), could come out otherwise
@@ -269,25 +270,29 @@ class LoadAwareChooser:
             choice = choice()
         if choice.size <= 1 or choice.size not in self.costs.cycle_ms:
             return choice
-        best = self._best(choice.size, load, sampled)
+        best = self._best(choice.size, load, sampled, rates, expected)
         self._count("kept" if best == choice.size else "ar" if best == 1 else "smaller")
         return choice if best == choice.size else BlockChoice(best)
 
-    def _best(self, size: int, load, sampled: bool) -> int:
-        """Of `size`, the smaller sizes and AR, the one that pays for the batch this request joins."""
-        if self._evidence(size, sampled)[1] < PRIOR_CYCLES:  # explore: nothing to judge by yet
-            return size
+    def _rates(self, load, sampled: bool) -> tuple[dict[int, float], int]:
+        """The batch this request joins (its expected size) and its rate at every size, all of it
+        at that size; AR's rate discounted by AR_MARGIN."""
         decoding = list(load.sampled or (False,) * len(load.block_sizes))
         joining = max(1, load.running - len(load.block_sizes))  # this one and those still prefilling
         waiting = min(load.queued, max(0, load.slots - load.running)) if load.slots else load.queued
         expected = max(len(decoding) + joining + waiting, round(load.recent))  # and those about to come (back)
         batch = decoding + [sampled] * (expected - len(decoding))
-        candidates = [size, *sorted((b for b in self.costs.cycle_ms if 1 < b < size), reverse=True), 1]
-        rates = {b: self.rate(b, batch) / (1 + AR_MARGIN if b == 1 else 1) for b in candidates}
+        return {b: self.rate(b, batch) / (1 + AR_MARGIN if b == 1 else 1) for b in self.costs.cycle_ms}, expected
+
+    def _best(self, size: int, load, sampled: bool, rates: dict[int, float], expected: int) -> int:
+        """Of `size`, the smaller sizes and AR, the one that pays for the batch this request joins."""
+        if self._evidence(size, sampled)[1] < PRIOR_CYCLES:  # explore: nothing to judge by yet
+            return size
+        candidates = [size, *sorted((b for b in rates if 1 < b < size), reverse=True), 1]
         best = max(candidates, key=rates.get)  # ties: the earlier
         counts = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes)
         usual = max(counts, key=counts.get, default=0)  # the size most of the batch runs now (0: none)
-        if usual in rates and rates[usual] >= (1 - STAY_MARGIN) * rates[best]:
+        if usual in candidates and rates[usual] >= (1 - STAY_MARGIN) * rates[best]:
             best = usual  # near a tie, join what most of the batch runs: two groups cost two calls
         if best != 1 and usual in (0, 1) and rates[1] >= (1 - AR_EXPLORE) * rates[best] \
                 and (1, expected) not in self.measured():
