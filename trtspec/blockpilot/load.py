@@ -60,7 +60,7 @@ speculation accepts (AR requests show no acceptance), so it explores first.
 The choice is still made once per request, at admission, as in the research.
 Where the load settles the size whatever the policy answers (AR, or a size no larger than any of
 the policy's choices), the policy is not asked: its forward (mostly the prompt's confidence over
-the prefill's tail logits) costs the engine thread ~1.5 ms per request, in which no request decodes.
+the prefill's tail logits) costs the engine thread ~1 ms per request, in which no request decodes.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ class LoadAwareChooser:
     def __call__(self, choice: BlockChoice | Callable[[], BlockChoice], load, sampled: bool = False) -> BlockChoice:
         """The size to run for a request the policy gave `choice` (or a function that gives it: it is
         only asked when its answer can change the outcome, since the policy's forward costs the
-        engine thread ~1.5 ms per request, in which no request decodes)."""
+        engine thread ~1 ms per request, in which no request decodes)."""
         rates, expected = self._rates(load, sampled)  # judged once, whichever sizes are then compared
         if callable(choice):
             widest = max(self.costs.cycle_ms)  # the policy's largest size: every candidate is judged
