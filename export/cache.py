@@ -41,7 +41,7 @@ def graph_key(name: str, suffix: str, spec: GraphSpec, *, sources: dict[str, str
               dtype: torch.dtype, device: torch.device) -> str:
     """The cache entry's name; `sources`: content hashes of the checkpoints and the draft vocabulary."""
     key = {"graph": name, "format": suffix, "spec": spec.to_dict(), "sources": sources, "max_context": max_context,
-           "dtype": str(dtype), "device": device.type, "trtspec": __version__, "code": _code_sha256(),
+           "dtype": str(dtype), "device": device.type, "trtspec": __version__, "code": code_sha256(),
            "versions": {package: _version(package) for package in ("torch", "onnx", "onnxscript")}}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + suffix
 
@@ -65,7 +65,8 @@ def export_cached(destination: Path, key: str, export: Callable[[Path], None]) -
 
 
 @functools.cache
-def _code_sha256() -> str:
+def code_sha256() -> str:
+    """Of the code that decides what a graph computes: a change to it makes graphs built before stale."""
     digest = hashlib.sha256()
     for package in SOURCES:
         folder = Path(importlib.import_module(f"trtspec.{package}").__file__).parent

@@ -77,3 +77,14 @@ def test_the_cache_key_changes_with_the_drafters_shipped_policy(target_dir, draf
     first = engine_key(target_dir, drafter, (4, 8))
     (drafter / DRAFTER_POLICY_DIR / POLICY_CONFIG).write_text('{"choices": ["12"]}')
     assert len({bare, first, engine_key(target_dir, drafter, (4, 8))}) == 3
+
+
+def test_the_cache_key_changes_with_the_code_the_graphs_come_from(target_dir, drafter_dir, monkeypatch):
+    """An upgrade that changes what the step graphs compute (or how fast) must not reuse engines
+    built from the old graphs."""
+    from trtspec.engine_cache import engine_key
+    from trtspec.export import cache
+
+    before = engine_key(target_dir, drafter_dir, (4, 8))
+    monkeypatch.setattr(cache, "code_sha256", lambda: "other graph code")
+    assert engine_key(target_dir, drafter_dir, (4, 8)) != before

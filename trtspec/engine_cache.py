@@ -4,9 +4,9 @@ On a CPU the demo pair decodes faster through an ONNX Runtime engine than in eag
 only there does speculation beat autoregressive decoding, but building an engine is a separate
 step a new user does not know about. So `auto` builds one the first time a (target, drafter,
 options) combination runs, into the cache directory under a key made of the checkpoints' content
-hashes, the draft-vocabulary counts, the build options and the trtspec version, and reuses it from
-then on. Nothing stale can be picked up: a changed checkpoint is a new key, and the engine's own
-manifest checks every file it loads.
+hashes, the draft-vocabulary counts, the build options, the trtspec version and the code the graphs
+are exported from, and reuses it from then on. Nothing stale can be picked up: a changed checkpoint
+or graph code is a new key, and the engine's own manifest checks every file it loads.
 
 `auto` stays eager on CUDA: a TensorRT build takes minutes and is tuned per GPU, so it is an
 explicit `trtspec build --backend tensorrt`, then `--engine DIR`.
@@ -51,6 +51,7 @@ def engine_key(target_dir: Path, drafter_dir: Path, sizes: tuple[int, ...], draf
     BlockPilot policy included (the engine embeds it)."""
     from trtspec.blockpilot.policy import drafter_policy
     from trtspec.export.bindings import MAX_BATCH
+    from trtspec.export.cache import code_sha256
     from trtspec.models.draft_vocab import DRAFTER_VOCAB_DIR
 
     counts = Path(draft_counts) if draft_counts else drafter_dir / DRAFTER_VOCAB_DIR
@@ -58,7 +59,7 @@ def engine_key(target_dir: Path, drafter_dir: Path, sizes: tuple[int, ...], draf
     key = {"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir),
            "draft_vocab": draft_vocab, "counts": record_artifacts(counts) if draft_vocab and counts.is_dir() else None,
            "policy": record_artifacts(policy) if policy is not None else None,
-           "block_sizes": sizes, "max_batch": MAX_BATCH, "trtspec": __version__}
+           "block_sizes": sizes, "max_batch": MAX_BATCH, "trtspec": __version__, "graph_code": code_sha256()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 

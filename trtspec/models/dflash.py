@@ -18,7 +18,7 @@ from trtspec.errors import MismatchError
 from trtspec.models.checkpoint import (build_empty, checkpoint_dir, load_into, load_state_dict, read_json,
                                        save_checkpoint)
 from trtspec.models.config import DFlashConfig, Qwen3Config
-from trtspec.models.layers import DecoderLayer, KVCache, RMSNorm, RotaryEmbedding
+from trtspec.models.layers import DecoderLayer, Keys, KVCache, RMSNorm, RotaryEmbedding, key_parts
 from trtspec.models.target import Qwen3Target
 
 
@@ -134,7 +134,7 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(features))
 
     def block_pass(self, block_tokens: torch.Tensor, positions: torch.Tensor,
-                   context_kv: Callable[[int, nn.Module], tuple[torch.Tensor, torch.Tensor]],
+                   context_kv: Callable[[int, nn.Module], tuple[Keys, Keys]],
                    mask: torch.Tensor | None) -> torch.Tensor:
         """The decoder stack over block tokens; context enters each layer only as keys/values."""
         if self._shared is None:
@@ -147,9 +147,7 @@ class DFlashDrafter(nn.Module):
             x = layer.input_layernorm(h)
             q = attn.project_q(x, cos, sin)
             blk_k, blk_v = attn.project_kv(x, cos, sin)
-            k = torch.cat((ctx_k, blk_k), dim=2)
-            v = torch.cat((ctx_v, blk_v), dim=2)
-            h = h + attn.attend(q, k, v, mask)
+            h = h + attn.attend(q, (*key_parts(ctx_k), blk_k), (*key_parts(ctx_v), blk_v), mask)
             h = layer.feed_forward(h)
         return self.norm(h)
 

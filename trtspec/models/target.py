@@ -23,10 +23,10 @@ from torch import nn
 
 from trtspec.models.checkpoint import build_empty, checkpoint_dir, load_into, load_state_dict, read_json
 from trtspec.models.config import Qwen3Config, target_config_from_dict
-from trtspec.models.layers import DecoderLayer, KVCache, RMSNorm, RotaryEmbedding
+from trtspec.models.layers import DecoderLayer, Keys, KVCache, RMSNorm, RotaryEmbedding
 
-# (layer index, new keys, new values) -> the keys and values those tokens attend to
-KVHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (layer index, new keys, new values) -> the keys and values those tokens attend to (whole or in parts)
+KVHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[Keys, Keys]]
 
 
 class Backbone(nn.Module):
