@@ -65,7 +65,7 @@ class Load:
 
     queued: int
     running: int
-    block_sizes: tuple[int, ...]  # current block size of each running request that is decoding
+    block_sizes: tuple[int, ...]  # current block size of each running request that is decoding, oldest first
     sampled: tuple[bool, ...] = ()  # whether each of them samples (T > 0), in the same order
     recent: float = 0.0  # requests running, averaged over the last second or so (RECENT_S)
     slots: int = 0  # requests that can run together (max_running; 0: unknown)

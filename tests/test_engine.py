@@ -370,6 +370,29 @@ def test_load_aware_blockpilot_adds_the_host_work_the_table_lacks():
     assert fit_host_work(np.array([10.0, 40.0]), np.array([5.0, 30.0]))[1] == 0.0  # no host work: the ratio
 
 
+def test_load_aware_blockpilot_follows_the_batch_where_it_is_heading():
+    """Near a tie an admission joins the latest admission's size, not the majority's: a move to a
+    better size then finishes within one request's life. Joining the majority held a batch on the
+    worse of two close sizes and let each admission that found the margin open a second group for
+    its whole life (the demo pair at 4 clients, AR 4% ahead of B = 8: 0.94x of AR, bench run 15)."""
+    from trtspec.blockpilot.load import MEASURED_MIN, WINDOW, CostTable, LoadAwareChooser
+    from trtspec.runtime.engine import Load
+    from trtspec.runtime.schedule import BlockChoice
+
+    chooser, eight = LoadAwareChooser(CostTable((1, 2, 4), {1: [8.0, 9.0, 10.0], 8: [16.0, 22.0, 34.0]})), BlockChoice(8)
+    chooser.observe(eight, _cycles(8, {1: 30_000, 2: 70_000}))  # tau 2.7
+    for _ in range(MEASURED_MIN):
+        chooser.observe_cycle(8, 4, 27.0)  # 4 x 2.7 / 27 ms = 0.40 tokens per ms
+        chooser.observe_cycle(1, 4, 9.4)  # 4 / 9.4 ms = 0.43, 0.41 after AR_MARGIN: ahead by 3%
+    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # nothing decodes: the best
+    assert chooser(eight, Load(0, 4, (8, 8, 8))) == eight  # within STAY_MARGIN: no second group for 3%
+    assert chooser(eight, Load(0, 4, (8, 8, 1))) == BlockChoice(1)  # the batch is moving to AR: follow it
+    assert chooser(eight, Load(0, 4, (1, 1, 8))) == eight  # ... or back to 8, once an admission went there
+    for _ in range(WINDOW):
+        chooser.observe_cycle(1, 4, 8.0)  # AR 21% ahead, past the margin: the batch starts to move
+    assert chooser(eight, Load(0, 4, (8, 8, 8))) == BlockChoice(1)
+
+
 def test_the_engine_learns_acceptance_from_every_speculative_request():
     """tau is a property of the drafter on the engine's traffic, not of `auto` requests alone: an
     engine that served fixed sizes already knows what `auto` would accept. A growing block's grown

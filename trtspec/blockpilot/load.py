@@ -26,10 +26,17 @@ every admission applies the same rule, so the batch drifts to what pays at its s
 only this request's effect, with the others fixed, locks a batch into whatever its first
 requests chose: joining a running group at 8 costs less than opening an AR call, though all-AR
 is faster; on the demo pair at 8 and 16 clients that ran 10-15% below AR.) Near a tie (within
-STAY_MARGIN) it joins the size most of the batch runs: flipping between two close options splits
-the batch into two groups, and two calls per cycle cost more than either option (on the demo pair
-at 4 clients a margin of 4% let a few AR requests into a batch at B = 8: each held a second call in
-every cycle of its long life, and the cell ran 18% below B = 8 alone). AR must beat speculation by
+STAY_MARGIN) it joins the size the batch is heading to, that of the latest request admitted of those
+decoding: flipping between two close options splits the batch into two groups, and two calls per
+cycle cost more than either option (on the demo pair at 4 clients a margin of 4% let a few AR
+requests into a batch at B = 8: each held a second call in every cycle of its long life, and the
+cell ran 18% below B = 8 alone). The latest admission, not the majority: once an admission finds
+another size better by the margin, the ones after it follow, and the old group drains within one
+request's life. Joining the majority kept a batch on the worse of two close sizes, and every later
+admission that found the margin opened a second group for its own life, after which the batch fell
+back (an AR request of 128 tokens holds a second call for 128 cycles): on the demo pair at 4
+clients, where AR led B = 8 by 4%, rounds whose first admissions took B = 8 ran mixed, and the cell
+ran 0.94x of AR (bench run 15). AR must beat speculation by
 AR_MARGIN: where they tie on throughput, speculation serves each request sooner (demo pair, 4
 clients: p50 latency 0.66 s against 0.79 s). The margin is small because the demo pair's two
 sides are close: with the drain out of the throughput, AR leads B = 8 by 6-12% at 8 clients and
@@ -44,8 +51,9 @@ STALE_S counts as never run: the host's speed drifts, and costs are only compara
 at about the same time.
 The batch a request joins counts the requests decoding, those still prefilling, those queued for
 the free slots, and the running count averaged over about a second (clients about to come back).
-On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 beats both 12
-and AR; from 8 clients, AR.
+On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 and AR within a
+few percent of each other (B = 8 ahead by 6% before the one-copy step graphs, AR by 4% since);
+from 8 clients, AR.
 
 tau per block size is learnt online from every speculative request the engine finished (auto or a
 fixed size: the drafter and the traffic are the same) of at least OBSERVED_MIN cycles, pooled by
@@ -67,7 +75,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -79,7 +87,7 @@ from trtspec.runtime.schedule import BlockChoice
 
 BATCHES = (1, 2, 4, 8, 16)
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
-STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the batch's current size
+STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the size the batch is heading to
 AR_MARGIN = 0.03        # AR must beat speculation by this much: at equal throughput, speculation serves sooner
 AR_EXPLORE = 0.15        # AR within this of the best, at a batch the engine never ran AR at: run AR to measure it
 OBSERVED_MIN = 8         # decode cycles a finished request needs to count as evidence of tau (below)
@@ -290,11 +298,11 @@ class LoadAwareChooser:
             return size
         candidates = [size, *sorted((b for b in rates if 1 < b < size), reverse=True), 1]
         best = max(candidates, key=rates.get)  # ties: the earlier
-        counts = Counter(b if b in self.costs.cycle_ms else 1 for b in load.block_sizes)
-        usual = max(counts, key=counts.get, default=0)  # the size most of the batch runs now (0: none)
-        if usual in candidates and rates[usual] >= (1 - STAY_MARGIN) * rates[best]:
-            best = usual  # near a tie, join what most of the batch runs: two groups cost two calls
-        if best != 1 and usual in (0, 1) and rates[1] >= (1 - AR_EXPLORE) * rates[best] \
+        # the size the batch is heading to: the latest admission's, of those decoding (0: none decodes)
+        heading = next((b if b in self.costs.cycle_ms else 1 for b in reversed(load.block_sizes)), 0)
+        if heading in candidates and rates[heading] >= (1 - STAY_MARGIN) * rates[best]:
+            best = heading  # near a tie, go where the batch goes: two groups cost two calls
+        if best != 1 and heading in (0, 1) and rates[1] >= (1 - AR_EXPLORE) * rates[best] \
                 and (1, expected) not in self.measured():
             best = 1  # AR at this batch is the table's guess and close: run it (opening no second group) to know
         return best
