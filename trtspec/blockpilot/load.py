@@ -35,8 +35,8 @@ another size better by the margin, the ones after it follow, and the old group d
 request's life. Joining the majority kept a batch on the worse of two close sizes, and every later
 admission that found the margin opened a second group for its own life, after which the batch fell
 back (an AR request of 128 tokens holds a second call for 128 cycles): on the demo pair at 4
-clients, where AR led B = 8 by 4%, rounds whose first admissions took B = 8 ran mixed, and the cell
-ran 0.94x of AR (bench run 15). AR must beat speculation by
+clients, where AR led B = 8 by 4%, a round whose first admissions took B = 8 stayed there (68 of
+512 requests), and the cell ran 0.94x of AR (bench run 15). AR must beat speculation by
 AR_MARGIN: where they tie on throughput, speculation serves each request sooner (demo pair, 4
 clients: p50 latency 0.66 s against 0.79 s). The margin is small because the demo pair's two
 sides are close: with the drain out of the throughput, AR leads B = 8 by 6-12% at 8 clients and
