@@ -298,8 +298,10 @@ class LoadAwareChooser:
             return size
         candidates = [size, *sorted((b for b in rates if 1 < b < size), reverse=True), 1]
         best = max(candidates, key=rates.get)  # ties: the earlier
-        # the size the batch is heading to: the latest admission's, of those decoding (0: none decodes)
-        heading = next((b if b in self.costs.cycle_ms else 1 for b in reversed(load.block_sizes)), 0)
+        # the size the batch is heading to: the latest admission's, of those decoding (0: none decodes;
+        # a size outside the table counts as AR, as before)
+        heading = load.block_sizes[-1] if load.block_sizes else 0
+        heading = heading if heading in self.costs.cycle_ms or heading == 0 else 1
         if heading in candidates and rates[heading] >= (1 - STAY_MARGIN) * rates[best]:
             best = heading  # near a tie, go where the batch goes: two groups cost two calls
         if best != 1 and heading in (0, 1) and rates[1] >= (1 - AR_EXPLORE) * rates[best] \
