@@ -7,14 +7,18 @@ from dataclasses import dataclass
 
 import torch
 
-from trtspec.limits import SEED, SEED_MAX, TEMPERATURE, TOP_K, TOP_P
+from trtspec.limits import SAMPLING_RESOLUTION, SEED, SEED_MAX, TEMPERATURE, TOP_K, TOP_P
 
 TOP_P_CANDIDATES = 256  # tokens sorted for top-p before falling back to the whole vocabulary
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Ranges: trtspec.limits (T >= 0 and finite, top-k >= 0, top-p in (0, 1], seed in [0, 2**63-1])."""
+    """Ranges: trtspec.limits (T >= 0 and finite, top-k >= 0, top-p in (0, 1], seed in [0, 2**63-1]).
+
+    A temperature or top-p below float32's resolution (limits.SAMPLING_RESOLUTION) is stored as
+    greedy (temperature 0), its limit: float32 would round it to 0 and sample garbage. Normalised
+    here, so eager decoding, the engines and both servers decode it the same way."""
 
     temperature: float = 0.0   # 0 = greedy
     top_k: int = 0             # 0 = off
@@ -27,6 +31,8 @@ class SamplingConfig:
         object.__setattr__(self, "top_p", TOP_P.check(self.top_p))
         if self.seed is not None:
             object.__setattr__(self, "seed", SEED.check(self.seed))
+        if self.temperature < SAMPLING_RESOLUTION or self.top_p < SAMPLING_RESOLUTION:
+            object.__setattr__(self, "temperature", 0.0)  # T -> 0 and top-p -> 0: the likeliest token
 
     @property
     def greedy(self) -> bool:

@@ -192,3 +192,23 @@ def test_top_k_and_top_p_filter_the_distribution():
 def test_seeded_sampling_is_reproducible(engine):
     config = GenerationConfig(block_size=4, max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=7))
     assert generate(engine, PROMPT, config).tokens == generate(engine, PROMPT, config).tokens
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1e-50, seed=3),
+                                      SamplingConfig(temperature=1.0, top_p=1e-300, seed=3),
+                                      SamplingConfig(temperature=1e-45, top_p=1e-40, top_k=5, seed=3)],
+                         ids=["T=1e-50", "top_p=1e-300", "both-subnormal"])
+def test_a_temperature_or_top_p_below_float32_resolution_decodes_greedy(sampling):
+    """Float32 rounds such a T or top-p to 0 (0/0 before the fix: one token repeated); their limit,
+    the likeliest token, is what the eager loop and the batched engine decode."""
+    from trtspec.api import Pipeline
+    from trtspec.assets import resolve_drafter, resolve_target
+
+    pipeline = Pipeline(resolve_target(None), resolve_drafter(None, None))
+    prompt = "def fibonacci(n):"
+    greedy = pipeline.generate(prompt, GenerationConfig(block_size=8, max_new_tokens=24)).tokens
+    tiny = GenerationConfig(block_size=8, max_new_tokens=24, sampling=sampling)
+    assert len(set(greedy)) > 3  # a real continuation, not one token repeated
+    assert pipeline.generate(prompt, tiny).tokens == greedy
+    assert [r.tokens for r in pipeline.generate_batch([prompt, prompt], [tiny, tiny], max_running=2)] == [greedy, greedy]
+    assert sampling.greedy and sampling.temperature == 0.0  # normalised once, so the servers get it too

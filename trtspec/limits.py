@@ -89,8 +89,11 @@ def parse_int(text: str) -> int | None:
     return int(text) if re.fullmatch(r"[0-9]+", text) else None
 
 
-# Sampling. Any T > 0 is numerically safe: logits are shifted by their maximum before dividing by
-# T, so a tiny T approaches greedy decoding instead of overflowing the softmax.
+# Sampling. Logits are shifted by their maximum before dividing by T, so a tiny T approaches greedy
+# decoding instead of overflowing the softmax. Sampling runs in float32, where a T or top-p below
+# its smallest normal number (SAMPLING_RESOLUTION, ~1.2e-38) rounds to 0 (1e-50 would divide 0 by
+# 0): SamplingConfig decodes both as their limit, greedy (the likeliest token), in every path.
+SAMPLING_RESOLUTION = 2.0**-126  # float32's smallest normal number (torch.finfo(torch.float32).tiny)
 TEMPERATURE = Limit("temperature", 0.0, math.inf, integer=False)
 TOP_K = Limit("top-k", 0, INT32_MAX)             # 0 = off; k >= vocabulary is off too
 TOP_P = Limit("top-p", 0.0, 1.0, integer=False, low_open=True)

@@ -110,7 +110,7 @@ draft_vocab_options = _draft_vocab_options()
 
 sampling_options = _stack(
     click.option("--temperature", type=Ranged(limits.TEMPERATURE), default=0.0, show_default=True,
-                 help="0 = greedy; any T > 0 is numerically safe (a tiny T approaches greedy)."),
+                 help="0 = greedy; a tiny T approaches greedy, and one below float32's resolution (~1.2e-38) decodes greedy."),
     click.option("--top-k", type=Ranged(limits.TOP_K), default=0, show_default=True,
                  help="Sample from the k likeliest (0 = off)."),
     click.option("--top-p", type=Ranged(limits.TOP_P), default=1.0, show_default=True,
