@@ -393,6 +393,26 @@ def test_subprocess_entry_point_agrees(prompt_file):
     assert_one_line_error(result, "--top-p must be a number in (0, 1], got 0")
 
 
+def test_threads_beyond_the_cores_are_refused_in_one_line():
+    """Before: `--threads 3000` (then inside the range) started ~9,500 threads, exhausting the process
+    limit, and did not exit. The bound is the cores this process may use, from the flag or the env."""
+    import torch
+
+    from trtspec.limits import cpu_cores
+
+    cores, threads = cpu_cores(), torch.get_num_threads()
+    expected = f"must be an integer in [1, {cores}] (the CPU cores this process may use), got {cores + 1}"
+    try:
+        assert_one_line_error(trtspec("--threads", cores + 1, "run", "--help"), f"--threads {expected}")
+        result = CliRunner().invoke(cli, ["run", "--help"], env={"TRTSPEC_THREADS": str(cores + 1), "TRTSPEC_DEBUG": None})
+        assert_one_line_error(SimpleNamespace(returncode=result.exit_code, stdout=result.stdout_bytes,
+                                              stderr=result.stderr_bytes), f"TRTSPEC_THREADS {expected}")
+        assert_one_line_error(trtspec("--threads", "0", "run", "--help"), "--threads must be an integer in [1, ")
+        assert trtspec("--threads", cores, "run", "--help").returncode == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 # --- fuzz ------------------------------------------------------------------------------------------
 
 BAD_VALUES = {

@@ -11,7 +11,7 @@ import os
 
 import click
 
-from trtspec import __version__
+from trtspec import __version__, limits
 from trtspec.commands.bench import bench
 from trtspec.commands.build import build
 from trtspec.commands.dbloom import expand_block, preflight
@@ -38,12 +38,16 @@ class TrtspecGroup(click.Group):
 
 @click.group(cls=TrtspecGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="trtspec")
-@click.option("--threads", type=click.IntRange(min=1), envvar="TRTSPEC_THREADS", metavar="N",
-              help="CPU threads for torch and ONNX Runtime (env TRTSPEC_THREADS). [default: torch's choice (the cores), "
-                   "except 1 for eager PyTorch on a model under 256 MiB, which more threads only slow down]")
+@click.option("--threads", envvar="TRTSPEC_THREADS", metavar="N",
+              help=f"CPU threads for torch and ONNX Runtime, 1 to the cores ({limits.THREADS.high:g} here; env "
+                   "TRTSPEC_THREADS). [default: torch's choice (the cores), except 1 for eager PyTorch on a model "
+                   "under 256 MiB, which more threads only slow down]")
 @click.pass_context
-def cli(ctx: click.Context, threads: int | None) -> None:
+def cli(ctx: click.Context, threads: str | None) -> None:
     """trtspec: lossless speculative decoding with block-diffusion (DFlash) drafters."""
+    if threads is not None:  # checked here, inside invoke, so a bad value is one line like every other
+        from_env = ctx.get_parameter_source("threads") == click.core.ParameterSource.ENVIRONMENT
+        threads = limits.THREADS.parse(threads, "TRTSPEC_THREADS" if from_env else "--threads")
     ctx.meta[THREADS] = threads  # None: commands that load a model choose (commands.options._choose_threads)
     if threads is not None:
         import torch

@@ -9,6 +9,7 @@ names the flag or field. The README's table of ranges is this module.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 
@@ -29,13 +30,14 @@ class Limit:
     high: float
     integer: bool = True
     low_open: bool = False
+    why: str = ""  # where the bound comes from, when it is not a fixed number (the machine's cores, ...)
 
     def describe(self) -> str:
         kind = "an integer" if self.integer else "a number"
         if math.isinf(self.high):
             return f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
         high = {INT32_MAX: "2**31-1", SEED_MAX: "2**63-1"}.get(self.high, f"{self.high:g}")
-        return f"{kind} in {'(' if self.low_open else '['}{self.low:g}, {high}]"
+        return f"{kind} in {'(' if self.low_open else '['}{self.low:g}, {high}]" + (f" ({self.why})" if self.why else "")
 
     def check(self, value, label: str | None = None):
         """`value` as int or float if it is in range; else a one-line TrtspecError naming `label`."""
@@ -72,6 +74,14 @@ def _number(value, integer: bool) -> int | float | None:
     return None
 
 
+def cpu_cores() -> int:
+    """The CPUs this process may run on (its affinity: a container's or taskset's share), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
@@ -103,8 +113,16 @@ MAX_NEW_TOKENS = Limit("max new tokens", 1, INT32_MAX)
 MAX_CONTEXT = Limit("max context", 2, INT32_MAX)
 LIMIT = Limit("limit", 1, INT32_MAX)             # first N prompts
 BATCH = Limit("batch", 1, 64)                    # requests decoded together (export.bindings.MAX_BATCH)
+# Requests a continuous-batching engine decodes together (serve --max-concurrency, the Triton
+# model's max_running): each holds a KV cache for the whole context, so the memory those need is
+# also checked against the device's before they are allocated (trtspec.runtime.memory).
+CONCURRENCY = Limit("concurrency", 1, 4096)
 COUNT = Limit("count", 1, INT32_MAX)             # repeats, batch sizes, steps, layers, instances, ...
-NON_NEGATIVE = Limit("count", 0, INT32_MAX)      # optional steps, threads (0 = default)
+NON_NEGATIVE = Limit("count", 0, INT32_MAX)      # optional steps, triton-repo's threads per instance (0 = default)
+# CPU threads (--threads, TRTSPEC_THREADS): each is an OS thread per thread pool (torch's, and
+# ONNX Runtime's per session), so more than the cores only contend, and thousands exhaust the
+# process limit.
+THREADS = Limit("threads", 1, cpu_cores(), why="the CPU cores this process may use")
 POSITIVE_REAL = Limit("value", 0.0, math.inf, integer=False, low_open=True)  # learning rates
 NON_NEGATIVE_REAL = Limit("value", 0.0, math.inf, integer=False)             # weights, decays (0 = default)
 TOKEN_ID = Limit("token id", 0, INT32_MAX)
