@@ -122,15 +122,22 @@ class TextStream:
     """Committed token ids in, text pieces out, which join to exactly the decoded text (cut before
     the first stop string, if any). Every front end streams through it: Pipeline.generate, the
     Triton model and `trtspec serve`. Text that could still begin a stop string, and the bytes
-    of an unfinished UTF-8 sequence, are held back until they cannot / until `finish`."""
+    of an unfinished UTF-8 sequence, are held back until they cannot / until `finish`. Each
+    character is looked at once per stop string (`_StopMatch`): the work is linear in the text."""
 
     def __init__(self, codec: "TextCodec", stops: tuple[str, ...] = ()):
-        self.codec, self.stops = codec, stops
+        self.codec, self.stops = codec, tuple(stops)
         self.decoder = codec.streamer()
-        self.text = ""       # all decoded text so far (until a stop: then the text before it)
-        self.sent = 0        # characters of `text` handed out
+        self._match = _StopMatch(self.stops) if self.stops else None
+        self._sent: list[str] = []  # the pieces handed out
+        self._held = ""             # decoded text not handed out yet (a possible stop's beginning, or new)
         self.tokens: list[int] = []
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All decoded text so far (after a stop: the text before it)."""
+        return "".join(self._sent) + self._held
 
     def push(self, tokens: list[int]) -> str:
         """The text that can be sent after these tokens ('' when none); stops at a stop string."""
@@ -146,26 +153,74 @@ class TextStream:
     def finish(self, tokens: list[int]) -> str:
         """The rest once the request has ended (`tokens`: all it committed)."""
         if not self.stopped:
-            whole = self.codec.decode(tokens)
-            if whole.startswith(self.text) and len(whole) > len(self.text):  # bytes the decoder held back
-                self._extend(whole[len(self.text):])
+            whole, text = self.codec.decode(tokens), self.text
+            if whole.startswith(text) and len(whole) > len(text):  # bytes the decoder held back
+                self._extend(whole[len(text):])
             self.tokens = list(tokens)
         return self._take(final=True)
 
     def _extend(self, piece: str) -> None:
-        start = max(0, len(self.text) - max(map(len, self.stops), default=0))
-        self.text += piece
-        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if found:
-            self.text, self.stopped = self.text[:min(found)], True
+        # A stop cannot begin in text already sent: that text ended no possible stop beginning.
+        cut = self._match.feed(piece) if self._match is not None else None
+        self._held += piece
+        if cut is not None:
+            self._held, self.stopped = self._held[:len(self._held) - cut], True
 
     def _take(self, final: bool) -> str:
-        end = len(self.text)
-        if not final and not self.stopped:
-            for stop in self.stops:  # hold back a tail that may begin a stop string
-                for k in range(min(len(stop) - 1, end), 0, -1):
-                    if self.text.endswith(stop[:k]):
-                        end = min(end, len(self.text) - k)
-                        break
-        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        keep = self._match.longest if self._match is not None and not final and not self.stopped else 0
+        piece, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+        if piece:
+            self._sent.append(piece)
         return piece
+
+
+class _StopMatch:
+    """Knuth-Morris-Pratt matching of every stop string against text fed piece by piece: for each
+    stop, the length of its longest beginning that ends the text so far. Those lengths say how
+    much of the text to hold back, and a length reaching the whole stop is a match; each new
+    character costs amortized O(1) per stop, whatever the stops' lengths."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.fallback = [_kmp_fallback(stop) for stop in stops]
+        self.ends = [0] * len(stops)  # per stop: characters of its beginning that end the text
+
+    @property
+    def longest(self) -> int:
+        """Characters at the end of the text that may begin a stop."""
+        return max(self.ends)
+
+    def feed(self, piece: str) -> int | None:
+        """None, or (when a stop ends inside `piece`) how many characters at the end of the text,
+        counted back from its end, begin with the earliest such stop and are cut."""
+        cut = None
+        for i, (stop, fallback) in enumerate(zip(self.stops, self.fallback)):
+            k, j = self.ends[i], 0
+            while j < len(piece):
+                if k == 0:  # skip to the next character that begins the stop (C speed)
+                    j = piece.find(stop[0], j)
+                    if j < 0:
+                        j = len(piece)
+                        break
+                    k, j = 1, j + 1
+                else:
+                    char = piece[j]
+                    while k and stop[k] != char:
+                        k = fallback[k - 1]
+                    k, j = k + (stop[k] == char), j + 1
+                if k == len(stop):
+                    cut = max(cut or 0, len(piece) - j + k)  # from the end of the text: farther back is earlier
+                    break
+            self.ends[i] = k
+        return cut
+
+
+def _kmp_fallback(stop: str) -> list[int]:
+    """KMP's failure function: [i] is the longest proper beginning of stop[:i + 1] that also ends it."""
+    fallback, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fallback[k - 1]
+        k += stop[i] == stop[k]
+        fallback[i] = k
+    return fallback
