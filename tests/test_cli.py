@@ -54,7 +54,7 @@ def test_chat_template_and_extra_stop(target_dir, drafter_dir, prompt_file):
                                "--json", "--max-new-tokens", 30).stdout)
     stop = plain["tokens"][4]
     stopped = trtspec("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--json",
-                      "--max-new-tokens", 30, "--stop", stop)
+                      "--max-new-tokens", 30, "--stop-token-id", stop)
     tokens = json.loads(stopped.stdout)["tokens"]
     assert tokens == plain["tokens"][:plain["tokens"].index(stop) + 1]
     chat = trtspec("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--chat",
@@ -97,13 +97,13 @@ def _bad_inputs(tmp, target_dir, drafter_dir, prompt_file):
         "negative temperature": (("run", prompt_file, *common, "--temperature", -0.5), "temperature must be"),
         "non-UTF-8 prompt": (("run", latin1, *common), "not valid UTF-8"),
         "bad top-p": (("run", prompt_file, *common, "--top-p", 0), "top-p must be"),
-        "multi-token stop": (("run", prompt_file, *common, "--stop", "return a + b and more"), "single tokens"),
+        "stop id out of range": (("run", prompt_file, *common, "--stop-token-id", 99999), "is not a token id"),
     }
 
 
 CASES = ["missing target", "missing drafter", "missing prompt", "no drafter given", "corrupt safetensors",
          "mismatched pair", "empty prompt", "prompt longer than context", "block size too large",
-         "block size one", "negative temperature", "non-UTF-8 prompt", "bad top-p", "multi-token stop"]
+         "block size one", "negative temperature", "non-UTF-8 prompt", "bad top-p", "stop id out of range"]
 
 
 @pytest.mark.parametrize("case", CASES)

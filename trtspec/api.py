@@ -6,7 +6,7 @@ The CLI and serving code are thin layers over `Pipeline`; it never touches click
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -132,8 +132,7 @@ class Pipeline:
         Close it when done."""
         if isinstance(self.runner, EagerRunner):
             runner = BatchRunner.eager(self.target, self.drafter if self.has_drafter else None, config.max_running,
-                                       cuda_graphs=self.cuda_graphs)
-            runner.max_context = self.runner.max_context
+                                       cuda_graphs=self.cuda_graphs, max_context=self.runner.max_context)
         else:
             runner = BatchRunner.compiled(self.runner, config.max_running)
         chooser = None
@@ -144,26 +143,29 @@ class Pipeline:
         return Engine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
 
     def generate_batch(self, prompts: list[str], configs: list[GenerationConfig], *, chat: bool = False,
-                       max_running: int = 8) -> list[TextResult]:
-        """Decode many prompts together (continuous batching); results in the prompts' order."""
+                       max_running: int = 8, stops: tuple[str, ...] = ()) -> list[TextResult]:
+        """Decode many prompts together (continuous batching); results in the prompts' order, each
+        cut before its first stop string (`stops`, as in `generate`)."""
         if len(prompts) != len(configs):
             raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
         config = EngineConfig(max_running=max_running, max_queued=max(1, len(prompts)))
         with self.engine(config, load_aware=any(c.block_size == AUTO for c in configs)) as engine:
             requests = [engine.submit(self.codec.encode(p, chat=chat), c) for p, c in zip(prompts, configs)]
             generations = [r.result() for r in requests]
-        return [TextResult(self.codec.decode(g.tokens), g) for g in generations]
+        return [_cut_at_stops(self.codec, g, stops) for g in generations]
 
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
                  on_text: Callable[[str], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> TextResult:
+                 cancelled: Callable[[], bool] | None = None, stops: tuple[str, ...] = ()) -> TextResult:
         """Decode `prompt`; `on_text` receives text pieces as tokens are committed, and together
         they are exactly the result's text. `cancelled` is asked after every cycle; when it says
-        so, decoding stops there with `Cancelled` (a server frees its instance at once)."""
+        so, decoding stops there with `Cancelled` (a server frees its instance at once). The text
+        ends before the first of the stop strings `stops` (TextCodec.stop_strings checks them; put
+        the ids of single-token ones among the config's stop ids to end decoding there too)."""
         ids = self.codec.encode(prompt, chat=chat)
         if not ids:
             raise TrtspecError("the prompt is empty")
-        on_commit, stream = None, TextStream(self.codec)
+        on_commit, stream = None, TextStream(self.codec, stops)
         if on_text is not None or cancelled is not None:
 
             def on_commit(tokens: list[int]) -> None:
@@ -175,8 +177,25 @@ class Pipeline:
 
         config = config.with_stop_ids(self.codec.stop_ids)
         generation = generate(self.runner, ids, config, on_commit, self.policy)
-        text = self.codec.decode(generation.tokens)
-        rest = stream.finish(generation.tokens) if on_text is not None else ""
+        if on_text is None:
+            return _cut_at_stops(self.codec, generation, stops)
+        rest = stream.finish(generation.tokens)
         if rest:
             on_text(rest)  # bytes held back (an unfinished UTF-8 sequence at the end)
-        return TextResult(text, generation)
+        return _cut_at_stops(self.codec, generation, stops, stream)
+
+
+def _cut_at_stops(codec: TextCodec, generation: Generation, stops: tuple[str, ...],
+                  stream: TextStream | None = None) -> TextResult:
+    """The text and tokens of `generation` up to its first stop string (the tokens through the one
+    that completed it; `stream`: a finished TextStream that already saw them). A cut result is
+    finished for reason "stop"; its other statistics count what was decoded."""
+    if not stops:
+        return TextResult(codec.decode(generation.tokens), generation)
+    if stream is None:
+        stream = TextStream(codec, stops)
+        stream.push(generation.tokens)
+        stream.finish(generation.tokens)
+    if not stream.stopped:
+        return TextResult(stream.text, generation)
+    return TextResult(stream.text, Generation(stream.tokens, replace(generation.stats, finish_reason="stop")))

@@ -126,6 +126,10 @@ THREADS = Limit("threads", 1, cpu_cores(), why="the CPU cores this process may u
 POSITIVE_REAL = Limit("value", 0.0, math.inf, integer=False, low_open=True)  # learning rates
 NON_NEGATIVE_REAL = Limit("value", 0.0, math.inf, integer=False)             # weights, decays (0 = default)
 TOKEN_ID = Limit("token id", 0, INT32_MAX)
+# Stops of one request (`run --stop/--stop-token-id`, the Triton model's stop/stop_token_ids):
+# counted, and each string's length checked, before any of them is tokenized.
+STOPS = Limit("stops", 0, 16)                    # stop strings, and stop token ids, each
+STOP_CHARS = Limit("stop string length", 1, 1024)
 DRAFT_VOCAB = Limit("draft vocabulary size", 2, INT32_MAX)  # K most frequent ids; <= the vocabulary (checked on load)
 BLOCK_SIZE = Limit("block size", 2, MAX_BLOCK_SIZE)  # 1 is autoregressive decoding (--ar), not a block
 

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from trtspec.errors import CheckpointError, TrtspecError
-from trtspec.limits import parse_int
+from trtspec.limits import STOP_CHARS, STOPS, parse_int
 from trtspec.models.checkpoint import checkpoint_dir, read_optional_json
 from trtspec.validate import Fields, token_ids
 
@@ -62,15 +62,35 @@ class TextCodec:
             path = directory / name
             ids += token_ids(Fields(read_optional_json(path, "target"), path), "eos_token_id")
         self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
+        self._longest_token: int | None = None  # UTF-8 bytes of the longest vocabulary entry (text_bytes_cap)
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
             return self.encode_chat([{"role": "user", "content": text}])
+        check_text(text)
         return self.tokenizer.encode(text).ids
+
+    def encode_unlocked(self, text: str) -> list[int]:
+        """`encode(text)` with the GIL released while the tokenizer works (its encode_batch releases
+        it, encode does not): a long text tokenized on a worker thread then leaves the process's
+        other threads (a server's streams) running."""
+        check_text(text)
+        return self.tokenizer.encode_batch([text])[0].ids
+
+    def text_bytes_cap(self, tokens: int) -> int:
+        """A byte length no text of fewer than `tokens` tokens reaches: each token covers at most
+        the UTF-8 bytes of the longest vocabulary entry, doubled for normalizers that shorten text
+        (NFC composes). A longer text is refused as too long without tokenizing it."""
+        if self._longest_token is None:
+            vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+            self._longest_token = max((len(key.encode("utf-8", "surrogatepass")) for key in vocab), default=1)
+        return 2 * tokens * self._longest_token
 
     def encode_chat(self, messages: list[dict], label: str = "--chat") -> list[int]:
         """The ids of a conversation ({role, content} messages) in the chat template, ready for the reply."""
-        return self.tokenizer.encode(self.apply_chat_template(messages, label), add_special_tokens=False).ids
+        text = self.apply_chat_template(messages, label)
+        check_text(text, label)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -94,20 +114,39 @@ class TextCodec:
             raise TrtspecError(f"{label}: the target's chat template did not render text")
         return text
 
-    def stop_id(self, value: str) -> int:
-        """A `--stop` value: a token id, or text that is exactly one token."""
-        token = parse_int(value)  # ASCII digits only: '²'.isdigit() is True, but it is text, not an id
-        if token is not None:
-            if token >= self.tokenizer.get_vocab_size(with_added_tokens=True):
-                raise TrtspecError(f"--stop {value}: no such token id")
-            return token
-        token = self.tokenizer.token_to_id(value)
-        if token is not None:
-            return token
-        ids = self.tokenizer.encode(value, add_special_tokens=False).ids
-        if len(ids) != 1:
-            raise TrtspecError(f"--stop {value!r} is {len(ids)} tokens; stops must be single tokens or ids")
-        return ids[0]
+    def stop_strings(self, values, label: str = "--stop") -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Stop strings, matched in the decoded text (TextStream cuts the text before the first);
+        returns them and the ids of those that are exactly one token, which also end decoding at
+        that token. Their count and lengths are checked before any is tokenized; a raw vocabulary
+        key ('Ċ') is text like any other, never a token."""
+        values = check_stop_strings(values, label)
+        ids = []
+        for value in values:
+            single = self.tokenizer.encode(value, add_special_tokens=False).ids
+            if len(single) != 1:
+                continue
+            if self.decode(single) == value:
+                ids.append(single[0])
+            elif self.tokenizer.decode(single, skip_special_tokens=False) == value:
+                raise TrtspecError(f"{label} {_shown(value)} is a special token, which never appears in the text: "
+                                   f"stop at its id instead ({_ID_FORM.get(label, 'a stop token id')} {single[0]})")
+        return tuple(dict.fromkeys(values)), tuple(dict.fromkeys(ids))
+
+    def stop_token_ids(self, values, label: str = "--stop-token-id") -> tuple[int, ...]:
+        """Stop token ids (the output ends after the first): each an integer id of the vocabulary."""
+        values = list(values)
+        if len(values) > STOPS.high:
+            raise TrtspecError(f"{label}: at most {STOPS.high:g} stop token ids, got {len(values)}")
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        ids = []
+        for value in values:
+            token = value.item() if hasattr(value, "item") else value  # numpy scalars from a Triton request
+            if isinstance(token, str):
+                token = parse_int(token)  # ASCII digits only: '²'.isdigit() is True, but it is not an id
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise TrtspecError(f"{label}: {_shown(value)} is not a token id in 0..{vocab - 1}")
+            ids.append(token)
+        return tuple(dict.fromkeys(ids))
 
     def streamer(self) -> DecodeStream:
         """Incremental detokenizer: `.step(tokenizer, id)` returns new text once it is complete UTF-8."""
@@ -116,6 +155,40 @@ class TextCodec:
 
 def _raise_template_error(message: str):
     raise TemplateError(message)
+
+
+_ID_FORM = {"--stop": "--stop-token-id", "stop": "stop_token_ids"}  # where a stop string's label says ids go
+
+
+def _shown(value) -> str:
+    """A value for a one-line message: its repr, shortened."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_stop_strings(values, label: str = "--stop") -> list[str]:
+    """Stop strings checked without the tokenizer (cheap, so a request is refused before any work):
+    at most STOPS of them, each text of 1 to STOP_CHARS characters."""
+    values = list(values)
+    if len(values) > STOPS.high:
+        raise TrtspecError(f"{label}: at most {STOPS.high:g} stop strings, got {len(values)}")
+    for value in values:
+        if not isinstance(value, str):
+            raise TrtspecError(f"{label}: stop strings are text, got {_shown(value)}")
+        if not value or len(value) > STOP_CHARS.high:
+            raise TrtspecError(f"{label}: a stop string holds 1 to {STOP_CHARS.high:g} characters, got {len(value)}")
+        check_text(value, f"{label} {_shown(value)}")
+    return values
+
+
+def check_text(text: str, label: str = "the text") -> None:
+    """Refuse text with lone surrogates (what Python makes of bytes that are not UTF-8 in argv or a
+    JSON "\\ud800" escape): it is not Unicode text, and the tokenizer cannot take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TrtspecError(f"{label} is not valid text: it holds a lone surrogate (U+{ord(text[exc.start]):04X} at "
+                           f"character {exc.start}), e.g. bytes that are not UTF-8") from None
 
 
 class TextStream:

@@ -45,6 +45,7 @@ Examples:
   trtspec run prompt.txt --engine build/engine      # a built engine (trtspec build)
   trtspec run prompt.txt --backend eager            # the checkpoints in PyTorch, no engine
   trtspec run prompt.txt --draft-vocab 1024         # draft among the 1024 most frequent tokens
+  trtspec run prompt.txt --stop $'\\n\\n' --stop-token-id 151645  # end before a blank line, or after that token
   trtspec run --batch prompts.jsonl --max-running 8 # many prompts decoded together, JSON lines out
 """)
 @click.argument("prompt_file", metavar="PROMPT_FILE", required=False)
@@ -59,8 +60,12 @@ Examples:
 @sampling_options
 @max_new_tokens_option(256)
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N", help="Cap on prompt + output tokens. [default: the model's]")
-@click.option("--stop", multiple=True, metavar="TOKEN",
-              help="Extra stop token (id or single-token text); repeatable. EOS ids are always stops.")
+@click.option("--stop", multiple=True, metavar="TEXT",
+              help="Stop string, matched in the decoded text: the output ends before it (--stop $'\\n\\n'); "
+                   "repeatable, up to 16 of up to 1024 characters. Text is text: 'Ċ' is the character, not a token.")
+@click.option("--stop-token-id", "stop_token_ids", multiple=True, type=Ranged(limits.TOKEN_ID), metavar="ID",
+              help="Stop token id: the output ends after it (--stop-token-id 151645); repeatable. "
+                   "EOS ids are always stops.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the target's chat template.")
 @click.option("--ar", is_flag=True, help="Decode autoregressively with the target alone (baseline).")
 @click.option("--compare-ar", is_flag=True,
@@ -73,8 +78,8 @@ Examples:
 @click.option("--max-running", type=Ranged(limits.BATCH), default=8, show_default=True, metavar="N",
               help="With --batch: requests decoded together.")
 def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size, policy, draft_vocab, draft_counts,
-        temperature, top_k, top_p, seed, max_new_tokens, max_context, stop, chat, ar, compare_ar, as_json, batch_file,
-        max_running) -> None:
+        temperature, top_k, top_p, seed, max_new_tokens, max_context, stop, stop_token_ids, chat, ar, compare_ar,
+        as_json, batch_file, max_running) -> None:
     """Generate a continuation of PROMPT_FILE ('-' reads stdin), or of every prompt of --batch FILE.
 
     Text streams to stdout as it is committed and statistics go to stderr; with --json one
@@ -90,7 +95,10 @@ def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size
         raise TrtspecError("give one PROMPT_FILE, or --batch FILE for a JSONL file of prompts")
     if batch_file is not None and compare_ar:
         raise TrtspecError("--compare-ar compares one request; for many, use trtspec bench --concurrency")
+    from trtspec.tokenizer import check_stop_strings
+
     sampling = sampling_config(temperature, top_k, top_p, seed)
+    check_stop_strings(stop)  # before any work; the tokenizer's part once the pipeline is loaded
     if batch_file is not None:
         from trtspec.training.data import read_prompt_set
 
@@ -102,24 +110,25 @@ def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size
                              backend=backend, block_sizes=engine_sizes([block_size] if block_size else []))
     if not ar and not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
+    stops, single_token_stops = pipeline.codec.stop_strings(stop)
     config = GenerationConfig(
         block_size=1 if ar else (block_size.size if block_size is not None else pipeline.default_block_size),
         grow_to=block_size.grow_to if block_size is not None else 0,
         max_new_tokens=max_new_tokens,
-        stop_ids=tuple(pipeline.codec.stop_id(s) for s in stop),
+        stop_ids=pipeline.codec.stop_token_ids(stop_token_ids) + single_token_stops,
         sampling=sampling,
     )
 
     if batch_file is not None:
-        _run_batch(pipeline, prompts, config, chat, max_running)
+        _run_batch(pipeline, prompts, config, chat, max_running, stops)
         return
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = pipeline.generate(prompt, config, chat=chat, on_text=None if as_json else stream)
-    comparison = _compare_with_ar(pipeline, prompt, config, chat, result) if compare_ar else None
+    result = pipeline.generate(prompt, config, chat=chat, on_text=None if as_json else stream, stops=stops)
+    comparison = _compare_with_ar(pipeline, prompt, config, chat, result, stops) if compare_ar else None
     if as_json:
         click.echo(json.dumps({**result.to_dict(), **({"compare_ar": comparison} if comparison else {})}))
     else:
@@ -132,14 +141,16 @@ def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size
                        f"speed-up {speedup}{same}", err=True)
 
 
-def _run_batch(pipeline, prompts: list[str], config: GenerationConfig, chat: bool, max_running: int) -> None:
+def _run_batch(pipeline, prompts: list[str], config: GenerationConfig, chat: bool, max_running: int,
+               stops: tuple[str, ...]) -> None:
     """Every prompt through one continuous-batching engine; JSON lines in the file's order."""
     import time
 
     from trtspec.runtime.stats import mean_tau
 
     began = time.perf_counter()
-    results = pipeline.generate_batch(prompts, [config] * len(prompts), chat=chat, max_running=max_running)
+    results = pipeline.generate_batch(prompts, [config] * len(prompts), chat=chat, max_running=max_running,
+                                      stops=stops)
     seconds = time.perf_counter() - began
     for result in results:
         click.echo(json.dumps(result.to_dict()))
@@ -149,12 +160,14 @@ def _run_batch(pipeline, prompts: list[str], config: GenerationConfig, chat: boo
                f"up to {max_running} together), mean tau {mean_tau(stats):.2f}", err=True)
 
 
-def _compare_with_ar(pipeline, prompt: str, config: GenerationConfig, chat: bool, result) -> dict:
+def _compare_with_ar(pipeline, prompt: str, config: GenerationConfig, chat: bool, result,
+                     stops: tuple[str, ...]) -> dict:
     """The same request decoded by the target alone, through the same backend and loop (one run each,
     so a rough figure: `trtspec bench` gives medians over many prompts and repeats)."""
     from dataclasses import replace
 
-    baseline = pipeline.autoregressive().generate(prompt, replace(config, block_size=1, grow_to=0), chat=chat)
+    baseline = pipeline.autoregressive().generate(prompt, replace(config, block_size=1, grow_to=0), chat=chat,
+                                                 stops=stops)
     ar_rate = baseline.generation.stats.decode_tokens_per_s
     rate = result.generation.stats.decode_tokens_per_s
     return {"ar_decode_tokens_per_s": ar_rate, "speedup": rate / ar_rate if ar_rate else None,
