@@ -30,6 +30,7 @@ import torch
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
+from trtspec.limits import CONCURRENCY
 from trtspec.runtime.controller import Controller, Stepper, native_controller
 from trtspec.runtime.decode import (ControllerFactory, Generation, GenerationConfig, check_built_size,
                                     check_request, record_outcome)
@@ -54,7 +55,8 @@ class EngineConfig:
     prefill_chunk: int = 256    # prompt tokens prefilled per loop iteration (over all new requests)
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_queued", "prefill_chunk"):
+        CONCURRENCY.check(self.max_running, "concurrency (max-running)")  # their caches are also checked against memory (runtime.memory)
+        for name in ("max_queued", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise TrtspecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 

@@ -191,6 +191,36 @@ def test_the_engine_needs_its_slots(tiny):
         EngineConfig(max_running=0)
 
 
+def test_a_concurrency_whose_caches_cannot_fit_is_refused_before_allocating(tiny):
+    """Before: `--max-concurrency 100000` ended in an allocation traceback. The limit is checked where
+    the config is made, the caches' bytes (from the model config and max context) against the
+    device's memory before anything is allocated; the figures are in the one line."""
+    from helpers import tiny_config
+    from trtspec.models import Qwen3Target
+    from trtspec.runtime.memory import available_bytes, format_bytes
+
+    with pytest.raises(TrtspecError, match=r"concurrency \(max-running\) must be an integer in \[1, 4096\], got 100000"):
+        EngineConfig(max_running=100000)
+    # 2 layers x 2 KV heads x head_dim 8, float32, K and V: 256 bytes a position, 2**31 positions a slot
+    huge = Qwen3Target(tiny_config(max_positions=2**31 - 64)).eval()
+    per_slot = 256 * 2**31
+    available = format_bytes(available_bytes(huge.device))
+    with pytest.raises(TrtspecError) as refused:
+        BatchRunner.eager(huge, None, slots=3)
+    assert str(refused.value).startswith(
+        f"concurrency 3 needs {format_bytes(3 * per_slot)} of KV cache ({format_bytes(per_slot)} per request at max "
+        f"context {2**31 - 64}); this machine has {available} available (")
+    # the batched eager caches hold the pipeline's max context, not the model's maximum (2048 here)
+    runner_context = tiny.runner.max_context
+    try:
+        tiny.runner.max_context = 100
+        with tiny.engine(EngineConfig(max_running=2)) as engine:
+            assert engine.runner.max_context == 100
+            assert all(cache.shape[0] == 100 + 64 for caches in engine.runner._caches.values() for cache in caches)
+    finally:
+        tiny.runner.max_context = runner_context
+
+
 def _cycles(size: int, accepted: dict[int, int]) -> list[int]:
     """An acceptance histogram at block size `size`: {accepted drafts: cycles}."""
     return [accepted.get(a, 0) for a in range(size)]

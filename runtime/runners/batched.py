@@ -15,6 +15,7 @@ import torch
 
 from trtspec.engines.executor import PREFILL, TORCH_DTYPES, Executor, ProfileKey
 from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec
+from trtspec.runtime.memory import cache_bytes, check_cache_fits
 
 SHORT_CONTEXT = 32  # draft rows with at most this many new context entries share a (padded) call
 
@@ -32,14 +33,17 @@ class BatchRunner:
         self.device = executor.device
         self.max_context, self.block_sizes, self.mask_token_id = max_context, block_sizes, mask_token_id
         capacity = max_context + MAX_BLOCK_SIZE
-        self._caches = {graph: [torch.zeros((capacity, slots, *spec.input("past_k").dims[2:]), dtype=dtype,
-                                            device=self.device) for _ in range(2)]
-                        for graph, spec in specs.items()}
+        shapes = {graph: (capacity, slots, *spec.input("past_k").dims[2:]) for graph, spec in specs.items()}
+        check_cache_fits(slots, cache_bytes(shapes.values(), dtype) // slots, max_context, self.device)
+        self._caches = {graph: [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2)]
+                        for graph, shape in shapes.items()}
         self._outputs: dict[tuple, dict[str, torch.Tensor]] = {}
 
     @classmethod
-    def eager(cls, target, drafter, slots: int, cuda_graphs: bool = False) -> "BatchRunner":
-        """The PyTorch modules, batched: the step modules the engines are exported from, run as they are."""
+    def eager(cls, target, drafter, slots: int, cuda_graphs: bool = False,
+              max_context: int | None = None) -> "BatchRunner":
+        """The PyTorch modules, batched: the step modules the engines are exported from, run as they are
+        (caches for `max_context` positions per slot; default: the target's maximum)."""
         from trtspec.engines.torch import TorchExecutor
         from trtspec.export.bindings import draft_graph, target_graph
         from trtspec.export.steps import DraftStep, TargetStep
@@ -50,7 +54,7 @@ class BatchRunner:
         if drafter is not None:
             modules[DRAFT], specs[DRAFT] = DraftStep(drafter).eval(), draft_graph(drafter.config)
         executor = TorchExecutor(modules, target.device, specs, cuda_graphs=cuda_graphs)
-        return cls(executor, specs, target.dtype, slots, target.config.max_position_embeddings, None,
+        return cls(executor, specs, target.dtype, slots, max_context or target.config.max_position_embeddings, None,
                    drafter.config.mask_token_id if drafter is not None else None,
                    static=cuda_graphs and target.device.type == "cuda")
 

@@ -16,6 +16,7 @@ from trtspec.engines.executor import PREFILL, TORCH_DTYPES, Executor, ProfileKey
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, PREFILL_LOGITS, TARGET, GraphSpec
 from trtspec.engines.manifest import Manifest, read_manifest
+from trtspec.runtime.memory import cache_bytes, check_cache_fits
 
 
 class CompiledRunner:
@@ -35,9 +36,10 @@ class CompiledRunner:
         self.specs: dict[str, GraphSpec] = manifest.specs()
         capacity = manifest.max_context + MAX_BLOCK_SIZE
         # One request: the graphs' batch and slot axes are 1 (trtspec.runtime.runners.batched runs many).
-        self._caches = {graph: [torch.zeros((capacity, 1, *spec.input("past_k").dims[2:]), dtype=self.dtype,
-                                            device=self.device) for _ in range(2)]
-                        for graph, spec in self.specs.items()}
+        shapes = {graph: (capacity, 1, *spec.input("past_k").dims[2:]) for graph, spec in self.specs.items()}
+        check_cache_fits(1, cache_bytes(shapes.values(), self.dtype), manifest.max_context, self.device)
+        self._caches = {graph: [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)]
+                        for graph, shape in shapes.items()}
         self._length = {TARGET: 0, DRAFT: 0}
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)
         self._slot = torch.zeros(1, dtype=torch.long, device=self.device)

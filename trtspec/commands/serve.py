@@ -84,6 +84,7 @@ def serve(target, drafter, engine, dtype, device, backend, policy, draft_vocab, 
             source = engine if engine is not None and target is None else resolve_target(target)
             served_model_name = Path(source).resolve().name
         server = OpenAIServer(pipeline, config, model_name=served_model_name, block_size=block_size)
+        server.start()  # the engine and its caches now: one that cannot fit is one line, not a stack at start-up
     except BaseException:
         sock.close()
         raise
