@@ -5,8 +5,10 @@ checks, with a one-line error naming the file and field for each failure, that t
 its manifest version, that every field has its type and range, that the manifest accounts for
 every file in the directory (a file it does not list, such as a graph whose entry was removed, is
 refused: nothing unhashed is ever loaded), that every artifact is present with the size and
-SHA-256 recorded at build time (a truncated or edited file is refused), and, when checkpoints are
-named too, that they are the ones it was built from.
+SHA-256 recorded at build time (a truncated or edited file is refused), that the manifest itself
+is what the build wrote (`manifest_sha256`, a digest of its canonical JSON: an edited
+`max_context`, `mask_token_id`, `rope_theta`, dtype or profile index is refused, not run), and,
+when checkpoints are named too, that they are the ones it was built from.
 """
 
 from __future__ import annotations
@@ -23,12 +25,21 @@ from trtspec.fileio import MARKER, file_sha256
 from trtspec.models.config import DFlashConfig, Qwen3Config, target_config_from_dict
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_VERSION = 2  # 2: batched step graphs (batch and slot axes)
+MANIFEST_VERSION = 3  # 2: batched step graphs (batch and slot axes); 3: the manifest's own content hashed
+DIGEST_FIELD = "manifest_sha256"  # of the canonical JSON of every other field (content_sha256)
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")
 BACKENDS = ("onnxruntime", "tensorrt", "torch")
 DTYPES = tuple(MODEL_DTYPES)
 UNLISTED = (MANIFEST_FILE, MARKER)  # the only files of an engine directory that are not artifacts
+
+
+def content_sha256(data: dict) -> str:
+    """SHA-256 of a manifest's canonical JSON (sorted keys, no spaces, ASCII) without its digest field:
+    what a load recomputes, so any edit of a field (or a damaged byte) is refused."""
+    body = {key: value for key, value in data.items() if key != DIGEST_FIELD}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
 
 def checkpoint_sha256(directory: Path) -> str:
@@ -85,7 +96,10 @@ class Manifest:
         return data
 
     def write(self, directory: Path) -> None:
-        (directory / MANIFEST_FILE).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        """The manifest, with the digest of its content (taken of what a load reads back: JSON's types)."""
+        data = json.loads(json.dumps(self.to_dict()))
+        data[DIGEST_FIELD] = content_sha256(data)
+        (directory / MANIFEST_FILE).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def _files(directory: Path) -> list[str]:
@@ -195,8 +209,9 @@ def read_manifest(directory: str | Path) -> Manifest:
         raise TrtspecError(f"{path} has manifest version {version!r} (written by trtspec "
                            f"{data.get('trtspec_version', '?') if isinstance(data, dict) else '?'}); this trtspec "
                            f"reads version {MANIFEST_VERSION}: rebuild the engine with `trtspec build`")
+    recorded, actual = data.pop(DIGEST_FIELD, None), content_sha256(data)
     data.pop("block_size_profiles", None)
-    validate_fields(data, path)
+    validate_fields(data, path)  # a field of the wrong type or range is named first
     try:
         manifest = Manifest(**data)
     except TypeError as exc:
@@ -208,6 +223,10 @@ def read_manifest(directory: str | Path) -> Manifest:
         except (TrtspecError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TrtspecError(f"{path}: field {name} is not a valid model config ({exc}); "
                                "rebuild the engine") from None
+    if recorded != actual:  # well-formed but not what the build wrote (max_context, dtype, a profile, ...)
+        found = "has no manifest_sha256" if recorded is None else "does not match its manifest_sha256"
+        raise TrtspecError(f"{path} was edited or damaged: its content {found} (the digest written at build "
+                           "time); rebuild the engine")
     unlisted = [name for name in _files(directory) if name not in manifest.artifacts]
     if unlisted:
         raise TrtspecError(f"engine {directory} holds {unlisted[0]}, which {MANIFEST_FILE} does not list among its "

@@ -320,6 +320,48 @@ def test_manifest_fields_are_validated_one_line_naming_file_and_field(ort_engine
     assert_one_line_error(trtspec_in_process("run", prompt, "--engine", engine), MANIFEST_FILE, message)
 
 
+def _set_path(dotted: str, value):
+    def edit(data):
+        *parents, last = dotted.split(".")
+        for key in parents:
+            data = data[key]
+        data[last] = value(data[last]) if callable(value) else value
+    return edit
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_context", lambda n: n * 2),
+    ("drafter_config.dflash_config.mask_token_id", lambda n: n + 1),
+    ("drafter_config.dflash_config.target_layer_ids", lambda ids: ids[::-1]),
+    ("target_config.rope_theta", lambda theta: theta * 10),
+    ("profiles.draft", lambda keys: keys[::-1]),
+    ("dtype", "bfloat16"),
+    ("target_config.vocab_size", lambda n: n + 64),
+    ("manifest_sha256", "0" * 64),
+])
+def test_an_edited_manifest_is_refused_in_one_line(ort_engine, tmp_path, field, value):
+    """Before: the manifest's own content was not hashed, so these edits ran silently (or, dtype and
+    vocabulary size, ended in a traceback). Now any edit of a well-formed manifest is one line."""
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine, engine)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n")
+    _edit_manifest(engine, _set_path(field, value))
+    assert_one_line_error(trtspec_in_process("run", prompt, "--engine", engine, "--max-new-tokens", 4),
+                          f"{engine / MANIFEST_FILE} was edited or damaged", "rebuild the engine")
+
+
+def test_a_manifest_without_its_digest_is_refused_and_a_rewritten_one_loads(ort_engine, tmp_path):
+    """The digest is of the content, not the bytes: re-indenting the JSON keeps the engine loadable."""
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine, engine)
+    (engine / MANIFEST_FILE).write_text(json.dumps(json.loads((engine / MANIFEST_FILE).read_text())))
+    assert read_manifest(engine).max_context == read_manifest(ort_engine).max_context
+    _edit_manifest(engine, lambda data: data.pop("manifest_sha256"))
+    with pytest.raises(TrtspecError, match="has no manifest_sha256 .*; rebuild the engine"):
+        read_manifest(engine)
+
+
 def test_tensorrt_profile_table(pair):
     specs = graph_specs(*(m.config for m in pair))
     table = trt_engine.profile_table(specs, [12, 16], max_context=512, max_batch=8)

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from trtspec import __version__
-from trtspec.engines.manifest import MANIFEST_FILE, checkpoint_sha256, record_artifacts
+from trtspec.engines.manifest import MANIFEST_FILE, MANIFEST_VERSION, checkpoint_sha256, record_artifacts
 from trtspec.fileio import CACHE_ENV, cache_root
 
 BACKENDS = ("auto", "eager", "onnxruntime")
@@ -59,7 +59,8 @@ def engine_key(target_dir: Path, drafter_dir: Path, sizes: tuple[int, ...], draf
     key = {"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir),
            "draft_vocab": draft_vocab, "counts": record_artifacts(counts) if draft_vocab and counts.is_dir() else None,
            "policy": record_artifacts(policy) if policy is not None else None,
-           "block_sizes": sizes, "max_batch": MAX_BATCH, "trtspec": __version__, "graph_code": code_sha256()}
+           "block_sizes": sizes, "max_batch": MAX_BATCH, "trtspec": __version__, "graph_code": code_sha256(),
+           "manifest_version": MANIFEST_VERSION}  # a new manifest format is a new entry, not a refused one
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
