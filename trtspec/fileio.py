@@ -7,9 +7,13 @@ Every command that writes goes through this module:
   replacing): an existing output is replaced only when it is a previous trtspec output of the
   same kind (its marker file `.trtspec-output` says so; an engine directory's manifest.json too).
   Never the current directory or one of its parents, an input or a directory holding one, a
-  directory that is not a trtspec output of that kind, a path inside another trtspec output
-  (which its next rebuild would delete), a directory where a file belongs, a device or pipe,
-  or a place that cannot be written. Each refusal is one `TrtspecError` line.
+  path inside an input (see `protected_directories`: a directory input's whole tree, the model
+  directory holding an input, trtspec's bundled models), a directory that is not a trtspec
+  output of that kind, a path inside another trtspec output (which its next rebuild would
+  delete), a directory where a file belongs, a device or pipe, or a place that cannot be
+  written. `check_work_dir` applies the same rule to a work directory (which is never replaced,
+  so it may exist), and `check_distinct_outputs` keeps one command's outputs apart. Each
+  refusal is one `TrtspecError` line naming both paths.
 * `staged_directory` / `staged_file` fill a uniquely named hidden sibling (in the destination's
   own directory, so the final rename is atomic) and rename it into place. The sibling is removed
   on every exit path: errors, Ctrl-C and SIGTERM (turned into an exception while it exists).
@@ -33,6 +37,7 @@ import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from trtspec.assets import ASSETS as BUNDLED
 from trtspec.errors import TrtspecError
 
 MARKER = ".trtspec-output"            # inside every directory written by staged_directory: {"kind": ...}
@@ -66,8 +71,42 @@ def _resolved(path: PathLike) -> Path:
 
 
 def _inputs(inputs: Iterable[PathLike | None]) -> list[tuple[Path, Path]]:
-    """(as given, resolved) for every input that names something on disk."""
-    return [(Path(p), _resolved(p)) for p in inputs if p is not None and os.path.lexists(p)]
+    """(as given, resolved) for every input that names something on disk, and trtspec's bundled
+    models, which are an input of every command that is not given another model."""
+    named = [(Path(p), _resolved(p)) for p in inputs if p is not None and os.path.lexists(p)]
+    return [*named, (BUNDLED, _resolved(BUNDLED))]
+
+
+# The description files of the model directories trtspec reads: a checkpoint (Hugging Face or z-lab
+# layout), a BlockPilot policy, draft-vocabulary counts; each sits beside *.safetensors weights.
+MODEL_CONFIGS = ("config.json", "policy.json", "draft_vocab.json")
+
+
+def _model_directory(directory: Path) -> bool:
+    """Whether `directory` holds one model's data as a whole: a description file with weights
+    (`MODEL_CONFIGS`), or a trtspec output (an engine, any marked directory)."""
+    try:
+        if not directory.is_dir():
+            return False
+        described = any((directory / name).is_file() for name in MODEL_CONFIGS)
+        return output_kind(directory) is not None or (described and any(directory.glob("*.safetensors")))
+    except OSError:
+        return False
+
+
+def protected_directories(inputs: Iterable[PathLike | None]) -> list[tuple[Path, str]]:
+    """The directories no output may be written into, each with a phrase naming it: every
+    directory input's whole tree, and the directory holding an input (file or directory) when that
+    is a model directory (`_model_directory`), so `--json ./drafter/model.safetensors` or
+    `--json ./drafter/blockpilot/policy.json` cannot replace part of an input drafter."""
+    protected = []
+    for given, source in _inputs(inputs):
+        if source.is_dir():
+            name = f"trtspec's bundled models {source}" if given is BUNDLED else f"the input {given}"
+            protected.append((source, name))
+        if _model_directory(source.parent):
+            protected.append((source.parent, f"{source.parent}, the model directory holding the input {given}"))
+    return protected
 
 
 def _json_object(path: Path) -> dict:
@@ -88,19 +127,24 @@ def output_kind(directory: Path) -> str | None:
     return ENGINE if {"manifest_version", "backend", "artifacts"} <= manifest.keys() else None
 
 
-def _check_common(path: PathLike, target: Path, inputs: Iterable[PathLike | None]) -> None:
-    """Rules shared by file and directory outputs: not an input, not inside another trtspec
-    output, and a parent that exists (or can be created) and is writable."""
+def _check_common(path: PathLike, target: Path, inputs: Iterable[PathLike | None], replaced: bool = True) -> None:
+    """Rules shared by every output: not an input, not inside an input (`protected_directories`)
+    or another trtspec output, not holding an input when it is `replaced`, and a parent that
+    exists (or can be created) and is writable."""
+    inputs = list(inputs)
     for given, source in _inputs(inputs):
         if target == source:
             raise TrtspecError(f"refusing to write {path}: it is also an input ({given}); choose another output path")
-        if source.is_relative_to(target):
+        if replaced and source.is_relative_to(target):
             raise TrtspecError(f"refusing to replace {path}: it holds the input {given}; choose another output path")
     for parent in target.parents:
         kind = output_kind(parent) if parent.is_dir() else None
         if kind is not None:
             raise TrtspecError(f"refusing to write {path}: it is inside the {kind} {parent}, which trtspec "
                                "replaces as a whole; choose a path outside it")
+    for directory, name in protected_directories(inputs):
+        if target.is_relative_to(directory):
+            raise TrtspecError(f"refusing to write {path}: it is inside {name}; choose a path outside it")
     existing = next(p for p in (target.parent, *target.parent.parents) if os.path.lexists(p))
     if not existing.is_dir():
         raise TrtspecError(f"cannot write {path}: {existing} is not a directory")
@@ -149,6 +193,32 @@ def check_output_file(path: PathLike, inputs: Iterable[PathLike | None] = (), su
             raise TrtspecError(f"cannot write {path}: the file is not writable")
     _check_common(path, target, inputs)
     return target
+
+
+def check_work_dir(path: PathLike, inputs: Iterable[PathLike | None] = ()) -> Path:
+    """Refuse, before any work, a work directory (the checkpoints a restarted run resumes from)
+    that is not a directory or breaks the rule for outputs; it is never replaced, so it may exist
+    and may hold inputs. Returns the resolved path."""
+    target = _resolved(path)
+    if os.path.lexists(target) and not target.is_dir():
+        raise TrtspecError(f"cannot use {path} as the work directory: it exists and is not a directory; "
+                           "give a directory (--work DIR)")
+    _check_common(path, target, inputs, replaced=False)
+    return target
+
+
+def check_distinct_outputs(*paths: PathLike | None) -> None:
+    """Refuse two outputs of one command at the same path or one inside the other (`--json X
+    --plot X`): writing the second would destroy the first."""
+    given = [(p, _resolved(p)) for p in paths if p is not None]
+    for number, (first, one) in enumerate(given):
+        for second, other in given[number + 1:]:
+            if one == other:
+                named = f"{first} is" if str(first) == str(second) else f"{first} and {second} are"
+                raise TrtspecError(f"{named} given for two outputs of this command; give each output its own path")
+            if one.is_relative_to(other) or other.is_relative_to(one):
+                inner, outer = (first, second) if one.is_relative_to(other) else (second, first)
+                raise TrtspecError(f"the output {inner} is inside the output {outer}; give each its own place")
 
 
 def _sibling_prefix(target: Path, tag: str) -> str:

@@ -79,7 +79,7 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
     from trtspec.fileio import check_output_file
 
     if json_path:
-        check_output_file(json_path, (prompts_spec, engine, target, drafter, policy))
+        check_output_file(json_path, (prompts_spec, engine, target, drafter, policy, draft_counts))
     config = BenchConfig(block_sizes=block_sizes, max_new_tokens=max_new_tokens,
                          repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
     name, prompts = load_prompts(prompts_spec, limit)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from trtspec import limits
@@ -81,10 +83,10 @@ def train_policy(labels_path, output, features, hidden, steps, with_ar, ablation
     """Train a BlockPilot policy (a small MLP, expected-regret loss) on label-blocks output."""
     from trtspec.fileio import POLICY, check_output_dir
     from trtspec.blockpilot.evaluation import best_fixed_block_size
-    from trtspec.blockpilot.labels import read_labels
+    from trtspec.blockpilot.labels import features_path, read_labels
     from trtspec.blockpilot.training import feature_ablation, train_policy as fit
 
-    check_output_dir(output, POLICY, [labels_path])
+    check_output_dir(output, POLICY, (labels_path, features_path(Path(labels_path))))
     if with_ar == "auto" and not ablation:
         raise TrtspecError("--ar auto is decided by cross-validation; add --ablation (or choose --ar yes or no)")
     labels = read_labels(labels_path)
@@ -123,11 +125,11 @@ def eval_policy(policy_dir, labels_path, fixed_block_size, json_path) -> None:
     from trtspec.bench import write_json
     from trtspec.fileio import check_output_file
     from trtspec.blockpilot.evaluation import evaluate_policy, format_evaluation
-    from trtspec.blockpilot.labels import read_labels
+    from trtspec.blockpilot.labels import features_path, read_labels
     from trtspec.blockpilot.policy import load_policy
 
     if json_path:
-        check_output_file(json_path, (policy_dir, labels_path))
+        check_output_file(json_path, (policy_dir, labels_path, features_path(Path(labels_path))))
     labels = read_labels(labels_path)
     sizes = tuple(c.size for c in labels.fixed)
     policy = load_policy(policy_dir, sizes)

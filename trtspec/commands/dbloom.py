@@ -32,10 +32,11 @@ def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, 
               max_new_tokens, limit, json_path, plot_path, teacher_forced) -> None:
     """Acceptance histogram, per-position acceptance and stranded speed-up, with a recommendation."""
     from trtspec.bench import load_prompts, write_json
-    from trtspec.fileio import check_output_file
+    from trtspec.fileio import check_distinct_outputs, check_output_file
     from trtspec.dbloom.preflight import PLOT_SUFFIX, plot, run_preflight, run_teacher_forced
 
     inputs = (prompts_spec, engine, target, drafter)
+    check_distinct_outputs(json_path, plot_path)
     if json_path:
         check_output_file(json_path, inputs)
     if plot_path:
@@ -94,11 +95,15 @@ def expand_block(target, drafter, engine, dtype, device, to_block_size, data_fil
     The result is an ordinary drafter directory; its config records the lineage (source block
     size, stages, steps) under trtspec_lineage.
     """
-    from trtspec.fileio import CHECKPOINT, check_output_dir
+    from trtspec.fileio import CHECKPOINT, check_distinct_outputs, check_output_dir, check_work_dir
     from trtspec.training.data import read_training_data
+    from trtspec.training.trainer import work_directory
     from trtspec.dbloom.expand import ExpandConfig, expand_block as expand
 
-    check_output_dir(output, CHECKPOINT, (target, drafter, data_file, work_dir))
+    inputs, work_dir = (target, drafter, data_file), work_directory(output, work_dir)
+    check_output_dir(output, CHECKPOINT, inputs)
+    check_distinct_outputs(output, work_dir)
+    check_work_dir(work_dir, inputs)
     if engine is not None:
         raise TrtspecError("expand-block trains checkpoints; give --target/--drafter, not --engine")
     pipeline = load_pipeline(target, drafter, "float32" if dtype == "auto" else dtype, device)

@@ -94,13 +94,13 @@ def draft_vocab(target, data_files, corpus_files, output) -> None:
     from trtspec.training.draft_vocab import count_tokens
 
     inputs = (*data_files, *corpus_files)
-    check_output_dir(output, DRAFT_VOCAB, inputs)
+    check_output_dir(output, DRAFT_VOCAB, (*inputs, target))
     if not inputs:
         raise TrtspecError("give --data FILE (generate-data output) or --corpus FILE to count tokens in")
     target_dir = resolve_target(target)
     config = load_target_config(target_dir)
     counts = count_tokens(TextCodec(target_dir), config.vocab_size, data_files, corpus_files, target_dir)
-    with staged_directory(output, DRAFT_VOCAB, inputs) as staging:
+    with staged_directory(output, DRAFT_VOCAB, (*inputs, target_dir)) as staging:
         counts.save(staging)
     covered = ", ".join(f"{k}: {counts.coverage(k):.1%}" for k in (512, 1024, 2048, 4096) if k <= counts.vocab_size)
     click.echo(f"wrote {output}: {int(counts.counts.sum())} tokens over {int((counts.counts > 0).sum())} distinct ids "
@@ -140,11 +140,14 @@ def train_drafter(target, data_file, block_size, output, layers, num_features, t
                   batch_size, anchors, max_length, lr, gamma, mask_token_id, seed, checkpoint_every, work_dir,
                   init_from, dtype, device) -> None:
     """Train a DFlash drafter for a frozen target (resumes from --work when restarted)."""
-    from trtspec.fileio import CHECKPOINT, check_output_dir
+    from trtspec.fileio import CHECKPOINT, check_distinct_outputs, check_output_dir, check_work_dir
     from trtspec.training.data import read_training_data
-    from trtspec.training.trainer import TrainConfig, train_drafter as train
+    from trtspec.training.trainer import TrainConfig, train_drafter as train, work_directory
 
-    check_output_dir(output, CHECKPOINT, (target, data_file, work_dir, init_from))
+    inputs, work_dir = (target, data_file, init_from), work_directory(output, work_dir)
+    check_output_dir(output, CHECKPOINT, inputs)
+    check_distinct_outputs(output, work_dir)
+    check_work_dir(work_dir, inputs)
     pipeline = load_pipeline(target, None, "float32" if dtype == "auto" else dtype, device, with_drafter=False)
     start = _initial_drafter(init_from, pipeline.target, block_size, _layer_ids(target_layer_ids))
     if start is not None:

@@ -22,7 +22,7 @@ from trtspec.limits import check_block_size
 from trtspec.models import DFlashDrafter, Qwen3Target, load_drafter, save_drafter
 from trtspec.runtime.sampling import derive_seed
 from trtspec.training.blocks import default_gamma
-from trtspec.training.trainer import TrainConfig, train_drafter
+from trtspec.training.trainer import TrainConfig, train_drafter, work_directory
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def expand_block(target: Qwen3Target, drafter: DFlashDrafter, sequences: list[tu
                  progress: bool = True) -> Path:
     """Run the curriculum; each finished stage is kept in WORK so a restart resumes after it."""
     source = drafter.config
-    work = Path(work_dir) if work_dir else Path(str(output).rstrip("/") + ".work")
+    work = work_directory(output, work_dir)
     plan = stage_plan(source.block_size, config)
     teacher = frozen_copy(drafter, target) if config.distill_weight > 0 else None
     for number, (block_size, steps, emphasis) in enumerate(plan):

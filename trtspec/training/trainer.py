@@ -162,6 +162,11 @@ def _check_resume(path: Path, state: dict, config: dict, run: dict) -> None:
                            "resume with the same arguments, or delete it or pass another --work directory")
 
 
+def work_directory(output: str | Path, work_dir: str | Path | None = None) -> Path:
+    """Where a run keeps the checkpoints it resumes from: `work_dir`, or OUTPUT.work beside the output."""
+    return Path(work_dir) if work_dir else Path(str(output).rstrip("/") + ".work")
+
+
 def _atomic_save(state: dict, path: Path) -> None:
     with staged_file(path) as temporary:
         torch.save(state, temporary)
@@ -198,7 +203,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     warmup = max(1, round(config.warmup_fraction * config.steps))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_with_warmup(s, config.steps, warmup))
     generator = torch.Generator().manual_seed(config.seed + rank)
-    work = Path(work_dir) if work_dir else Path(str(output).rstrip("/") + ".work")
+    work = work_directory(output, work_dir)
     checkpoint_path = work / "checkpoint.pt"
     recorded = json.loads(json.dumps(asdict(config)))
     run = {"data": _fingerprint(json.dumps(sequences).encode()), "target": target_fingerprint(target)}
