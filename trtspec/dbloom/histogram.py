@@ -4,7 +4,9 @@ The per-cycle acceptance histogram over 0..B-1 accepted drafts shows it where a 
 length hides it: a spike in the ceiling bin (cycles that accepted the whole block). From the
 histogram we read the conditional acceptance rate of every block position, extrapolate the
 rate of the last positions past the end of the block, and estimate the tau that the ceiling
-cycles would have reached had the block continued ("stranded" speed-up).
+cycles would have reached had the block continued ("stranded" speed-up) through the positions an
+expansion could add: up to the largest block size (MAX_BLOCK_SIZE unless the caller knows a
+smaller ceiling), never an infinite tail.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Preflight:
     histogram: list[int]
     tau: float  # committed tokens per cycle (mean of per-request means)
     requests: list[dict] = field(default_factory=list)  # per request: tau, cycles, ceiling fraction, histogram
+    max_block_size: int = MAX_BLOCK_SIZE  # the largest block an expansion could reach
 
     @property
     def ceiling_fraction(self) -> float:
@@ -49,13 +52,21 @@ class Preflight:
     def tail_rate(self) -> float:
         """Acceptance rate expected just past the block: the mean over its last observed positions."""
         rates = [r for r in self.per_position_acceptance if r is not None][-TAIL_POSITIONS:]
-        return min(statistics.fmean(rates), 0.999) if rates else 0.0
+        return statistics.fmean(rates) if rates else 0.0
+
+    @property
+    def expansion_positions(self) -> int:
+        """Draft positions an expansion could add past the block (to the largest block size)."""
+        return max(self.max_block_size - self.block_size, 0)
 
     @property
     def stranded_tokens_per_cycle(self) -> float:
-        """Extra tokens per cycle had ceiling cycles continued at the tail rate: r + r^2 + ... ."""
-        r = self.tail_rate
-        return self.ceiling_fraction * r / (1 - r)
+        """Extra tokens per cycle had ceiling cycles continued at the tail rate r through the n positions
+        an expansion could add: r + r^2 + ... + r^n, a ceiling cycle's expected extra accepted drafts
+        (n at r = 1; at most n, never the infinite series, which a rate near 1 blows up)."""
+        r, n = self.tail_rate, self.expansion_positions
+        extra = float(n) if r >= 1 else r * (1 - r ** n) / (1 - r)
+        return self.ceiling_fraction * extra
 
     @property
     def stranded_tau_estimate(self) -> float:
@@ -69,7 +80,7 @@ class Preflight:
                               "tokens/cycle: the drafter, not the block horizon, limits tau"}
         r = self.tail_rate
         extra = math.ceil(math.log(1 - CAPTURE) / math.log(r)) if 0 < r < 1 else 8
-        target = min(MAX_BLOCK_SIZE, 4 * math.ceil((self.block_size + extra) / 4))
+        target = min(self.max_block_size, 4 * math.ceil((self.block_size + extra) / 4))
         return {"expand": True, "to": target,
                 "reason": f"{self.ceiling_fraction:.1%} of cycles accept the whole block and the last positions "
                           f"still accept {r:.0%}: post-train to B={target} (trtspec expand-block --to {target})"}
