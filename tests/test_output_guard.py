@@ -110,3 +110,20 @@ def test_outputs_beside_inputs_and_default_work_directories_are_still_accepted(p
     assert check_output_file(place / "data.jsonl", (place / "p.jsonl", place / "tgt")) == place / "data.jsonl"
     assert check_work_dir(place / "out.work", (place / "tgt", place / "d.jsonl")) == place / "out.work"
     check_distinct_outputs(place / "out", place / "out.work", None)
+
+
+# --- bundled names ------------------------------------------------------------------------------------------------
+
+def test_a_local_directory_with_a_bundled_name_wins(target_dir, drafter_dir, tmp_path, monkeypatch):
+    """`--target demo-target` with ./demo-target in the current directory is that directory, not
+    the bundled model that shadowed it (and then implies no bundled drafter); likewise a drafter."""
+    from trtspec.assets import resolve_drafter, resolve_target
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_target("demo-target") == ASSETS / "demo-target"  # nothing local yet: the bundled one
+    shutil.copytree(target_dir, tmp_path / "demo-target")
+    shutil.copytree(drafter_dir, tmp_path / "demo-b16")
+    assert resolve_target("demo-target").resolve() == tmp_path / "demo-target"
+    assert resolve_drafter(None, "demo-target") is None  # a local target implies no bundled drafter
+    assert resolve_drafter("demo-b16", "demo-target").resolve() == tmp_path / "demo-b16"
+    assert resolve_target(None) == ASSETS / "demo-target" and resolve_drafter(None, None) == ASSETS / "demo-b16"
