@@ -292,6 +292,29 @@ def test_bad_prompt_sets_are_named_and_nothing_is_written(line, message, target_
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["generate-data", "run --batch", "bench", "train-drafter"])
+def test_lone_surrogates_in_jsonl_text_are_refused_at_the_door(command, target_dir, drafter_dir, tmp_path):
+    """Before: a "\\ud800" escape in a prompt or response gave a Python stack (UnicodeEncodeError in
+    the tokenizer) in every command that reads JSONL; now one line naming the file, line and field."""
+    data = tmp_path / "data.jsonl"
+    field = "response" if command == "train-drafter" else "prompt"
+    bad = {"prompt": "def f(x):", "response": "    return x"}
+    bad[field] = "def g(x):\udfff" if field == "prompt" else "  return \ud800"
+    data.write_text(json.dumps({"prompt": "def f(x):", "response": "    return x"}) + "\n" + json.dumps(bad) + "\n")
+    assert "\\ud" in data.read_text()  # the file holds the JSON escape, as a client would write it
+    out = tmp_path / "out"
+    args = {"generate-data": ["generate-data", "--target", target_dir, "--prompts", data, "-o", out],
+            "run --batch": ["run", "--batch", data, "--target", target_dir, "--drafter", drafter_dir],
+            "bench": ["bench", "--prompts", data, "--target", target_dir, "--drafter", drafter_dir,
+                      "--block-sizes", "4", "--max-new-tokens", "4", "--json", out],
+            "train-drafter": ["train-drafter", "--data", data, "--target", target_dir, "--block-size", "4",
+                              "-o", out]}[command]
+    character = "U+DFFF at character 9" if field == "prompt" else "U+D800 at character 9"
+    assert_one_line_error(trtspec(*args), f"{data}:2: {field} is not valid text: it holds a lone surrogate "
+                                          f"({character}")
+    assert not out.exists()
+
+
 def test_generate_data_limit_below_one_is_refused(target_dir, tmp_path):
     """Before: --limit -1 silently dropped the last prompt and --limit 0 wrote an empty file."""
     prompts = tmp_path / "prompts.jsonl"
@@ -355,6 +378,8 @@ FLAG_CASES = [
     (("triton-repo", "--engine", "P", "-o", "OUT", "--instances", "0"),
      "--instances must be an integer in [1, 2**31-1], got 0"),
     (("train-policy", "P", "-o", "OUT", "--hidden", "0"), "--hidden must be an integer in [1, 2**31-1], got 0"),
+    (("serve", "--port", "0", "--max-concurrency", "100000"),  # was an allocation traceback
+     "concurrency (max-running) must be an integer in [1, 4096], got 100000"),
 ]
 
 

@@ -30,6 +30,16 @@ class InputError(TrtspecError):
     """A file trtspec reads holds a field of the wrong type or out of range."""
 
 
+def lone_surrogate(text: str) -> int | None:
+    """Where `text` holds a lone surrogate (what a JSON "\\ud800" escape or bytes that are not UTF-8
+    become in Python), else None: such a string is not Unicode text and cannot be encoded or tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 def _kind(value) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
             int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
@@ -86,7 +96,15 @@ class Fields:
         value = self.raw(key, default)
         if value is not default and not isinstance(value, str):
             self.fail(key, f"must be a string, got {_kind(value)}")
+        if value is not default:
+            self._unicode(key, value)
         return value
+
+    def _unicode(self, key: str, value: str) -> None:
+        at = lone_surrogate(value)
+        if at is not None:
+            self.fail(key, f"is not valid text: it holds a lone surrogate (U+{ord(value[at]):04X} at character "
+                           f"{at}, e.g. a \\u{ord(value[at]):04x} escape)")
 
     def obj(self, key: str, default=_MISSING) -> "Fields | None":
         value = self.raw(key, default)
@@ -105,6 +123,8 @@ class Fields:
             self.fail(key, f"must be a list of {noun}, got {json.dumps(value)[:60]}")
         if nonempty and not value:
             self.fail(key, "must not be empty")
+        for index, item in enumerate(value if kind is str else ()):
+            self._unicode(f"{key}[{index}]", item)
         return value
 
     def ints(self, key: str, default=_MISSING, nonempty: bool = False) -> list[int]:
