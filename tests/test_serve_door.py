@@ -7,7 +7,6 @@ bounded."""
 from __future__ import annotations
 
 import json
-import random
 import socket
 import threading
 import time
@@ -71,3 +70,272 @@ def test_text_stream_holds_back_in_linear_time(codec):
     text = "".join(stream.push([token]) for token in ids) + stream.finish(ids)
     assert text == "a" * 3000 and not stream.stopped
     assert time.perf_counter() - began < 1.0
+
+
+# -- the real server --------------------------------------------------------------------------------
+
+openai = pytest.importorskip("openai", reason="the serve tests need the [test] extra (openai)")
+pytest.importorskip("uvicorn", reason="trtspec serve needs the [serve] extra")
+from test_serve import LONG_PROMPT, MODEL, Server, get, post  # noqa: E402
+
+BODY_LIMIT = 6_000_000  # the door server's --max-body-bytes: a 5 MB body is read, decoded and refused
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory):
+    """One server for this module's tests, with a 2 s read timeout."""
+    running = Server(tmp_path_factory.mktemp("door") / "server.log", "--max-concurrency", 4, "--max-body-bytes",
+                     BODY_LIMIT, "--read-timeout", 2)
+    try:
+        yield running
+    finally:
+        assert running.stop() == 0, running.output()[-3000:]
+        assert "Traceback" not in running.output() and "Exception" not in running.output(), running.output()[-3000:]
+
+
+def _raw(url: str, data: bytes, timeout: float = 30) -> tuple[int | None, bytes]:
+    """Send raw bytes on a fresh connection; (status or None if the connection was cut, response)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        try:
+            sock.sendall(data)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except (ConnectionResetError, BrokenPipeError):
+            return None, b""
+    head = answer.split(b"\r\n", 1)[0].split()
+    return (int(head[1]) if len(head) > 1 else None), answer
+
+
+def _head(length: int | None = None, chunked: bool = False) -> bytes:
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}"
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\n"
+            "Connection: close\r\n\r\n").encode()
+
+
+def _bad_requests() -> list[tuple[str, bytes, bool]]:
+    """The requests that used to stall every other client: (name, what to send, raw HTTP or a JSON body).
+    Built before they are sent, so that building them does not pause the test's own client."""
+    body = {"model": MODEL, "max_tokens": 4}
+    huge = json.dumps({**body, "prompt": "x = 1\n" * 800_000}).encode()  # 4.8 MB of prompt
+    assert 4_000_000 < len(huge) < BODY_LIMIT
+    chunk = b"%x\r\n%s\r\n" % (1_000_000, b" " * 1_000_000)
+    return [("4.8 MB prompt", huge, False),
+            ("1.6M empty lists", b'{"model": "demo-target", "prompt": [' + b"[]," * 1_600_000 + b"[]]}", False),
+            ("7 MB declared", _head(7_000_000) + b"{", True),
+            ("7 MB chunked", _head(chunked=True) + chunk * 7 + b"0\r\n\r\n", True),
+            ("200,000 stops", json.dumps({**body, "prompt": "x", "stop": ["ab"] * 200_000}).encode(), False),
+            ("16 stops of 10,000", json.dumps({**body, "prompt": "x", "stop": [chr(97 + i) * 10_000
+                                                                           for i in range(16)]}).encode(), False)]
+
+
+def test_a_stream_never_stalls_while_large_and_pathological_requests_arrive(door):
+    """Done when: under a 5 MB body and a pathological stop list sent while another client streams,
+    that client's longest gap between chunks stays under 0.2 s (measured while they are in flight)."""
+    arrivals: list[float] = []
+    first, ended = threading.Event(), threading.Event()
+
+    def stream():
+        try:
+            for _ in door.client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1500, stream=True,
+                                                    extra_body={"block_size": "AR"}):
+                arrivals.append(time.monotonic())
+                first.set()
+        finally:
+            ended.set()
+
+    # a long stream with stop strings of the longest length (each character is matched once per stop)
+    stops = [chr(0x4e00 + i) * 1024 for i in range(16)]
+    stopped = door.client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=400, stream=True,
+                                             stop=stops, extra_body={"block_size": "AR"})
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert first.wait(60), "the stream did not start"
+    requests, statuses = _bad_requests(), []
+    began = time.monotonic()
+    for name, data, raw in requests:
+        sent = time.monotonic()
+        status = _raw(door.url, data)[0] if raw else post(door.url + "/v1/completions", data)[0]
+        statuses.append((name, status, round(sent - began, 2), round(time.monotonic() - began, 2)))
+    finished = time.monotonic()
+    assert ended.wait(300), "the stream did not end"
+    stopped_text = "".join(c.choices[0].text for c in stopped if c.choices)
+    assert stopped_text and not any(s in stopped_text for s in stops)
+    for name, status, *_ in statuses:
+        assert status in ((413, None) if "7 MB" in name else (400,)), (name, status)
+    assert arrivals[-1] > finished, "the stream ended before the bad requests did: make it longer"
+    window = [t for t in arrivals if began <= t <= finished] + [min(t for t in arrivals if t > finished)]
+    gaps = [b - a for a, b in zip(window, window[1:])]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    assert len(window) > 10 and gaps[worst] < 0.2, (gaps[worst], window[worst] - began, statuses)
+
+
+REFUSED = [  # (route, fields added to a good body, the field named): each was ignored, or a 500
+    ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ("completions", {"ignore_eos": True}, "ignore_eos"),
+    ("completions", {"min_tokens": 5}, "min_tokens"),
+    ("completions", {"repetition_penalty": 1.3}, "repetition_penalty"),
+    ("completions", {"min_p": 0.1}, "min_p"),
+    ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ("chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
+    ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("completions", {"guided_json": {}}, "guided_json"),
+    ("completions", {"max_completion_tokens": 4}, "max_completion_tokens"),  # a chat field
+    ("completions", {"stop_token_ids": 5}, "stop_token_ids"),
+    ("completions", {"stop_token_ids": [True]}, "stop_token_ids"),
+    ("completions", {"stop_token_ids": [1.0]}, "stop_token_ids"),
+    ("completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
+    ("completions", {"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ("completions", {"stop_token_ids": [[1]]}, "stop_token_ids"),
+    ("completions", {"stop_token_ids": ["12"]}, "stop_token_ids"),
+    ("completions", {"stop": [3]}, "stop"),  # token ids only through stop_token_ids
+    ("completions", {"stop": "\ud800"}, "stop"),
+    ("completions", {"stop": ["ab"] * 17}, "stop"),
+    ("completions", {"stop": ["a" * 1025]}, "stop"),
+    ("completions", {"prompt": "x\udfff"}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud83d"}]}, "messages"),
+    ("completions", {"user": "\udc80"}, "user"),
+    ("completions", {"temperature": 1e400}, "temperature"),
+    ("completions", {"top_p": 10**400}, "top_p"),
+    ("completions", {"seed": 10**400}, "seed"),
+    ("completions", {"block_size": "9" * 5000}, "block_size"),
+    ("completions", {"stream_options": {"include_usage": True, "x": 1}, "stream": True}, "stream_options"),
+]
+
+
+def _good(route: str) -> dict:
+    if route == "completions":
+        return {"model": MODEL, "prompt": "x = ", "max_tokens": 2}
+    return {"model": MODEL, "messages": [{"role": "user", "content": "x = "}], "max_tokens": 2}
+
+
+def test_fields_that_would_be_ignored_or_crash_are_refused_naming_them(door):
+    for route, fields, param in REFUSED:
+        body = {key: value for key, value in {**_good(route), **fields}.items() if value is not None}
+        status, answer = post(f"{door.url}/v1/{route}", json.dumps(body).encode())  # surrogates: \ud800 escapes
+        assert status == 400 and answer["error"]["param"] == param, (fields, answer)
+        assert "\n" not in answer["error"]["message"] and len(answer["error"]["message"]) < 400, answer
+    for route in ("completions", "chat/completions"):  # the defaults of unsupported fields are accepted
+        defaults = {"ignore_eos": False, "min_tokens": 0, "repetition_penalty": 1.0, "skip_special_tokens": True,
+                    "response_format": {"type": "text"}, "logprobs": None, "user": "me"}
+        assert post(f"{door.url}/v1/{route}", {**_good(route), **defaults})[0] == 200
+    model = {"model": "\ud800", "prompt": "x"}
+    assert post(door.url + "/v1/completions", json.dumps(model).encode())[1]["error"]["param"] == "model"
+    for raw, says in ((b'{"model": "demo-target", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deep"),
+                      (b'{"model": "demo-target", "prompt": "x", "seed": ' + b"9" * 10_000 + b"}", "JSON"),
+                      (b'{"model": "demo-target", "prompt": "\xff"}', "UTF-8"),
+                      (b'{"model": "demo-target", "prompt": [' + b"[]," * 150_000 + b"[]]}", "arrays")):
+        status, answer = post(door.url + "/v1/completions", raw)
+        assert status == 400 and says in answer["error"]["message"], answer
+
+
+def test_a_slow_client_is_cut_off_at_the_read_timeout(door):
+    began = time.monotonic()
+    status, answer = _raw(door.url, _head(100) + b'{"model": ', timeout=20)  # the rest of the body never comes
+    assert status == 408 and b"--read-timeout" in answer and time.monotonic() - began < 10
+    host, port = door.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:  # a head sent a byte at a time
+        began, closed = time.monotonic(), False
+        for byte in _head(2):
+            try:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.25)
+            except OSError:
+                closed = True
+                break
+            if time.monotonic() - began > 8:
+                break
+        if not closed:
+            sock.settimeout(5)
+            try:
+                closed = sock.recv(100) == b""
+            except OSError:
+                closed = True
+    assert closed and time.monotonic() - began < 10
+    assert door.client.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+                           | st.sampled_from([10**30, -1, 0, 1, 2**63, 1e308, "\ud800", "auto", "AR", "12:24"]),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                       max_size=3), max_leaves=8)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "seed", "stop", "stop_token_ids", "stream", "stream_options", "n", "user", "block_size", "logprobs",
+          "response_format", "ignore_eos", "tools", "logit_bias", "echo", "nonsense"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["completions", "chat/completions"]),
+       changes=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=3),
+       dropped=st.sets(st.sampled_from(["model", "prompt", "messages", "max_tokens"]), max_size=1),
+       wrap=st.sampled_from(["none", "deep", "list", "huge-int", "garbage"]))
+def test_fuzzed_bodies_never_get_a_500(door, route, changes, dropped, wrap):
+    body = {key: value for key, value in {**_good(route), **changes}.items() if key not in dropped}
+    body.setdefault("max_tokens", 2) if isinstance(body.get("max_tokens", 2), int) else None
+    text = json.dumps(body, allow_nan=True)
+    raw = {"none": text, "deep": text[:-1] + ', "x": ' + "[" * 5000 + "]" * 5000 + "}", "list": f"[{text}]",
+           "huge-int": text[:-1] + ', "seed": 1' + "0" * 5000 + "}", "garbage": text[: len(text) // 2]}[wrap]
+    status, answer = post(f"{door.url}/v1/{route}", raw.encode("utf-8", "surrogatepass"), timeout=120)
+    assert status < 500 and ("error" in answer) == (status != 200), (body, answer)
+
+
+def test_after_the_fuzzing_the_server_still_serves(door):
+    assert door.client.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_api_key_and_a_wildcard_host(tmp_path):
+    """--api-key (here from TRTSPEC_API_KEY) guards /v1 with 401 in OpenAI's shape, /health stays open;
+    listening on every interface is said on stderr."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import re
+
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "trtspec", "--threads", "1", "serve", "--port", "0",
+                                    "--host", "0.0.0.0"], stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "TRTSPEC_API_KEY": "sesame"}, start_new_session=True)
+    try:
+        deadline, url = time.monotonic() + 120, None
+        while url is None and time.monotonic() < deadline and process.poll() is None:
+            found = re.search(r"on http://0\.0\.0\.0:(\d+) ", log.read_text(errors="replace"))
+            url = f"http://127.0.0.1:{found.group(1)}" if found else None
+            time.sleep(0.2)
+        assert url, log.read_text()
+        assert "warning: listening on every interface" in log.read_text()
+        while time.monotonic() < deadline:
+            try:
+                if get(url + "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        status, answer = post(url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+        assert get(url + "/v1/models")[0] == 401
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="open", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+        assert right.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+    assert "Traceback" not in log.read_text()
+
+
+def test_serve_refuses_an_empty_host_and_a_block_size_its_engine_lacks(ort_engine_dir):
+    from helpers import assert_one_line_error, trtspec_in_process
+
+    assert_one_line_error(trtspec_in_process("serve", "--host", ""), "--host is empty")
+    assert_one_line_error(trtspec_in_process("serve", "--engine", ort_engine_dir, "--port", 0, "--block-size", 12),
+                          "--block-size 12", "4, 8")

@@ -8,6 +8,7 @@ from trtspec import limits
 from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
                                       load_pipeline, model_options, policy_option)
 from trtspec.errors import TrtspecError
+from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
 
 
 class ServeBlockSizeType(BlockSizeType):
@@ -39,7 +40,9 @@ carries a "trtspec" object with the block size run, tau, histogram and ceiling f
 @policy_option
 @backend_option
 @draft_vocab_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Listen address (loopback by default).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Listen address: loopback by default; every interface only when named (0.0.0.0 or ::, "
+                   "with a warning on stderr); an empty host is refused.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Listen port (0: any free port; the URL is printed).")
 @click.option("--max-concurrency", type=Ranged(limits.COUNT), default=8, show_default=True, metavar="N",
@@ -53,10 +56,18 @@ carries a "trtspec" object with the block size run, tau, histogram and ceiling f
               help="Cap on prompt + output tokens. [default: the model's]")
 @click.option("--served-model-name", metavar="NAME",
               help="The model name clients give. [default: the target's directory name]")
+@click.option("--api-key", envvar="TRTSPEC_API_KEY", metavar="KEY",
+              help="Require `Authorization: Bearer KEY` on every /v1 route (401 otherwise); /health and /metrics "
+                   "stay open. [env: TRTSPEC_API_KEY]")
+@click.option("--max-body-bytes", type=Ranged(limits.COUNT), default=MAX_BODY_BYTES, show_default=True, metavar="N",
+              help="Largest request body; a larger one gets HTTP 413 (declared or sent).")
+@click.option("--read-timeout", type=Ranged(limits.POSITIVE_REAL), default=READ_TIMEOUT_S, show_default=True,
+              metavar="S", help="Seconds a client gets to send a request's head, and then its body (408).")
 @click.option("--graceful-shutdown", type=Ranged(limits.NON_NEGATIVE_REAL), default=10.0, show_default=True,
               metavar="S", help="On SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled.")
 def serve(target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts, host, port,
-          max_concurrency, max_queued, block_size, max_context, served_model_name, graceful_shutdown) -> None:
+          max_concurrency, max_queued, block_size, max_context, served_model_name, api_key, max_body_bytes,
+          read_timeout, graceful_shutdown) -> None:
     """Serve the model over HTTP with OpenAI's API (completions, chat completions, streaming),
     plus /health and Prometheus /metrics, until Ctrl-C or SIGTERM."""
     from pathlib import Path
@@ -64,7 +75,8 @@ def serve(target, drafter, engine, dtype, device, backend, policy, draft_vocab, 
     try:
         import prometheus_client
 
-        from trtspec.serving.openai_server import OpenAIServer, listen_socket, serve as run_server, socket_url
+        from trtspec.serving.openai_server import (OpenAIServer, listen_socket, listens_everywhere,
+                                                   serve as run_server, socket_url)
     except ImportError as exc:
         raise TrtspecError(f"trtspec serve needs the serve extra (pip install 'trtspec[serve]'): {exc}") from None
     from trtspec.runtime.engine import EngineConfig
@@ -76,19 +88,45 @@ def serve(target, drafter, engine, dtype, device, backend, policy, draft_vocab, 
         pipeline = load_pipeline(target, drafter, dtype, device, max_context=max_context, engine=engine,
                                  policy=policy, draft_vocab=draft_vocab, draft_counts=draft_counts, backend=backend,
                                  block_sizes=engine_sizes([block_size] if block_size else []))
-        if block_size is not None and block_size.size != 1 and not pipeline.has_drafter:
-            raise TrtspecError("--block-size needs a drafter; give --drafter DIR, or --block-size AR")
+        if block_size is not None:
+            _check_block_size(pipeline, block_size)
         if served_model_name is None:
             from trtspec.assets import resolve_target
 
             source = engine if engine is not None and target is None else resolve_target(target)
             served_model_name = Path(source).resolve().name
-        server = OpenAIServer(pipeline, config, model_name=served_model_name, block_size=block_size)
+        server = OpenAIServer(pipeline, config, model_name=served_model_name, block_size=block_size,
+                              max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, api_key=api_key or None)
         server.start()  # the engine and its caches now: one that cannot fit is one line, not a stack at start-up
     except BaseException:
         sock.close()
         raise
     url = socket_url(sock)
+    if listens_everywhere(sock):
+        click.echo(f"trtspec serve: warning: listening on every interface ({host}): anyone who can reach this "
+                   f"machine can use the server{'' if api_key else '; --api-key KEY requires a key'}", err=True)
     click.echo(f"trtspec serve: {served_model_name} on {url} (OpenAI API at {url}/v1, metrics at {url}/metrics)",
                err=True)
     run_server(server, sock, graceful_s=graceful_shutdown)
+
+
+def _check_block_size(pipeline, choice) -> None:
+    """Refuse at start a default block size the pipeline cannot run (else every request without a
+    block_size field would be refused): a drafter for any block, a policy for auto, and an engine
+    built for each size the schedule runs."""
+    from trtspec.runtime.decode import check_built_size
+    from trtspec.runtime.schedule import AUTO
+
+    if choice.size == 1:
+        return
+    if not pipeline.has_drafter:
+        raise TrtspecError("--block-size needs a drafter; give --drafter DIR, or --block-size AR")
+    if choice.size == AUTO:
+        if pipeline.policy is None:
+            raise TrtspecError("--block-size auto needs a BlockPilot policy (--policy DIR, or a drafter that ships one)")
+        return
+    try:
+        for size in choice.sizes:
+            check_built_size(pipeline.runner, size)
+    except TrtspecError as exc:
+        raise TrtspecError(f"--block-size {choice.name}: {exc}") from None

@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import ipaddress
 import json
+import json.scanner
+import reprlib
+import secrets
 import signal
 import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -31,18 +37,35 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from trtspec import limits
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.engine import Busy
-from trtspec.tokenizer import TextStream
+from trtspec.tokenizer import TextStream, check_text
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
+from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
 from trtspec.serving.metrics import CONTENT_TYPE, ServingMetrics
 
-MAX_STOPS = 16  # stop strings and stop token ids per request
+DOOR_THREADS = 2            # requests decoded, checked and tokenized at once, off the event loop
+_C_DECODER_BYTES = 256 * 2**10  # larger bodies: json's pure-Python scanner, which lets the loop run
+MAX_JSON_CONTAINERS = 100_000   # arrays and objects in a body (a chat of 10,000 messages has 10,002)
+
+
+def _shower() -> reprlib.Repr:
+    """A value in a one-line message: its repr, cut short (bounded work, whatever its size or depth)."""
+    shower = reprlib.Repr()
+    shower.maxstring = shower.maxother = shower.maxlong = 40
+    shower.maxlist = shower.maxdict = 4
+    shower.maxlevel = 2
+    return shower
+
+
+_show = _shower().repr
 
 
 class ApiError(Exception):
@@ -55,6 +78,8 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        if self.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
                                        "code": self.code}}, status_code=self.status, headers=headers)
 
@@ -75,16 +100,50 @@ class ParsedRequest:
     chat: bool = False
 
 
-# Fields of OpenAI's API that this server does not implement: refused unless given their default.
+# The fields a request may have: OpenAI's that trtspec implements, trtspec's block_size, vLLM's
+# top_k and stop_token_ids, and those without effect on the result (user, metadata, ...). The rest
+# of OpenAI's and vLLM's are refused unless given their default value (`_UNSUPPORTED`), and any other
+# field is refused by name: no field is ever silently ignored.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
+           "stream_options", "n", "user", "block_size"}
+_FIELDS = {False: _COMMON | {"prompt"},
+           True: _COMMON | {"messages", "max_completion_tokens", "metadata", "store", "service_tier"}}
 _UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-                "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                "logit_bias": (None, {}), "tools": (None, []), "functions": (None, [])}
+                "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+                "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+                "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
+                "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+                "reasoning_effort": (None,), "prediction": (None,), "audio": (None,),
+                # vLLM's sampling extras (the rest are refused as unknown)
+                "ignore_eos": (None, False), "min_tokens": (None, 0), "repetition_penalty": (None, 1),
+                "min_p": (None, 0), "include_stop_str_in_output": (None, False),
+                "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+                "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+                "add_special_tokens": (None,), "echo_prompt": (None,)}
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    route = "chat completions" if chat else "completions"
+    for name, value in body.items():
+        if name in _FIELDS[chat]:
+            continue
+        if name not in _UNSUPPORTED:
+            raise _bad(f"unknown field {_show(name)} (a {route} request takes {', '.join(sorted(_FIELDS[chat]))})",
+                       name)
+        defaults = [d for d in _UNSUPPORTED[name] if d is not None]
+        if value is not None and not any(value == d and isinstance(value, bool) == isinstance(d, bool)
+                                         for d in defaults):
+            shown = " or ".join(json.dumps(d) for d in defaults)
+            raise _bad(f"{name} is not supported by trtspec serve" + (f" (only its default, {shown})" if shown else ""),
+                       name)
 
 
 def _number(body: dict, name: str, limit: limits.Limit, default):
     value = body.get(name)
     if value is None:
         return default
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**64:
+        raise _bad(f"{name} must be {limit.describe()}, got a number of {len(str(abs(value)))} digits", name)
     if not limit.integer and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     try:
@@ -93,18 +152,26 @@ def _number(body: dict, name: str, limit: limits.Limit, default):
         raise _bad(str(exc), name) from None
 
 
-def _prompt_ids(body: dict, codec) -> list[int]:
+def _fits(characters: int, codec, max_context: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text longer than the model's context could hold."""
+    if characters > codec.text_bytes_cap(max_context):  # a text's characters: at most its UTF-8 bytes
+        raise _bad(f"the {param} ({characters} characters) is longer than the model's context of {max_context} "
+                   "tokens can hold", param)
+
+
+def _prompt_ids(body: dict, codec, max_context: int) -> list[int]:
     """`prompt`: a string, or token ids, or a list holding exactly one of them."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = codec.encode(prompt)
+        _fits(len(prompt), codec, max_context, "prompt")
+        ids = codec.encode_unlocked(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = codec.tokenizer.get_vocab_size(with_added_tokens=True)
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise _bad(f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
+            raise _bad(f"prompt: token id {_show(bad[0])} is outside the vocabulary (0..{vocab - 1})", "prompt")
         ids = list(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise _bad("prompt: one prompt per request (a list of several prompts is not supported)", "prompt")
@@ -112,15 +179,23 @@ def _prompt_ids(body: dict, codec) -> list[int]:
         raise _bad("prompt must be a string or a list of token ids", "prompt")
     if not ids:
         raise _bad("the prompt is empty", "prompt")
+    _room(len(ids), max_context, "prompt")
     return ids
 
 
-def _chat_ids(body: dict, codec) -> list[int]:
+def _room(tokens: int, max_context: int, param: str) -> None:
+    """Refuse in the door a prompt the context cannot hold with one new token (the engine would)."""
+    if tokens >= max_context:
+        raise _bad(f"the {param} is {tokens} tokens; the model's context holds {max_context} (prompt and output)",
+                   param)
+
+
+def _chat_ids(body: dict, codec, max_context: int) -> list[int]:
     """`messages`: [{role, content}], content a string or a list of {"type": "text", "text"} parts."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list of {role, content} objects", "messages")
-    plain = []
+    plain, size = [], 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _bad(f"messages[{i}] must be an object with a string role", "messages")
@@ -135,54 +210,70 @@ def _chat_ids(body: dict, codec) -> list[int]:
         elif not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
         plain.append({"role": message["role"], "content": content})
+        size += len(content) + len(message["role"])
+    _fits(size, codec, max_context, "messages")
     try:
-        ids = codec.encode_chat(plain, label="chat")
+        text = codec.apply_chat_template(plain, label="chat")
     except TrtspecError as exc:
         raise _bad(str(exc), "messages") from None
+    _fits(len(text), codec, max_context, "messages")
+    # TextCodec.encode_chat's ids, tokenized with the GIL released (encode_batch; encode holds it)
+    ids = codec.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
     if not ids:
         raise _bad("the chat prompt is empty", "messages")
+    _room(len(ids), max_context, "messages")
     return ids
 
 
 def _stops(body: dict, codec) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """`stop`: a string or a list of strings and token ids; `stop_token_ids`: token ids (vLLM's field).
-    Text stops are matched in the text (and a stop that is exactly one token also stops the engine)."""
-    stop = body.get("stop")
-    items = [] if stop is None else [stop] if isinstance(stop, (str, int)) else stop
-    ids = body.get("stop_token_ids") or []
-    if not isinstance(items, list) or not isinstance(ids, list):
-        raise _bad("stop must be a string or a list of strings and token ids", "stop")
-    texts, tokens = [], []
-    vocab = codec.tokenizer.get_vocab_size(with_added_tokens=True)
-    for name, values in (("stop", items), ("stop_token_ids", ids)):
-        for value in values:
-            if isinstance(value, str) and name == "stop":
-                if not value:
-                    raise _bad("stop strings must not be empty", name)
-                texts.append(value)
-                single = codec.tokenizer.encode(value, add_special_tokens=False).ids
-                if len(single) == 1 and codec.decode(single) == value:
-                    tokens.append(single[0])
-            elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab:
-                tokens.append(value)
-            else:
-                raise _bad(f"{name}: {value!r} is neither a stop string nor a token id in 0..{vocab - 1}", name)
-    if len(texts) + len(tokens) > 2 * MAX_STOPS:
-        raise _bad(f"at most {MAX_STOPS} stops per request", "stop")
-    return tuple(dict.fromkeys(texts)), tuple(dict.fromkeys(tokens))
+    """`stop`: a string or a list of strings, cut from the text (one that is exactly one token also
+    stops the engine); `stop_token_ids`: token ids (vLLM's field). Counted and measured before any
+    of them is tokenized."""
+    stop, ids = body.get("stop"), body.get("stop_token_ids")
+    texts = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(texts, list):
+        raise _bad(f"stop must be a string or a list of strings, got {_show(stop)}", "stop")
+    if ids is not None and (not isinstance(ids, list)
+                            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise _bad(f"stop_token_ids must be a list of token ids, got {_show(ids)}", "stop_token_ids")
+    try:
+        text_stops, text_ids = codec.stop_strings(texts, "stop")
+    except TrtspecError as exc:
+        raise _bad(str(exc), "stop") from None
+    try:
+        token_ids = codec.stop_token_ids(ids or [], "stop_token_ids")
+    except TrtspecError as exc:
+        raise _bad(str(exc), "stop_token_ids") from None
+    return text_stops, tuple(dict.fromkeys(text_ids + token_ids))
 
 
-def parse_request(body, codec, default_block: BlockChoice, chat: bool) -> ParsedRequest:
-    """Check a completions / chat completions body field by field; ApiError(400) names the field."""
+def _block_choice(body: dict, default: BlockChoice) -> BlockChoice:
+    value = body.get("block_size")
+    if value is None:
+        return default
+    if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limits.MAX_BLOCK_SIZE:
+        raise _bad(f"block_size must be in [2, {limits.MAX_BLOCK_SIZE}], \"B:G\", \"auto\" or \"AR\", "
+                   f"got {_show(value)}", "block_size")
+    if isinstance(value, str) and len(value) > 16:
+        raise _bad(f"block_size must be B, \"B:G\", \"auto\" or \"AR\", got {_show(value)}", "block_size")
+    try:
+        return BlockChoice.parse(value, allow_ar=True, label="block_size")
+    except TrtspecError as exc:
+        raise _bad(str(exc), "block_size") from None
+
+
+def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_context: int = limits.INT32_MAX
+                  ) -> ParsedRequest:
+    """Check a completions / chat completions body field by field; ApiError(400) names the field.
+    The cheap checks come first: the prompt is tokenized last (with the GIL released)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    for name, allowed in _UNSUPPORTED.items():
-        if body.get(name, None) not in allowed:
-            raise _bad(f"{name} is not supported by trtspec serve", name)
+    _check_fields(body, chat)
     n = body.get("n")
-    if n not in (None, 1):
+    if n not in (None, 1) or isinstance(n, bool):
         raise _bad("n must be 1 (one choice per request)", "n")
-    ids = _chat_ids(body, codec) if chat else _prompt_ids(body, codec)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise _bad("user must be a string", "user")
     default_tokens = limits.MAX_NEW_TOKENS.high if chat else 16  # OpenAI's defaults: the context, and 16
     max_tokens = body.get("max_completion_tokens") if chat and body.get("max_tokens") is None else body.get("max_tokens")
     max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", limits.MAX_NEW_TOKENS, default_tokens)
@@ -191,25 +282,81 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool) -> Parsed
         top_k=_number(body, "top_k", limits.TOP_K, 0) if body.get("top_k") != -1 else 0,  # -1: vLLM's "off"
         top_p=_number(body, "top_p", limits.TOP_P, 1.0),
         seed=_number(body, "seed", limits.SEED, None))
-    block = default_block
-    if body.get("block_size") is not None:
-        try:
-            block = BlockChoice.parse(body["block_size"], allow_ar=True, label="block_size")
-        except TrtspecError as exc:
-            raise _bad(str(exc), "block_size") from None
+    block = _block_choice(body, default_block)
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise _bad("stream_options is an object {\"include_usage\": true or false}, and only with stream: true",
+                   "stream_options")
     texts, stop_ids = _stops(body, codec)
     try:
         config = GenerationConfig(block_size=block.size, grow_to=block.grow_to, max_new_tokens=max_tokens,
                                   stop_ids=stop_ids, sampling=sampling)
     except TrtspecError as exc:
         raise _bad(str(exc), "block_size") from None
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _bad("stream must be true or false", "stream")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not stream):
-        raise _bad("stream_options is an object, and only with stream: true", "stream_options")
-    return ParsedRequest(ids, config, texts, stream, bool((options or {}).get("include_usage")), chat)
+    ids = _chat_ids(body, codec, max_context) if chat else _prompt_ids(body, codec, max_context)
+    return ParsedRequest(ids, config, texts, bool(stream), bool((options or {}).get("include_usage")), chat)
+
+
+def decode_body(raw: bytes):
+    """A request body as JSON, or ApiError(400): not UTF-8, not JSON, nested too deep, an integer
+    too long for Python to read, or a string with a lone surrogate (not Unicode text). A large body
+    is decoded by json's pure-Python scanner, which lets other threads (the event loop) run."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _bad(f"the request body is not UTF-8 (byte {exc.start})") from None
+    decoder = json.JSONDecoder()
+    if len(raw) > _C_DECODER_BYTES:
+        _count_containers(decoder)
+        decoder.scan_once = json.scanner.py_make_scanner(decoder)
+    try:
+        body = decoder.decode(text)
+    except RecursionError:
+        raise _bad("the request body is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and integers past Python's 4300-digit limit
+        raise _bad(f"the request body is not valid JSON ({' '.join(str(exc).split())[:200]})") from None
+    _refuse_lone_surrogates(body)
+    return body
+
+
+def _count_containers(decoder: json.JSONDecoder) -> None:
+    """Make the decoder refuse a body of more than MAX_JSON_CONTAINERS arrays and objects: millions of
+    them (`[[],[],...]`) would keep the garbage collector, which holds the GIL, busy for seconds."""
+    count = 0
+
+    def counted(parse):
+        def parse_counted(*args):
+            nonlocal count
+            count += 1
+            if count > MAX_JSON_CONTAINERS:
+                raise _bad(f"the request body holds more than {MAX_JSON_CONTAINERS} JSON arrays and objects")
+            return parse(*args)
+        return parse_counted
+
+    decoder.parse_array, decoder.parse_object = counted(decoder.parse_array), counted(decoder.parse_object)
+
+
+def _refuse_lone_surrogates(body) -> None:
+    """Every string of the body, keys included, must be text: a "\\ud800" escape is not."""
+    pending = [(body, None)]
+    while pending:
+        value, field_name = pending.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                pending.append((key, field_name or key))
+                pending.append((item, field_name or key))
+        elif isinstance(value, list):
+            pending.extend((item, field_name) for item in value)
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                check_text(value, field_name if isinstance(field_name, str) and field_name.isascii() else "a string")
+            except TrtspecError as exc:
+                raise _bad(str(exc), field_name if isinstance(field_name, str) and field_name.isascii() else None
+                           ) from None
 
 
 class _Bridge:
@@ -254,19 +401,44 @@ def trtspec_extension(stats: DecodeStats | None) -> dict:
     return out
 
 
+class _ApiKey:
+    """ASGI middleware: every /v1 route wants `Authorization: Bearer KEY` (401 otherwise, in
+    OpenAI's shape); /health and /metrics stay open, as in vLLM."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                refusal = ApiError(401, "a valid API key is required: send the header Authorization: Bearer KEY",
+                                   code="invalid_api_key")
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class OpenAIServer:
-    """The ASGI app over one pipeline and its engine. `app` is what uvicorn serves."""
+    """The ASGI app over one pipeline and its engine. `app` is what uvicorn serves.
+
+    The event loop only routes: a body is read with a size limit (`max_body_bytes`, else 413) and a
+    deadline (`read_timeout_s`, else 408), then decoded, checked and tokenized on the door's
+    threads (DOOR_THREADS), so one large or odd request never stalls the other clients' streams."""
 
     def __init__(self, pipeline, engine_config, *, model_name: str, block_size: BlockChoice | None = None,
-                 metrics: ServingMetrics | None = None):
+                 metrics: ServingMetrics | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 read_timeout_s: float = READ_TIMEOUT_S, api_key: str | None = None):
         self.pipeline, self.codec, self.engine_config = pipeline, pipeline.codec, engine_config
         self.model_name = model_name
         self.default_block = block_size or BlockChoice(pipeline.default_block_size)
         self.metrics = metrics or ServingMetrics()
+        self.max_body_bytes, self.read_timeout_s, self.api_key = max_body_bytes, read_timeout_s, api_key
         self.engine = None
         self.created = int(time.time())
         self.closing = False
         self._close_lock = threading.Lock()
+        self._door = ThreadPoolExecutor(DOOR_THREADS, thread_name_prefix="trtspec-door")
         self.app = self._make_app()
 
     # -- life cycle ----------------------------------------------------------------------------
@@ -281,6 +453,7 @@ class OpenAIServer:
             if self.engine is not None:
                 self.engine.close(cancel=True)
                 self.engine = None
+        self._door.shutdown(wait=False, cancel_futures=True)
 
     def _make_app(self) -> FastAPI:
         @asynccontextmanager
@@ -292,6 +465,8 @@ class OpenAIServer:
                 await asyncio.get_running_loop().run_in_executor(None, self.close)
 
         app = FastAPI(title="trtspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        if self.api_key:
+            app.add_middleware(_ApiKey, key=self.api_key)
 
         @app.exception_handler(ApiError)
         async def api_error(request, exc: ApiError):
@@ -347,19 +522,50 @@ class OpenAIServer:
 
     def _check_model(self, name) -> None:
         if name != self.model_name:
-            raise ApiError(404, f"The model {name!r} does not exist; this server serves {self.model_name!r}",
+            raise ApiError(404, f"The model {_show(name)} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
     # -- requests ------------------------------------------------------------------------------
-    async def _handle(self, http: HttpRequest, chat: bool):
+    async def _read_body(self, http: HttpRequest) -> bytes:
+        """The body, refused (413) past max_body_bytes, declared or sent, and (408) when it has not
+        arrived within read_timeout_s: a client sending slowly cannot hold the door."""
+        declared = http.headers.get("content-length", "")
+        too_large = ApiError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} "
+                                  "bytes (--max-body-bytes)", code="request_too_large")
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > self.max_body_bytes):
+            raise too_large
+        chunks, size = [], 0
         try:
-            body = json.loads(await http.body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise _bad(f"the request body is not valid JSON ({exc})") from None
+            async with asyncio.timeout(self.read_timeout_s):
+                async for chunk in http.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.read_timeout_s:g} s (--read-timeout)",
+                           code="request_timeout") from None
+        return b"".join(chunks)
+
+    def _parse(self, raw: bytes, chat: bool) -> ParsedRequest:
+        """The door's work, on its threads: decode, check and tokenize one body."""
+        body = decode_body(raw)
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             raise _bad("model must be given, as a string", "model")
         self._check_model(body["model"])
-        parsed = parse_request(body, self.codec, self.default_block, chat)
+        return parse_request(body, self.codec, self.default_block, chat, self.pipeline.runner.max_context)
+
+    async def _handle(self, http: HttpRequest, chat: bool):
+        try:
+            raw = await self._read_body(http)
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody is listening
+        try:
+            parsed = await asyncio.get_running_loop().run_in_executor(self._door, self._parse, raw, chat)
+        except RuntimeError:  # the door is shut: the server is shutting down
+            if not self.closing:
+                raise
+            raise ApiError(503, "the server is shutting down", "service_unavailable") from None
         if self.closing or self.engine is None:
             raise ApiError(503, "the server is shutting down", "service_unavailable")
         bridge = _Bridge(asyncio.get_running_loop())
@@ -538,16 +744,26 @@ class _Uvicorn(uvicorn.Server):
 
 def listen_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (0: any free port), made before the model loads so that a
-    port in use is refused at once."""
+    port in use is refused at once. An empty host (which binds every interface without saying so)
+    is refused: every interface is 0.0.0.0 or ::, named (`listens_everywhere`)."""
+    if not host.strip():
+        raise TrtspecError("--host is empty: give an address (127.0.0.1: this machine only; 0.0.0.0 or ::: "
+                           "every interface)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as exc:
+    except (OSError, ValueError, UnicodeError) as exc:  # ValueError: a NUL; UnicodeError: not a host name
         sock.close()
-        raise TrtspecError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        reason = getattr(exc, "strerror", None) or "not a host name or address"
+        raise TrtspecError(f"cannot listen on {_show(host)}:{port}: {reason}") from None
     return sock
+
+
+def listens_everywhere(sock: socket.socket) -> bool:
+    """Whether the socket is bound to every interface (0.0.0.0, ::; also what "0" resolves to)."""
+    return ipaddress.ip_address(sock.getsockname()[0].split("%")[0]).is_unspecified
 
 
 def socket_url(sock: socket.socket) -> str:
@@ -555,12 +771,50 @@ def socket_url(sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if sock.family == socket.AF_INET6 else host}:{port}"
 
 
+class _HeadDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on each request's head: a connection that has not
+    sent a whole head `head_timeout_s` after it opened (or after its previous response) is closed.
+    uvicorn's own keep-alive timer restarts on every byte, so headers sent a byte at a time would
+    hold a connection open for ever."""
+
+    def __init__(self, *args, head_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head_timeout_s, self._deadline = head_timeout_s, None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        waiting = self.cycle  # a new head replaces the cycle: then the deadline has been met
+
+        def late() -> None:
+            if self.cycle is waiting and not self.transport.is_closing():
+                self.transport.close()
+
+        self._deadline = self.loop.call_later(self.head_timeout_s, late)
+
+
 def serve(server: OpenAIServer, sock: socket.socket, *, graceful_s: float = 10.0) -> None:
     """Run uvicorn on a bound socket (`listen_socket`) until SIGINT/SIGTERM. In-flight requests get
-    `graceful_s` seconds to finish, then are cancelled; the engine stops last."""
+    `graceful_s` seconds to finish, then are cancelled; the engine stops last. A request's head and
+    its body each have `server.read_timeout_s` to arrive; idle keep-alive connections close after 5 s."""
     # uvicorn's own deadline is a backstop: by then the closed engine has ended every request.
     config = uvicorn.Config(server.app, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=graceful_s + 10, lifespan="on")
+                            timeout_graceful_shutdown=graceful_s + 10, lifespan="on", timeout_keep_alive=5,
+                            h11_max_incomplete_event_size=64 * 2**10,  # a request's head: 64 KiB at most
+                            http=functools.partial(_HeadDeadline, head_timeout_s=server.read_timeout_s))
     try:
         _Uvicorn(config, server, graceful_s).run(sockets=[sock])
     finally:
