@@ -201,3 +201,23 @@ def test_train_drafter_runs_under_torchrun_with_ddp(target_dir, tmp_path):
     result = subprocess.run(command, capture_output=True, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     assert load_drafter(tmp_path / "ddp", load_target(target_dir)).config.block_size == 4
+
+
+def test_duplicate_or_excess_taps_are_refused_at_the_door(target_dir, tmp_path):
+    """`--num-features 99` on a 4-layer target tapped layer 1 ninety-nine times, and explicit ids
+    could repeat a layer: both are one line now, before the data is read (it does not exist here).
+    DFlash's spread, where it would repeat a layer on a shallow target, spreads over all layers."""
+    from helpers import assert_one_line_error, trtspec_in_process
+
+    from trtspec.models import default_target_layer_ids
+
+    common = ("train-drafter", "--target", target_dir, "--data", tmp_path / "missing.jsonl", "--block-size", 4,
+              "--steps", 1, "-o", tmp_path / "d")
+    assert_one_line_error(trtspec_in_process(*common, "--num-features", 99), "--num-features 99",
+                          "target's 4 layers")
+    assert_one_line_error(trtspec_in_process(*common, "--target-layer-ids", "1,2,1"), "layer 1 more than once")
+    assert_one_line_error(trtspec_in_process(*common, "--target-layer-ids", "0,4"), "--target-layer-ids 4",
+                          "4-layer target")
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # DFlash's spread where it fits
+    assert default_target_layer_ids(4, 2) == [0, 3] and default_target_layer_ids(6, 5) == [0, 1, 2, 4, 5]
+    assert default_target_layer_ids(4, 4) == [0, 1, 2, 3]

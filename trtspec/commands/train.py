@@ -142,7 +142,7 @@ def train_drafter(target, data_file, block_size, output, layers, num_features, t
     """Train a DFlash drafter for a frozen target (resumes from --work when restarted)."""
     from trtspec.fileio import CHECKPOINT, check_distinct_outputs, check_output_dir, check_work_dir
     from trtspec.training.data import read_training_data
-    from trtspec.training.trainer import TrainConfig, train_drafter as train, work_directory
+    from trtspec.training.trainer import TrainConfig, tapped_layers, train_drafter as train, work_directory
 
     inputs, work_dir = (target, data_file, init_from), work_directory(output, work_dir)
     check_output_dir(output, CHECKPOINT, inputs)
@@ -162,6 +162,8 @@ def train_drafter(target, data_file, block_size, output, layers, num_features, t
                          steps=steps, batch_size=batch_size, anchors_per_sequence=anchors, max_length=max_length,
                          lr=lr, gamma=gamma, seed=seed, checkpoint_every=checkpoint_every,
                          lineage={"initialised_from": dict(start.config.lineage)} if start else {})
+    if start is None:  # duplicate or excess taps: refused now, not after reading the data
+        tapped_layers(config, pipeline.target.config.num_hidden_layers)
     sequences = read_training_data(data_file, pipeline.codec, pipeline.target.config.vocab_size)
     if start is not None:
         start.config = replace(start.config, lineage=dict(config.lineage))

@@ -240,11 +240,33 @@ def target_config_from_dict(raw: dict, what: str = "config") -> Qwen3Config:
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """DFlash's default choice of target layers to tap (e.g. 36 layers, 5 features -> 1, 9, 17, 25, 33)."""
+    """DFlash's default choice of target layers to tap (e.g. 36 layers, 5 features -> 1, 9, 17, 25, 33).
+    On a target too shallow for that spread to give distinct layers the taps spread over all its
+    layers instead (tapping a layer twice only repeats its features); more taps than layers is
+    refused."""
+    if not 1 <= num_features <= num_target_layers:
+        raise TrtspecError(f"--num-features {num_features} is more than the target's {num_target_layers} layers: "
+                           f"a drafter taps each layer at most once; give at most {num_target_layers}")
     if num_features == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
-    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+    ids = [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+    if len(set(ids)) < num_features:
+        ids = [round(i * (num_target_layers - 1) / (num_features - 1)) for i in range(num_features)]
+    return ids
+
+
+def check_target_layer_ids(layer_ids: tuple[int, ...] | list[int], num_target_layers: int) -> None:
+    """Refuse taps a new drafter cannot use: a layer the target lacks, or one tapped twice (its
+    features would enter twice, silently, in place of another layer's)."""
+    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise TrtspecError(f"--target-layer-ids {','.join(map(str, bad))} are not layers of the "
+                           f"{num_target_layers}-layer target (0 to {num_target_layers - 1})")
+    repeated = sorted({i for i in layer_ids if list(layer_ids).count(i) > 1})
+    if repeated:
+        raise TrtspecError(f"--target-layer-ids taps layer {','.join(map(str, repeated))} more than once; "
+                           "give each layer once")
 
 
 @dataclass(frozen=True)

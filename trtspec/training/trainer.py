@@ -24,6 +24,7 @@ from trtspec.errors import TrtspecError
 from trtspec.fileio import staged_file
 from trtspec.limits import SEED, check_block_size
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Target, default_target_layer_ids, save_drafter
+from trtspec.models.config import check_target_layer_ids
 from trtspec.training.blocks import IGNORE, PackedBatch, cosine_with_warmup, default_gamma, pack
 
 
@@ -101,10 +102,18 @@ class DrafterLoss(nn.Module):
         return (losses * weights).sum() / weights.sum().clamp_min(1e-6)
 
 
+def tapped_layers(config: TrainConfig, num_target_layers: int) -> tuple[int, ...]:
+    """The target layers a new drafter taps (given, or DFlash's default spread), each a layer of the
+    target and none twice; a one-line TrtspecError otherwise."""
+    layer_ids = config.target_layer_ids or tuple(default_target_layer_ids(num_target_layers, config.num_features))
+    check_target_layer_ids(layer_ids, num_target_layers)
+    return tuple(layer_ids)
+
+
 def new_drafter(target: Qwen3Target, config: TrainConfig) -> DFlashDrafter:
     """A freshly initialised drafter shaped after the target (hidden size, heads, vocabulary)."""
     t = target.config
-    layer_ids = config.target_layer_ids or tuple(default_target_layer_ids(t.num_hidden_layers, config.num_features))
+    layer_ids = tapped_layers(config, t.num_hidden_layers)
     drafter_config = DFlashConfig(
         vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
         num_hidden_layers=config.num_layers, num_attention_heads=t.num_attention_heads,
