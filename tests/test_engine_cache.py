@@ -20,7 +20,7 @@ def _engines(cache) -> list:
     return sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) if root.is_dir() else []
 
 
-def test_auto_builds_once_reuses_and_decodes_like_eager(target_dir, drafter_dir, tmp_path, empty_cache):
+def test_auto_builds_once_reuses_rebuilds_a_damaged_entry_and_decodes_like_eager(target_dir, drafter_dir, tmp_path, empty_cache):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def add(a, b):\n")
     cache = empty_cache
@@ -42,6 +42,15 @@ def test_auto_builds_once_reuses_and_decodes_like_eager(target_dir, drafter_dir,
     # B = 2 has no compiled form: auto decodes it eagerly rather than failing or building
     small = _run(cache, *request[:-5], "--block-size", 2, "--max-new-tokens", 8)
     assert small.returncode == 0 and "engine" not in small.stderr.decode() and len(_engines(cache)) == 1
+
+    # a damaged entry made every later default run fail until the user deleted it: now it is rebuilt, saying so
+    graph = next((cache / "engines" / _engines(cache)[0]).glob("*.onnx"))
+    graph.write_bytes(graph.read_bytes()[:-1] + b"\0")  # one byte changed
+    repaired = _run(cache, *request)
+    assert repaired.returncode == 0, repaired.stderr.decode()
+    err = repaired.stderr.decode()
+    assert "is damaged, rebuilding it" in err and graph.name in err and "building an ONNX Runtime engine" in err
+    assert json.loads(repaired.stdout)["tokens"] == json.loads(first.stdout)["tokens"] and len(_engines(cache)) == 1
 
 
 def test_an_explicit_onnxruntime_backend_refuses_what_it_cannot_build(target_dir, drafter_dir, tmp_path):
@@ -88,3 +97,24 @@ def test_the_cache_key_changes_with_the_code_the_graphs_come_from(target_dir, dr
     before = engine_key(target_dir, drafter_dir, (4, 8))
     monkeypatch.setattr(cache, "code_sha256", lambda: "other graph code")
     assert engine_key(target_dir, drafter_dir, (4, 8)) != before
+
+
+def test_an_unwritable_cache_decodes_eagerly_under_auto_and_is_one_line_under_onnxruntime(target_dir, drafter_dir,
+                                                                                          tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("x = 1\n")
+    cache = tmp_path / "cache-is-a-file"
+    cache.write_text("not a directory")
+    request = ("run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 8, "--json")
+    auto = _run(cache, *request)
+    assert auto.returncode == 0, auto.stderr.decode()
+    lines = auto.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in auto.stderr.decode(), lines  # one message (--json: stats on stdout)
+    assert f"the engine cache {cache / 'engines'} cannot be written" in lines[0] and "decoding eagerly" in lines[0]
+    eager = _run(cache, *request, backend="eager")
+    assert json.loads(auto.stdout)["tokens"] == json.loads(eager.stdout)["tokens"]
+    assert_one_line_error(_run(cache, *request, "--backend", "onnxruntime"), "cannot be written", CACHE_FILE_HINT)
+    assert cache.read_text() == "not a directory"
+
+
+CACHE_FILE_HINT = "TRTSPEC_CACHE to a writable directory"

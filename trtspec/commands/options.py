@@ -213,6 +213,7 @@ def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_v
         return None
     if dtype not in ("auto", "float32"):
         raise TrtspecError(f"--backend onnxruntime engines are float32 here; drop --dtype {dtype} or use --backend eager")
-    return str(cached_engine(resolve_target(target), drafter_dir, device=device, block_sizes=block_sizes,
-                             draft_vocab=draft_vocab, draft_counts=draft_counts,
-                             echo=lambda line: click.echo(line, err=True)))
+    path = cached_engine(resolve_target(target), drafter_dir, device=device, block_sizes=block_sizes,
+                         draft_vocab=draft_vocab, draft_counts=draft_counts, fallback=backend == "auto",
+                         echo=lambda line: click.echo(line, err=True))
+    return None if path is None else str(path)  # None: an unwritable cache, and auto decodes eagerly
