@@ -111,13 +111,16 @@ def client(server):
         yield client
 
 
-def _inputs(module, prompt, **scalars):
+def _inputs(module, prompt, **values):
+    """The request's tensors: `prompt` (text, or raw bytes), then one-value inputs and lists (stops)."""
     text = module.InferInput("text_input", [1], "BYTES")
-    text.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    text.set_data_from_numpy(np.array([prompt if isinstance(prompt, bytes) else prompt.encode()], dtype=np.object_))
     tensors = [text]
-    for name, value in scalars.items():
-        array = np.array([value])
-        tensor = module.InferInput(name, [1], np_to_triton_dtype(array.dtype))
+    for name, value in values.items():
+        items = value if isinstance(value, list) else [value]
+        array = np.array([v.encode() if isinstance(v, str) else v for v in items],
+                         dtype=np.object_ if isinstance(items[0], (str, bytes)) else None)
+        tensor = module.InferInput(name, [len(items)], np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
     return tensors
@@ -273,6 +276,14 @@ def test_triton_metrics_export_the_serving_metrics(server, client):
     ("zero max_tokens", r"max new tokens must be an integer in \[1, 2\*\*31-1\], got 0"),
     ("negative block size", r"must be an integer in \[2, 64\], got -3"),
     ("grow_to below block_size", "a block grows from B >= 2 to a larger size"),
+    ("text_input not UTF-8", r"text_input is not valid UTF-8 \(byte 0xed at offset 5\)"),
+    ("prompt over the byte cap", "no text over"),
+    ("too many stops", "stop: at most 16 values, got 17"),
+    ("stop too long", "a stop string holds 1 to 1024 characters, got 1025"),
+    ("empty stop", "a stop string holds 1 to 1024 characters, got 0"),
+    ("stop not UTF-8", r"stop is not valid UTF-8 \(byte 0xed at offset 0\)"),
+    ("stop token id out of range", "stop_token_ids: 1000000 is not a token id in 0.."),
+    ("negative stop token id", "stop_token_ids: -1 is not a token id in 0.."),
 ])
 def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, client, case, message):
     if case == "missing text_input":
@@ -298,6 +309,22 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cli
             scalars = {"block_size": np.int32(-3)}
         elif case == "grow_to below block_size":
             scalars = {"block_size": np.int32(8), "grow_to": np.int32(4)}
+        elif case == "text_input not UTF-8":
+            prompt = b"x = '\xed\xa0\x80'"  # an encoded lone surrogate (U+D800)
+        elif case == "prompt over the byte cap":
+            prompt = "def add(a, b):\n" * 350_000  # 5 MB: refused before it is tokenized
+        elif case == "too many stops":
+            scalars = {"stop": [f"s{i}" for i in range(17)]}
+        elif case == "stop too long":
+            scalars = {"stop": ["x" * 1025]}
+        elif case == "empty stop":
+            scalars = {"stop": ["\n", ""]}
+        elif case == "stop not UTF-8":
+            scalars = {"stop": [b"\xed\xa0\x80"]}
+        elif case == "stop token id out of range":
+            scalars = {"stop_token_ids": [np.int64(5), np.int64(10**6)]}
+        elif case == "negative stop token id":
+            scalars = {"stop_token_ids": [np.int64(-1)]}
         else:
             scalars = {"block_size": np.int32(16)}
         tensors = _inputs(http, prompt, **scalars)
@@ -308,6 +335,93 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cli
     assert "\n" not in raised.value.message() and "Traceback" not in raised.value.message()
     assert _ask(client)[0]  # the next request is served as usual
     assert server["process"].poll() is None
+
+
+def _stream(server, inputs, model: str = "trtspec_stream") -> tuple[list[str], dict, list[float]]:
+    """One gRPC stream: its text pieces, its statistics and each piece's arrival time."""
+    results, client = queue.Queue(), grpc.InferenceServerClient(server["grpc"])
+    client.start_stream(callback=lambda result, error: results.put((result, error, time.perf_counter())))
+    try:
+        client.async_stream_infer(model, inputs)
+        pieces, stats, times = [], {}, []
+        while not stats:
+            result, error, at = results.get(timeout=120)
+            assert error is None, error
+            pieces.append(result.as_numpy("text_output")[0].decode())
+            stats, times = json.loads(result.as_numpy("stats")[0]), times + [at]
+        return pieces, stats, times
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_stop_strings_end_the_text_before_them_and_stop_token_ids_after(server, client):
+    """`stop` is text matched in the decoded text (the text ends before it, also when it spans
+    tokens, and the request leaves the batch there); `stop_token_ids` end the text after the token.
+    Before: both inputs were unknown to the model."""
+    from trtspec.tokenizer import TextCodec
+
+    codec = TextCodec(server["engine"] / "tokenizer")
+    text, plain = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64))
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if len(codec.encode(text[i:i + 3])) > 1
+                and "\ufffd" not in text[i:i + 3])
+    cut, stats = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64), stop=["never there", stop])
+    assert cut == text[:text.index(stop)] and stats["finish_reason"] == "stop"
+    pieces, streamed, _ = _stream(server, _inputs(grpc, PROMPT, block_size=np.int32(4), max_tokens=np.int32(64),
+                                                  stop=[stop]))
+    assert "".join(pieces) == cut and streamed["finish_reason"] == "stop"
+    word = max((text[i:i + n] for i in range(2, len(text)) for n in (4, 3, 2)  # a token the model emits
+                if len(codec.encode(text[i:i + n])) == 1 and "\ufffd" not in text[i:i + n]), key=len)
+    by_id, stats = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64),
+                        stop_token_ids=[np.int64(codec.encode(word)[0])])
+    assert text.startswith(by_id) and by_id.endswith(word) and stats["new_tokens"] < plain["new_tokens"]
+
+
+def test_a_huge_prompt_does_not_stall_the_other_streams(server):
+    """While a stream decodes, another client sends 5 MB prompts (refused at the door by their size,
+    400) and prompts just under that cap (tokenized off the streaming threads, with the GIL
+    released, then refused as longer than the context). Before: each was tokenized inside
+    execute(), holding the GIL, and the stream stalled for seconds."""
+    from trtspec.tokenizer import TextCodec
+
+    cap = TextCodec(server["engine"] / "tokenizer").text_bytes_cap(LONG_CONTEXT)
+    line = "def add(a, b):\n"
+    refusals, window = [], {}
+
+    def send_huge() -> None:
+        with http.InferenceServerClient(server["http"], network_timeout=120.0) as other:
+            window["began"] = time.perf_counter()
+            for prompt in (line * 350_000, line * (cap // len(line)), line * 350_000, line * (cap // len(line))):
+                try:
+                    _ask(other, prompt)
+                except InferenceServerException as exc:
+                    refusals.append((exc.status(), exc.message()))
+            window["ended"] = time.perf_counter()
+
+    sender = threading.Thread(target=send_huge)
+    results, stream_client = queue.Queue(), grpc.InferenceServerClient(server["grpc"])
+    stream_client.start_stream(callback=lambda result, error: results.put((result, error, time.perf_counter())))
+    times = []
+    try:
+        stream_client.async_stream_infer("trtspec_stream", _inputs(grpc, PROMPT, block_size=np.int32(4),
+                                                                   max_tokens=np.int32(LONG_CONTEXT - 64)))
+        while "ended" not in window or times[-1] < window["ended"] + 0.5:  # pieces until after the last refusal
+            result, error, at = results.get(timeout=120)
+            assert error is None and not json.loads(result.as_numpy("stats")[0]), "the stream ended too soon"
+            times.append(at)
+            if len(times) == 5:
+                sender.start()
+    finally:
+        stream_client.stop_stream(cancel_requests=True)
+        stream_client.close()
+        if sender.ident is not None:
+            sender.join(timeout=120)
+    assert [status for status, _ in refusals] == ["400"] * 4, refusals
+    assert "no text over" in refusals[0][1] and "the context holds" in refusals[1][1], refusals
+    during = [b - a for a, b in zip(times, times[1:]) if b >= window["began"] and a <= window["ended"]]
+    print(f"\nhuge prompts for {window['ended'] - window['began']:.2f} s: the stream's longest gap "
+          f"{max(during):.3f} s (before them: {max(b - a for a, b in zip(times[:5], times[1:5])):.3f} s)")
+    assert max(during) < 0.5, f"the stream stalled {max(during):.2f} s while huge prompts were refused"
 
 
 def _engine_parameter(repository, key: str, model: str = "trtspec") -> int:
@@ -395,6 +509,34 @@ def test_cancelled_requests_free_their_slots_at_once(server, model):
     assert stats["new_tokens"] == 4
     assert waited < 5.0, f"the next request waited {waited:.1f} s: the cancelled ones kept their slots"
     assert stats["queue_s"] < 1.0 and stats["batch_mean"] == 1.0, stats
+
+
+@pytest.mark.parametrize("damage", ["truncated graph", "edited tokenizer", "manifest not JSON"])
+def test_triton_serve_refuses_a_damaged_engine_in_one_line(tmp_path, ort_engine_dir, damage):
+    """The engine of every model is verified as the runtime does before tritonserver starts.
+    Before: the server started, each instance failed to load with a stack, 75 lines in all."""
+    import shutil
+
+    from trtspec.serving.triton import write_repository
+
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine_dir, engine)
+    write_repository(engine, tmp_path / "repo")
+    if damage == "truncated graph":
+        graph = engine / "draft.onnx"
+        graph.write_bytes(graph.read_bytes()[:-100])
+        message = "truncated or replaced; rebuild the engine"
+    elif damage == "edited tokenizer":
+        tokenizer = engine / "tokenizer" / "tokenizer.json"
+        tokenizer.write_bytes(tokenizer.read_bytes().replace(b'"model"', b'"MODEL"', 1))  # same size, other bytes
+        message = "does not match its SHA-256"
+    else:
+        (engine / "manifest.json").write_text("{not json")
+        message = "is not valid JSON"
+    http_port, grpc_port, metrics_port = _free_ports(3)
+    result = trtspec_in_process("triton-serve", tmp_path / "repo", "--http-port", http_port, "--grpc-port", grpc_port,
+                                "--metrics-port", metrics_port)
+    assert_one_line_error(result, "model trtspec", message)
 
 
 def test_triton_repo_refuses_a_damaged_engine(tmp_path, ort_engine_dir):

@@ -2,13 +2,18 @@
 
 Triton imports this through the generated `model.py` of a repository made by
 `trtspec triton-repo`. Requests carry `text_input` and optional `max_tokens`, `temperature`,
-`seed`, `block_size` (0 = auto), `grow_to` (a growing block B:G; 0 = none) and `stream`; responses
-carry `text_output` and `stats` (JSON, including `batch_mean`: how many requests shared this
-request's cycles on average, `queue_s` and `ttft_s`).
+`seed`, `block_size` (0 = auto), `grow_to` (a growing block B:G; 0 = none), `stream`, `stop`
+(stop strings: the text ends before the first) and `stop_token_ids` (the text ends after the
+first); responses carry `text_output` and `stats` (JSON, including `batch_mean`: how many requests
+shared this request's cycles on average, `queue_s` and `ttft_s`).
 
 Each instance owns one `trtspec.runtime.engine.Engine` (a background thread that decodes all its
-requests together). `execute()` only translates each request and submits it, then returns at
-once, so the next requests join the running batch instead of waiting for the instance; every
+requests together). `execute()` only copies each request's inputs, checking what is cheap to
+check (sizes: at most limits.STOPS stops of bounded bytes, a prompt no larger than the context
+can hold), and returns at once, so the next requests join the running batch instead of waiting
+for the instance. One *preparing* thread per instance does the work proportional to a request's
+size (decoding its text, tokenizing with the GIL released, preparing its stops) and submits it,
+so one client's large input never holds the threads that stream the others' responses. Every
 response goes back through the request's response sender:
 
 * NAME_stream (decoupled) sends each cycle's committed text as the cycle commits, then a final
@@ -29,6 +34,7 @@ import json
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -38,7 +44,10 @@ except ImportError:  # pragma: no cover - imported for documentation or tests ou
     pb_utils = None
 
 from trtspec.errors import Cancelled, TrtspecError
+from trtspec.limits import STOP_CHARS, STOPS
+from trtspec.runtime.decode import Generation
 from trtspec.runtime.engine import Busy
+from trtspec.runtime.stats import DecodeStats
 from trtspec.tokenizer import TextStream
 from trtspec.serving.triton import ENGINE_PARAMETERS
 
@@ -47,24 +56,62 @@ CANCEL_POLL_S = 0.05  # asking Triton is a round trip to the server process: at 
 LOAD_POLL_S = 0.5     # how often the engine's load gauges are refreshed
 
 
-def _scalar(request, name: str, default):
+SCALARS = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 0.0, "seed": None, "block_size": None, "grow_to": 0,
+           "stream": True}  # optional one-value inputs and their defaults (block_size: the model's)
+
+
+def _values(request, name: str, most: int | None = None):
+    """The input `name` as a flat numpy array (None when absent), refused when it holds more than
+    `most` values (before any of them is read)."""
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
+        return None
+    values = tensor.as_numpy().reshape(-1)
+    if most is not None and values.size > most:
+        raise TrtspecError(f"{name}: at most {most} values, got {values.size}")
+    return values
+
+
+def _scalar(request, name: str, default):
+    values = _values(request, name)
+    if values is None:
         return default
-    value = tensor.as_numpy().reshape(-1)
-    if value.size != 1:
-        raise TrtspecError(f"{name} must hold exactly one value, got {value.size}")
-    return value[0].item() if hasattr(value[0], "item") else value[0]
+    if values.size != 1:
+        raise TrtspecError(f"{name} must hold exactly one value, got {values.size}")
+    return values[0].item() if hasattr(values[0], "item") else values[0]
 
 
-def _text(request) -> str:
-    raw = _scalar(request, "text_input", None)
-    if raw is None:
-        raise TrtspecError("text_input is required")
+def _utf8(raw, label: str) -> str:
+    """A BYTES element as text: strict UTF-8 (which also refuses encoded lone surrogates)."""
+    if not isinstance(raw, bytes):
+        raise TrtspecError(f"{label} must be BYTES (UTF-8 text)")
     try:
-        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-    except UnicodeDecodeError:
-        raise TrtspecError("text_input is not valid UTF-8") from None
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TrtspecError(f"{label} is not valid UTF-8 (byte {raw[exc.start]:#04x} at offset {exc.start})") from None
+
+
+class _Inputs:
+    """One request's inputs, copied out of Triton's tensors by execute() and checked for size only
+    (cheap); the preparing thread turns them into token ids, stops and a config."""
+
+    def __init__(self, request, prompt_cap: int, context: int):
+        text = _scalar(request, "text_input", None)
+        if text is None:
+            raise TrtspecError("text_input is required")
+        if isinstance(text, bytes) and len(text) > prompt_cap:
+            raise TrtspecError(f"text_input is {len(text)} bytes: no text over {prompt_cap} bytes fits the "
+                               f"{context} tokens of the context")
+        self.text = text
+        self.scalars = {name: _scalar(request, name, default) for name, default in SCALARS.items()}
+        stops = _values(request, "stop", STOPS.high)
+        self.stops = [] if stops is None else list(stops)
+        for stop in self.stops:  # a character is at most 4 UTF-8 bytes: longer ones cannot be valid
+            if isinstance(stop, bytes) and len(stop) > 4 * STOP_CHARS.high:
+                raise TrtspecError(f"stop: a stop string holds 1 to {STOP_CHARS.high:g} characters, "
+                                   f"got {len(stop)} bytes")
+        ids = _values(request, "stop_token_ids", STOPS.high)
+        self.stop_token_ids = [] if ids is None else list(ids)
 
 
 def _error(exc: BaseException, code: str):
@@ -84,12 +131,19 @@ def _response(text: str, stats: dict | None):
 
 class _Call:
     """One Triton request in flight: its response sender, the engine's handle and, when it
-    streams, the text sent so far. Only the outbox thread touches it after submission."""
+    streams or has stop strings, its text so far. Only the outbox thread touches it after
+    submission."""
 
-    def __init__(self, sender, stream=None):
-        self.sender, self.stream = sender, stream  # stream: a TextStream when the call streams
+    def __init__(self, sender):
+        self.sender = sender
+        self.stream: TextStream | None = None  # when the call streams or has stop strings
+        self.sends = False   # whether it sends each cycle's text (a decoupled stream)
         self.request = None  # the engine's Request, once submitted
         self.finished = False
+
+    def cut(self) -> bool:
+        """Whether the text reached a stop string (the rest of the request is not wanted)."""
+        return self.stream is not None and self.stream.stopped
 
 
 class _Outbox:
@@ -136,21 +190,26 @@ class _Outbox:
 
     def _handle(self, kind: int, call: _Call, payload) -> None:
         if kind == self.LIVE:
-            if not call.finished:  # a request may finish before execute() registers it
+            if not call.finished:  # a request may finish before it is registered
                 self.live.add(call)
+                if call.cut():
+                    call.request.cancel()
         elif kind == self.COMMIT:
             piece = call.stream.push(payload)
-            if piece:
+            if piece and call.sends:
                 call.sender.send(_response(piece, None))
+            if call.cut() and call.request is not None:
+                call.request.cancel()  # a stop string: the engine frees its slot, FINISH follows
         elif kind == self.FINISH:
             call.finished = True
             self.live.discard(call)
             self._finish(call, payload)
         elif kind == self.REFUSED:
             call.finished = True
-            code = "UNAVAILABLE" if isinstance(payload, Busy) else "INVALID_ARG"
-            if code == "UNAVAILABLE":
-                self._failed("rejected")
+            code = ("UNAVAILABLE" if isinstance(payload, Busy) else "INVALID_ARG" if isinstance(payload, TrtspecError)
+                    else "INTERNAL")
+            if code != "INVALID_ARG":
+                self._failed("rejected" if code == "UNAVAILABLE" else "error")
             call.sender.send(_error(payload, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _finish(self, call: _Call, request) -> None:
@@ -158,6 +217,9 @@ class _Outbox:
         try:
             generation = request.result(timeout=0)
         except Cancelled as exc:
+            if call.cut():  # withdrawn by its own stop string: a finished request
+                self._done(call, request, _cut_at_stop(call, request))
+                return
             self._failed("cancelled")
             if self.decoupled:
                 call.sender.send(flags=final)  # nobody reads a response any more; only close the stream
@@ -173,6 +235,12 @@ class _Outbox:
             _log_error(f"trtspec: request failed: {exc!r}")
             call.sender.send(_error(exc, "INTERNAL"), flags=final)
             return
+        self._done(call, request, _cut_at_stop(call, request) if call.cut() else generation)
+
+    def _done(self, call: _Call, request, generation: Generation) -> None:
+        """The final response(s) of a finished request: its text (the rest of it, when it streams)
+        and its statistics."""
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if self.metrics is not None:
             first = request.first_token_at
             self.metrics.observe_finished(generation.stats, latency_s=time.perf_counter() - request.submitted,
@@ -183,6 +251,9 @@ class _Outbox:
             call.sender.send(_response(self.codec.decode(generation.tokens), stats), flags=final)
             return
         rest = call.stream.finish(generation.tokens)  # bytes held back (an unfinished UTF-8 sequence)
+        if not call.sends:
+            call.sender.send(_response(call.stream.text, stats), flags=final)
+            return
         if rest:
             call.sender.send(_response(rest, None))
         call.sender.send(_response("", stats), flags=final)
@@ -197,6 +268,48 @@ class _Outbox:
             if is_cancelled is not None and is_cancelled():
                 call.request.cancel()  # the engine frees its slot and finishes it with Cancelled
                 self.live.discard(call)
+
+
+def _cut_at_stop(call: _Call, request) -> Generation:
+    """A request whose text reached a stop string: the tokens through the one that completed it,
+    finished for reason "stop" (the statistics count what was decoded until it was withdrawn)."""
+    tokens = list(call.stream.tokens)
+    stats = request.stats
+    if stats is None:  # cut before the engine reported any cycle
+        stats = DecodeStats(block_size=1, prompt_tokens=len(request.prompt), new_tokens=len(tokens))
+    return Generation(tokens, replace(stats, finish_reason="stop"))
+
+
+class _Preparer:
+    """The instance's preparing thread: a request's inputs become token ids, stops and a config,
+    and the request is submitted to the engine (or refused), in arrival order. Its work grows with
+    the request's size, so it runs here, never on the threads that stream responses."""
+
+    def __init__(self, prepare, outbox: _Outbox):
+        self.prepare, self.outbox = prepare, outbox
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="trtspec-prepare", daemon=True)
+        self.thread.start()
+
+    def put(self, call: _Call, inputs: _Inputs) -> None:
+        self.inbox.put((call, inputs))
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Submit what is waiting, then end."""
+        self.inbox.put(None)
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self.inbox.get()) is not None:
+            call, inputs = item
+            try:
+                self.prepare(call, inputs)
+            except Exception as exc:  # noqa: BLE001 - TrtspecError (Busy included): only this request fails
+                if not isinstance(exc, TrtspecError):
+                    _log_error(f"trtspec: preparing a request failed: {exc!r}")
+                self.outbox.put(_Outbox.REFUSED, call, exc)
+            else:
+                self.outbox.put(_Outbox.LIVE, call)
 
 
 def _metrics(model: str, instance: str):
@@ -240,44 +353,55 @@ class TritonPythonModel:
                                                            if key in parameters}))
         self.outbox = _Outbox(self.pipeline.codec, self.decoupled, self.engine,
                               _metrics(args["model_name"], args["model_instance_name"]))
+        self.context = self.pipeline.runner.max_context
+        self.prompt_cap = self.pipeline.codec.text_bytes_cap(self.context)
+        self.preparer = _Preparer(self._submit, self.outbox)
 
-    def _config(self, request):
+    def _config(self, scalars: dict, stop_ids: tuple[int, ...]):
         """The request's fields as a GenerationConfig, whose checks (trtspec.limits, shared with the
         CLI) refuse out-of-range values: temperature >= 0 and finite, seed in [0, 2**63-1],
         max_tokens in [1, 2**31-1], block_size 0 (auto) or in [2, 64], grow_to 0 or above it."""
         from trtspec.runtime.decode import GenerationConfig
 
-        seed = _scalar(request, "seed", None)
-        sampling = self._sampling(temperature=_scalar(request, "temperature", 0.0), seed=seed)
-        return GenerationConfig(block_size=_scalar(request, "block_size", self.pipeline.default_block_size),
-                                grow_to=_scalar(request, "grow_to", 0),
-                                max_new_tokens=_scalar(request, "max_tokens", DEFAULT_MAX_TOKENS), sampling=sampling)
+        sampling = self._sampling(temperature=scalars["temperature"], seed=scalars["seed"])
+        block_size = scalars["block_size"]
+        return GenerationConfig(block_size=self.pipeline.default_block_size if block_size is None else block_size,
+                                grow_to=scalars["grow_to"], stop_ids=stop_ids, max_new_tokens=scalars["max_tokens"],
+                                sampling=sampling)
 
     def execute(self, requests):
-        """Submit every request to the engine and return at once; the outbox answers them."""
+        """Copy each request's inputs (refusing oversized ones) for the preparing thread, and return
+        at once; the outbox answers them."""
         for request in requests:
             call = _Call(request.get_response_sender())
             try:
-                self._submit(request, call)
-            except TrtspecError as exc:  # refused at the door (Busy included): only this request fails
+                inputs = _Inputs(request, self.prompt_cap, self.context)
+            except Exception as exc:  # noqa: BLE001 - refused at the door: only this request fails
                 self.outbox.put(_Outbox.REFUSED, call, exc)
             else:
-                self.outbox.put(_Outbox.LIVE, call)
+                self.preparer.put(call, inputs)
         return None
 
-    def _submit(self, request, call: _Call) -> None:
-        ids = self.pipeline.codec.encode(_text(request))
+    def _submit(self, call: _Call, inputs: _Inputs) -> None:
+        """Tokenize, prepare the stops and submit (on the preparing thread)."""
+        codec = self.pipeline.codec
+        stops, single_token_stops = codec.stop_strings([_utf8(stop, "stop") for stop in inputs.stops], "stop")
+        stop_ids = codec.stop_token_ids(inputs.stop_token_ids, "stop_token_ids") + single_token_stops
+        config = self._config(inputs.scalars, stop_ids)
+        ids = codec.encode_unlocked(_utf8(inputs.text, "text_input"))
         if not ids:
             raise TrtspecError("the prompt is empty")
-        config = self._config(request)
+        call.sends = self.decoupled and bool(inputs.scalars["stream"])
         on_commit = None
-        if self.decoupled and bool(_scalar(request, "stream", True)):
-            call.stream = TextStream(self.pipeline.codec)
+        if call.sends or stops:
+            call.stream = TextStream(codec, stops)
             on_commit = lambda tokens: self.outbox.put(_Outbox.COMMIT, call, tokens)  # noqa: E731
         call.request = self.engine.submit(ids, config, on_commit=on_commit,
                                           on_finish=lambda request: self.outbox.put(_Outbox.FINISH, call, request))
 
     def finalize(self) -> None:
-        """Unload: withdraw what is left (its clients get their final response), then stop sending."""
+        """Unload: submit what is being prepared, withdraw what is left (its clients get their final
+        response), then stop sending."""
+        self.preparer.stop()
         self.engine.close(cancel=True)
         self.outbox.stop()
