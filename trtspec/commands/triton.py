@@ -40,7 +40,11 @@ Example:
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
 @click.option("--address", default="127.0.0.1", show_default=True, help="Listen address (loopback by default).")
 def triton_serve(repository, http_port, grpc_port, metrics_port, address) -> None:
-    """Run tritonserver over REPO until Ctrl-C (or SIGTERM), then stop it cleanly."""
+    """Run tritonserver over REPO until Ctrl-C (or SIGTERM), then stop it cleanly.
+
+    The engine of every model is verified first, as the runtime does (manifest and file hashes):
+    a damaged engine is refused in one line before the server starts.
+    """
     from trtspec.serving.triton import start_server, stop_server
 
     # Ctrl-C and `docker stop`/`kill` (SIGTERM) both stop the server cleanly, even when this process
