@@ -123,3 +123,45 @@ def test_teacher_forced_preflight_refuses_sampling_and_engines(tmp_path):
     assert_one_line_error(result, "--teacher-forced", "greedy")
     result = trtspec("preflight", "--teacher-forced", "--engine", tmp_path, "--limit", 1)
     assert_one_line_error(result, "--teacher-forced", "--engine")
+
+
+def _expand_data(path, word: str):
+    path.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": f"    return x + {word}\n" * 3}) + "\n"
+                            for i in range(4)))
+    return path
+
+
+def test_expand_block_reuses_only_its_own_finished_stages(target_dir, drafter_dir, tmp_path):
+    """A killed (or finished) run's stages were adopted whatever the data and options of the next
+    run, and so was any drafter placed in the work directory under a stage's name: now a stage is
+    resumed under train-drafter's check (other data or options: one line) and only the drafter its
+    own finished checkpoint holds is reused."""
+    from helpers import random_drafter, save_random_drafter
+    from helpers import trtspec_in_process as cli
+
+    from trtspec.fileio import MARKER
+    from trtspec.models import load_drafter, load_target, save_drafter
+
+    target = load_target(target_dir)
+    data, other = _expand_data(tmp_path / "a.jsonl", "1"), _expand_data(tmp_path / "b.jsonl", "y")
+    output, work = tmp_path / "b20", tmp_path / "b20.work"
+    args = ("--threads", 1, "expand-block", "--target", target_dir, "--drafter", drafter_dir, "--to", 20, "-o", output,
+            "--steps", 2, "--stages", 1, "--batch-size", 2, "--anchors", 2)
+    # a trtspec drafter placed where stage 0 goes is trained over, not adopted as the finished stage
+    placed = save_drafter(random_drafter(target, block_size=20, seed=9), work / "stage0-b20")
+    foreign = {name: t.clone() for name, t in load_drafter(placed, target).state_dict().items()}
+    assert cli(*args, "--data", data).returncode == 0
+    result = load_drafter(output, target).state_dict()
+    assert any(not torch.equal(result[name], foreign[name]) for name in foreign)
+    stage = work / "stage0-b20" / "model.safetensors"
+    before = stage.stat().st_mtime_ns
+    assert cli(*args, "--data", data).returncode == 0 and stage.stat().st_mtime_ns == before  # its own: reused
+    # the same work directory with other data or options: refused, naming what differs
+    checkpoint = work / "stage0.work" / "checkpoint.pt"
+    assert_one_line_error(cli(*args, "--data", other), str(checkpoint), "the training data (--data) differ")
+    assert_one_line_error(cli(*args, "--data", data, "--lr", 0.01), "lr (checkpoint 0.0003, now 0.01)")
+    # a drafter swapped in for the finished stage (unmarked, as copied by hand) is neither adopted nor removed
+    (work / "stage0-b20").rename(tmp_path / "own-stage")
+    save_random_drafter(work / "stage0-b20", target, block_size=20, seed=9)
+    (work / "stage0-b20" / MARKER).unlink()
+    assert_one_line_error(cli(*args, "--data", data), "stage0-b20", "not a previous trtspec checkpoint")

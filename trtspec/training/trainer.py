@@ -140,32 +140,48 @@ def _distributed() -> tuple[int, int]:
 
 
 CHECKPOINT_KEYS = ("config", "step", "drafter", "optimizer", "schedule", "generator", "order")
+CHECKPOINT_FILE = "checkpoint.pt"
 
 
 def _fingerprint(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def target_fingerprint(target: Qwen3Target) -> str:
-    """A cheap digest of the frozen target: its config, and per tensor its shape, sum and first values."""
-    digest = hashlib.sha256(json.dumps(target.config.to_dict(), sort_keys=True).encode())
+def weights_fingerprint(module: nn.Module, described: dict | None = None) -> str:
+    """A cheap digest of a module's weights (per tensor its shape, sum and first values) and of
+    `described` (its config, where that matters)."""
+    digest = hashlib.sha256(json.dumps(described or {}, sort_keys=True).encode())
     with torch.no_grad():
-        for name, tensor in target.state_dict().items():
+        for name, tensor in module.state_dict().items():
             flat = tensor.detach().reshape(-1)
             summary = [float(flat.sum(dtype=torch.float64))] + flat[:16].double().tolist()
             digest.update(f"{name}{tuple(tensor.shape)}{summary}".encode())
     return digest.hexdigest()
 
 
+def target_fingerprint(target: Qwen3Target) -> str:
+    """A cheap digest of the frozen target: its config and weights."""
+    return weights_fingerprint(target, target.config.to_dict())
+
+
+RUN_INPUTS = {"data": "the training data (--data)", "target": "the target (--target)",
+              "init": "the starting drafter (--init-from, or the drafter expand-block expands)"}
+
+
+def _run_inputs(target: Qwen3Target, sequences: list, drafter: DFlashDrafter | None) -> dict:
+    """What a run trains from besides its options (`RUN_INPUTS`), as digests kept in its checkpoints."""
+    return {"data": _fingerprint(json.dumps(sequences).encode()), "target": target_fingerprint(target),
+            "init": weights_fingerprint(drafter) if drafter is not None else None}
+
+
 def _check_resume(path: Path, state: dict, config: dict, run: dict) -> None:
-    """Refuse to resume a checkpoint made with other data, another target or other options,
-    naming what differs (a silent resume would continue someone else's run)."""
+    """Refuse to resume a checkpoint made with other data, another target or starting drafter, or
+    other options, naming what differs (a silent resume would continue someone else's run)."""
     differ = [f"{key} (checkpoint {state['config'][key]!r}, now {value!r})"
               for key, value in config.items() if key in state["config"] and state["config"][key] != value]
     differ += [f"{key} option (not in the checkpoint)" for key in config if key not in state["config"]]
-    # checkpoints written before the data and target were recorded are resumed as before
-    differ += [{"data": "the training data (--data)", "target": "the target (--target)"}[key]
-               for key, value in run.items() if state.get(key, value) != value]
+    # checkpoints written before the data, target and starting drafter were recorded are resumed as before
+    differ += [RUN_INPUTS[key] for key, value in run.items() if state.get(key, value) != value]
     if differ:
         raise TrtspecError(f"{path} was written by another training run: {'; '.join(differ)} differ; "
                            "resume with the same arguments, or delete it or pass another --work directory")
@@ -174,6 +190,30 @@ def _check_resume(path: Path, state: dict, config: dict, run: dict) -> None:
 def work_directory(output: str | Path, work_dir: str | Path | None = None) -> Path:
     """Where a run keeps the checkpoints it resumes from: `work_dir`, or OUTPUT.work beside the output."""
     return Path(work_dir) if work_dir else Path(str(output).rstrip("/") + ".work")
+
+
+def _usable(sequences: list[tuple[list[int], int]], config: TrainConfig) -> list[tuple[list[int], int]]:
+    """The sequences cut to max length that keep at least two response tokens to predict."""
+    usable = [(ids[:config.max_length], prompt_len) for ids, prompt_len in sequences
+              if min(len(ids), config.max_length) - prompt_len >= 2]
+    if not usable:
+        raise TrtspecError("no training sequence has at least two response tokens within max length")
+    return usable
+
+
+def finished_checkpoint(target: Qwen3Target, sequences: list[tuple[list[int], int]], config: TrainConfig,
+                        output: str | Path, work_dir: str | Path | None = None,
+                        drafter: DFlashDrafter | None = None) -> dict | None:
+    """The checkpoint of a finished run of exactly these inputs and options in the work
+    directory, or None where there is none or it is unfinished; one of another run is refused
+    as `train_drafter` refuses to resume it."""
+    path = work_directory(output, work_dir) / CHECKPOINT_FILE
+    if not path.exists():
+        return None
+    state = validate.training_checkpoint(path, CHECKPOINT_KEYS)
+    _check_resume(path, state, json.loads(json.dumps(asdict(config))),
+                  _run_inputs(target, _usable(sequences, config), drafter))
+    return state if state["step"] >= config.steps else None
 
 
 def _atomic_save(state: dict, path: Path) -> None:
@@ -192,10 +232,8 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     """
     if config.mask_token_id < 0 and drafter is None:
         raise TrtspecError("no mask token id: the tokenizer has no <|mask|> token; pass --mask-token-id")
-    sequences = [(ids[:config.max_length], prompt_len) for ids, prompt_len in sequences
-                 if min(len(ids), config.max_length) - prompt_len >= 2]
-    if not sequences:
-        raise TrtspecError("no training sequence has at least two response tokens within max length")
+    sequences = _usable(sequences, config)
+    run = _run_inputs(target, sequences, drafter)  # before training changes the starting drafter
     rank, world = _distributed()
     for param in target.parameters():
         param.requires_grad_(False)
@@ -213,9 +251,8 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_with_warmup(s, config.steps, warmup))
     generator = torch.Generator().manual_seed(config.seed + rank)
     work = work_directory(output, work_dir)
-    checkpoint_path = work / "checkpoint.pt"
+    checkpoint_path = work / CHECKPOINT_FILE
     recorded = json.loads(json.dumps(asdict(config)))
-    run = {"data": _fingerprint(json.dumps(sequences).encode()), "target": target_fingerprint(target)}
     step, order = 0, []  # order: the rest of this epoch's shuffled sequence indices
     if checkpoint_path.exists():
         state = validate.training_checkpoint(checkpoint_path, CHECKPOINT_KEYS)
