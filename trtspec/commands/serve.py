@@ -33,8 +33,10 @@ Examples:
   curl -s http://127.0.0.1:8000/metrics | grep spec_decode
 \b
 Requests take OpenAI's fields (max_tokens, temperature [default 0: greedy], top_p, top_k, seed,
-stop, stream, stream_options) plus block_size ("16", "6:16", "auto", "AR"); every response
-carries a "trtspec" object with the block size run, tau, histogram and ceiling fraction.
+stop, stop_token_ids, stream, stream_options, user) plus block_size ("16", "6:16", "auto", "AR");
+any other field is refused by name unless at its default (nothing is silently ignored). Every
+response carries a "trtspec" object with the block size run, tau, histogram and ceiling fraction.
+--host 0.0.0.0 or :: (every interface) is taken as asked, with a warning; an empty host is refused.
 """)
 @model_options
 @policy_option

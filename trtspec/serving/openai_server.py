@@ -277,11 +277,14 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     default_tokens = limits.MAX_NEW_TOKENS.high if chat else 16  # OpenAI's defaults: the context, and 16
     max_tokens = body.get("max_completion_tokens") if chat and body.get("max_tokens") is None else body.get("max_tokens")
     max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", limits.MAX_NEW_TOKENS, default_tokens)
-    sampling = SamplingConfig(
-        temperature=_number(body, "temperature", limits.TEMPERATURE, 0.0),
-        top_k=_number(body, "top_k", limits.TOP_K, 0) if body.get("top_k") != -1 else 0,  # -1: vLLM's "off"
-        top_p=_number(body, "top_p", limits.TOP_P, 1.0),
-        seed=_number(body, "seed", limits.SEED, None))
+    temperature = _number(body, "temperature", limits.TEMPERATURE, 0.0)
+    top_p = _number(body, "top_p", limits.TOP_P, 1.0)
+    top_k = _number(body, "top_k", limits.TOP_K, 0) if body.get("top_k") != -1 else 0  # -1: vLLM's "off"
+    try:
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
+                                  seed=_number(body, "seed", limits.SEED, None))
+    except TrtspecError as exc:
+        raise _bad(str(exc)) from None
     block = _block_choice(body, default_block)
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
@@ -757,7 +760,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
     except (OSError, ValueError, UnicodeError) as exc:  # ValueError: a NUL; UnicodeError: not a host name
         sock.close()
         reason = getattr(exc, "strerror", None) or "not a host name or address"
-        raise TrtspecError(f"cannot listen on {_show(host)}:{port}: {reason}") from None
+        shown = host if host.isascii() and host.isprintable() else _show(host)
+        raise TrtspecError(f"cannot listen on {shown}:{port}: {reason}") from None
     return sock
 
 
