@@ -167,10 +167,11 @@ def test_a_stream_never_stalls_while_large_and_pathological_requests_arrive(door
     for name, status, *_ in statuses:
         assert status in ((413, None) if "7 MB" in name else (400,)), (name, status)
     assert arrivals[-1] > finished, "the stream ended before the bad requests did: make it longer"
-    window = [t for t in arrivals if began <= t <= finished] + [min(t for t in arrivals if t > finished)]
+    before, after = max(t for t in arrivals if t < began), min(t for t in arrivals if t > finished)
+    window = [t for t in arrivals if before <= t <= after]  # every gap that overlaps the bad requests
     gaps = [b - a for a, b in zip(window, window[1:])]
     worst = max(range(len(gaps)), key=gaps.__getitem__)
-    assert len(window) > 10 and gaps[worst] < 0.2, (gaps[worst], window[worst] - began, statuses)
+    assert gaps[worst] < 0.2, (gaps[worst], window[worst] - began, statuses)
 
 
 REFUSED = [  # (route, fields added to a good body, the field named): each was ignored, or a 500
@@ -230,7 +231,7 @@ def test_fields_that_would_be_ignored_or_crash_are_refused_naming_them(door):
     for raw, says in ((b'{"model": "demo-target", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deep"),
                       (b'{"model": "demo-target", "prompt": "x", "seed": ' + b"9" * 10_000 + b"}", "JSON"),
                       (b'{"model": "demo-target", "prompt": "\xff"}', "UTF-8"),
-                      (b'{"model": "demo-target", "prompt": [' + b"[]," * 150_000 + b"[]]}", "arrays")):
+                      (b'{"model": "demo-target", "prompt": [' + b"[]," * 150_000 + b"[]]}", "JSON values")):
         status, answer = post(door.url + "/v1/completions", raw)
         assert status == 400 and says in answer["error"]["message"], answer
 

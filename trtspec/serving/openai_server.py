@@ -53,7 +53,7 @@ from trtspec.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 DOOR_THREADS = 2            # requests decoded, checked and tokenized at once, off the event loop
 _C_DECODER_BYTES = 256 * 2**10  # larger bodies: json's pure-Python scanner, which lets the loop run
-MAX_JSON_CONTAINERS = 100_000   # arrays and objects in a body (a chat of 10,000 messages has 10,002)
+JSON_VALUES_BESIDES_PROMPT = 10_000  # a large body holds at most max_context + this many JSON values
 
 
 def _shower() -> reprlib.Repr:
@@ -304,17 +304,18 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     return ParsedRequest(ids, config, texts, bool(stream), bool((options or {}).get("include_usage")), chat)
 
 
-def decode_body(raw: bytes):
+def decode_body(raw: bytes, max_values: int = limits.INT32_MAX):
     """A request body as JSON, or ApiError(400): not UTF-8, not JSON, nested too deep, an integer
     too long for Python to read, or a string with a lone surrogate (not Unicode text). A large body
-    is decoded by json's pure-Python scanner, which lets other threads (the event loop) run."""
+    is decoded by json's pure-Python scanner, which lets other threads (the event loop) run, and
+    refused past `max_values` values."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise _bad(f"the request body is not UTF-8 (byte {exc.start})") from None
     decoder = json.JSONDecoder()
     if len(raw) > _C_DECODER_BYTES:
-        _count_containers(decoder)
+        _count_values(decoder, max_values)
         decoder.scan_once = json.scanner.py_make_scanner(decoder)
     try:
         body = decoder.decode(text)
@@ -326,21 +327,24 @@ def decode_body(raw: bytes):
     return body
 
 
-def _count_containers(decoder: json.JSONDecoder) -> None:
-    """Make the decoder refuse a body of more than MAX_JSON_CONTAINERS arrays and objects: millions of
-    them (`[[],[],...]`) would keep the garbage collector, which holds the GIL, busy for seconds."""
+def _count_values(decoder: json.JSONDecoder, limit: int) -> None:
+    """Make the decoder refuse a body of more than `limit` JSON values: a million small ones
+    (`[[],[],...]`, 200,000 stop strings) keep a thread busy in Python for a second, and the engine's
+    thread, which gives up the GIL at every tensor operation, then waits at each for its turn."""
     count = 0
 
-    def counted(parse):
-        def parse_counted(*args):
+    def counted(scan):
+        def scan_counted(string, index):
             nonlocal count
             count += 1
-            if count > MAX_JSON_CONTAINERS:
-                raise _bad(f"the request body holds more than {MAX_JSON_CONTAINERS} JSON arrays and objects")
-            return parse(*args)
-        return parse_counted
+            if count > limit:
+                raise _bad(f"the request body holds more than {limit} JSON values")
+            return scan(string, index)
+        return scan_counted
 
-    decoder.parse_array, decoder.parse_object = counted(decoder.parse_array), counted(decoder.parse_object)
+    parse_object, parse_array = decoder.parse_object, decoder.parse_array
+    decoder.parse_object = lambda where, strict, scan, *rest: parse_object(where, strict, counted(scan), *rest)
+    decoder.parse_array = lambda where, scan: parse_array(where, counted(scan))
 
 
 def _refuse_lone_surrogates(body) -> None:
@@ -552,7 +556,7 @@ class OpenAIServer:
 
     def _parse(self, raw: bytes, chat: bool) -> ParsedRequest:
         """The door's work, on its threads: decode, check and tokenize one body."""
-        body = decode_body(raw)
+        body = decode_body(raw, self.pipeline.runner.max_context + JSON_VALUES_BESIDES_PROMPT)
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             raise _bad("model must be given, as a string", "model")
         self._check_model(body["model"])
