@@ -379,7 +379,7 @@ FLAG_CASES = [
      "--instances must be an integer in [1, 2**31-1], got 0"),
     (("train-policy", "P", "-o", "OUT", "--hidden", "0"), "--hidden must be an integer in [1, 2**31-1], got 0"),
     (("serve", "--port", "0", "--max-concurrency", "100000"),  # was an allocation traceback
-     "concurrency (max-running) must be an integer in [1, 4096], got 100000"),
+     "--max-concurrency must be an integer in [1, 4096], got 100000"),
 ]
 
 

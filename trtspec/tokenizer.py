@@ -12,7 +12,7 @@ from tokenizers.decoders import DecodeStream
 from trtspec.errors import CheckpointError, TrtspecError
 from trtspec.limits import STOP_CHARS, STOPS, parse_int
 from trtspec.models.checkpoint import checkpoint_dir, read_optional_json
-from trtspec.validate import Fields, token_ids
+from trtspec.validate import Fields, lone_surrogate, token_ids
 
 
 def _token_text(value) -> str | None:
@@ -184,11 +184,10 @@ def check_stop_strings(values, label: str = "--stop") -> list[str]:
 def check_text(text: str, label: str = "the text") -> None:
     """Refuse text with lone surrogates (what Python makes of bytes that are not UTF-8 in argv or a
     JSON "\\ud800" escape): it is not Unicode text, and the tokenizer cannot take it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise TrtspecError(f"{label} is not valid text: it holds a lone surrogate (U+{ord(text[exc.start]):04X} at "
-                           f"character {exc.start}), e.g. bytes that are not UTF-8") from None
+    where = lone_surrogate(text)
+    if where is not None:
+        raise TrtspecError(f"{label} is not valid text: it holds a lone surrogate (U+{ord(text[where]):04X} at "
+                           f"character {where}), e.g. bytes that are not UTF-8")
 
 
 class TextStream:

@@ -47,7 +47,7 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
                    "with a warning on stderr); an empty host is refused.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Listen port (0: any free port; the URL is printed).")
-@click.option("--max-concurrency", type=Ranged(limits.COUNT), default=8, show_default=True, metavar="N",
+@click.option("--max-concurrency", type=Ranged(limits.CONCURRENCY), default=8, show_default=True, metavar="N",
               help="Requests decoded together (the engine's slots).")
 @click.option("--max-queued", type=Ranged(limits.COUNT), default=64, show_default=True, metavar="N",
               help="Requests waiting for a slot; beyond this a request gets HTTP 429.")
