@@ -34,18 +34,19 @@ MAX_TOKENS = 24
 class Server:
     """`trtspec serve --port 0 ...` in its own session; the URL is read from its first line."""
 
-    def __init__(self, log: Path, *args):
+    def __init__(self, log: Path, *args, env: dict[str, str] | None = None):
         self.log = log
         self.stream = open(log, "wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "trtspec", "--threads", "1", "serve", "--port", "0", *map(str, args)],
-            stdout=self.stream, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self.stream, stderr=subprocess.STDOUT, start_new_session=True,
+            env=None if env is None else {**os.environ, **env})
         deadline = time.monotonic() + 120
         self.url = None
         while self.url is None:
-            found = re.search(r"on (http://127\.0\.0\.1:\d+) ", log.read_text(errors="replace"))
-            if found:
-                self.url = found.group(1)
+            found = re.search(r"on http://(?:127\.0\.0\.1|0\.0\.0\.0):(\d+) ", log.read_text(errors="replace"))
+            if found:  # a server on every interface is reached through loopback too
+                self.url = f"http://127.0.0.1:{found.group(1)}"
             elif self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise AssertionError(f"trtspec serve did not start:\n{self.output()[-3000:]}")

@@ -293,31 +293,10 @@ def test_after_the_fuzzing_the_server_still_serves(door):
 def test_api_key_and_a_wildcard_host(tmp_path):
     """--api-key (here from TRTSPEC_API_KEY) guards /v1 with 401 in OpenAI's shape, /health stays open;
     listening on every interface is said on stderr."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import re
-
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "trtspec", "--threads", "1", "serve", "--port", "0",
-                                    "--host", "0.0.0.0"], stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "TRTSPEC_API_KEY": "sesame"}, start_new_session=True)
+    running = Server(tmp_path / "server.log", "--host", "0.0.0.0", env={"TRTSPEC_API_KEY": "sesame"})
     try:
-        deadline, url = time.monotonic() + 120, None
-        while url is None and time.monotonic() < deadline and process.poll() is None:
-            found = re.search(r"on http://0\.0\.0\.0:(\d+) ", log.read_text(errors="replace"))
-            url = f"http://127.0.0.1:{found.group(1)}" if found else None
-            time.sleep(0.2)
-        assert url, log.read_text()
-        assert "warning: listening on every interface" in log.read_text()
-        while time.monotonic() < deadline:
-            try:
-                if get(url + "/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
+        url = running.url
+        assert "warning: listening on every interface" in running.output()
         status, answer = post(url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
         assert status == 401 and answer["error"]["code"] == "invalid_api_key"
         assert get(url + "/v1/models")[0] == 401
@@ -327,13 +306,8 @@ def test_api_key_and_a_wildcard_host(tmp_path):
         right = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
         assert right.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-    assert "Traceback" not in log.read_text()
+        running.stop()
+    assert "Traceback" not in running.output()
 
 
 def test_serve_refuses_an_empty_host_and_a_block_size_its_engine_lacks(ort_engine_dir):

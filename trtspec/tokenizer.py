@@ -70,12 +70,13 @@ class TextCodec:
         check_text(text)
         return self.tokenizer.encode(text).ids
 
-    def encode_unlocked(self, text: str) -> list[int]:
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`encode(text)` with the GIL released while the tokenizer works (its encode_batch releases
         it, encode does not): a long text tokenized on a worker thread then leaves the process's
-        other threads (a server's streams) running."""
+        other threads (a server's streams) running. A chat template's text takes
+        `add_special_tokens=False`, as in `encode_chat`."""
         check_text(text)
-        return self.tokenizer.encode_batch([text])[0].ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def text_bytes_cap(self, tokens: int) -> int:
         """A byte length no text of fewer than `tokens` tokens reaches: each token covers at most

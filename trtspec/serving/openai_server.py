@@ -217,8 +217,10 @@ def _chat_ids(body: dict, codec, max_context: int) -> list[int]:
     except TrtspecError as exc:
         raise _bad(str(exc), "messages") from None
     _fits(len(text), codec, max_context, "messages")
-    # TextCodec.encode_chat's ids, tokenized with the GIL released (encode_batch; encode holds it)
-    ids = codec.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    try:
+        ids = codec.encode_unlocked(text, add_special_tokens=False)  # encode_chat's ids, the GIL released
+    except TrtspecError as exc:
+        raise _bad(str(exc), "messages") from None
     if not ids:
         raise _bad("the chat prompt is empty", "messages")
     _room(len(ids), max_context, "messages")
