@@ -361,11 +361,11 @@ def _refuse_lone_surrogates(body) -> None:
         elif isinstance(value, list):
             pending.extend((item, field_name) for item in value)
         elif isinstance(value, str) and not value.isascii():
+            named = field_name if isinstance(field_name, str) and field_name.isascii() else None
             try:
-                check_text(value, field_name if isinstance(field_name, str) and field_name.isascii() else "a string")
+                check_text(value, named or "a string")
             except TrtspecError as exc:
-                raise _bad(str(exc), field_name if isinstance(field_name, str) and field_name.isascii() else None
-                           ) from None
+                raise _bad(str(exc), named) from None
 
 
 class _Bridge:
