@@ -1,18 +1,20 @@
-"""The serving engine: many requests decoded together, each with its own block size.
+"""The engine: every request is decoded here, alone or many together, each with its own block size.
 
-A background thread runs the loop: schedule -> run -> step -> emit. The *scheduler* admits
+`EngineCore.step()` is one iteration of the loop: schedule -> run -> step -> emit. The *scheduler* admits
 queued requests between cycles into free cache slots (up to `max_running`), prefills at most one
 chunk of prompt tokens per iteration (so a long prompt never stalls the others for more than one
 chunk; several short prompts share it), and
 groups the decoding requests by their current block size. The *runner*
-(`trtspec.runtime.runners.batched`) makes one batched draft call and one batched verify call per
+(`trtspec.runtime.runner`) makes one batched draft call and one batched verify call per
 group. Each request's own *controller* (the native core) accepts and commits its tokens, and the
 engine *emits* them to the request's callback. Requests leave on a stop id or their limit, or
 when cancelled, and their slots are reused at once.
 
-Front ends (`trtspec serve`, the Triton model, `Pipeline.generate_batch`, `bench --concurrency`)
-only translate requests and stream: `submit()` returns a `Request` handle; `on_commit` receives
-each cycle's newly committed token ids on the engine thread; `Request.result()` waits for the end.
+`EngineCore.generate()` submits requests and steps on the caller's thread (`trtspec run`, bench,
+labels, data generation, the build's self-check); `Engine` runs the same `step()` on a background
+thread for servers (`trtspec serve`, the Triton model, `bench --concurrency`). Either way
+`submit()` returns a `Request` handle; `on_commit` receives each cycle's newly committed token ids
+on the stepping thread; `Request.result()` waits for the end.
 """
 
 from __future__ import annotations
@@ -32,16 +34,16 @@ from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.limits import CONCURRENCY
 from trtspec.runtime.controller import Controller, Stepper, native_controller
-from trtspec.runtime.decode import (ControllerFactory, Generation, GenerationConfig, check_built_size,
-                                    check_request, record_outcome)
-from trtspec.runtime.runners.batched import BatchRunner
+from trtspec.runtime.request import Generation, GenerationConfig, check_built_sizes, check_request
+from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.sampling import Sampler
-from trtspec.runtime.schedule import AUTO, BlockChoice, BlockPolicy
+from trtspec.runtime.schedule import BlockChoice, BlockPolicy
 from trtspec.runtime.stats import DecodeStats
 
 RECENT_S = 1.0  # time constant of Load.recent, the engine's recent running count
 
 OnCommit = Callable[[list[int]], None]
+ControllerFactory = Callable[[list[int], list[int], list[tuple[int, ...]], int, list[int]], Controller]
 
 
 class Busy(TrtspecError):
@@ -52,13 +54,14 @@ class Busy(TrtspecError):
 class EngineConfig:
     max_running: int = 8        # requests decoding together (cache slots)
     max_queued: int = 64        # waiting requests beyond which submit() raises Busy
-    prefill_chunk: int = 256    # prompt tokens prefilled per loop iteration (over all new requests)
+    prefill_chunk: int = 256    # prompt tokens prefilled per loop iteration (over all new requests; 0: whole prompts)
 
     def __post_init__(self) -> None:
         CONCURRENCY.check(self.max_running, "concurrency (max-running)")  # their caches are also checked against memory (runtime.memory)
-        for name in ("max_queued", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise TrtspecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued < 1:
+            raise TrtspecError(f"max-queued must be >= 1, got {self.max_queued}")
+        if self.prefill_chunk < 0:
+            raise TrtspecError(f"prefill-chunk must be >= 0 (0: whole prompts), got {self.prefill_chunk}")
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class _Active:
     core: Controller | None = None
     stepper: Stepper | None = None
     context: torch.Tensor | None = None  # features the drafter cache lacks, [n, F]
+    rows: dict = field(default_factory=dict)  # block size -> the controller's buffers as [1, B] tensors
     stats: DecodeStats | None = None
     began: float = field(default_factory=time.perf_counter)  # admission
     prefill_s: float = 0.0
@@ -138,8 +142,9 @@ class _Active:
     emitted: int = 0        # committed tokens already handed to on_commit
 
 
-class Engine:
-    """Continuous batching over one `BatchRunner`: submit from any thread, decode on one."""
+class EngineCore:
+    """Continuous batching over one `BatchRunner`, stepped by its caller: submit from any thread,
+    step on one. `generate()` decodes a list of requests to the end on the caller's thread."""
 
     def __init__(self, runner: BatchRunner, policy: BlockPolicy | None = None, config: EngineConfig = EngineConfig(),
                  stop_ids: tuple[int, ...] = (), chooser: Callable | None = None,
@@ -153,76 +158,86 @@ class Engine:
         self._active: list[_Active] = []
         self._free = list(range(config.max_running - 1, -1, -1))
         self._ids = itertools.count()
-        self._wake = threading.Condition(threading.RLock())  # the engine thread re-enters it in _retire
-        self._closed = False
+        self.lock = threading.Condition(threading.RLock())  # the stepping thread re-enters it in _retire
+        self.closed = False
         self._recent, self._recent_at = 0.0, time.perf_counter()
-        self._thread = threading.Thread(target=self._loop, name="trtspec-engine", daemon=True)
-        self._thread.start()
+        # One slot, one request at a time: a verify output buffer is never reused by another request
+        # before this one drafts from it, so its features need no copy.
+        self._exclusive = config.max_running == 1
 
     # ---- front-end side ------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], config: GenerationConfig, on_commit: OnCommit | None = None,
-               on_finish: Callable[[Request], None] | None = None) -> Request:
-        """Queue a request; a bad one is refused here (TrtspecError), a full queue raises Busy."""
+               on_finish: Callable[[Request], None] | None = None, queue_limit: bool = True) -> Request:
+        """Queue a request; a bad one is refused here (TrtspecError), a full queue raises Busy
+        (unless `queue_limit` is off: a caller that steps itself queues what it will decode)."""
         config = config.with_stop_ids(self.stop_ids)
         check_request(self.runner, list(prompt), config, self.policy)
         request = Request(next(self._ids), list(prompt), config, on_commit, on_finish)
-        with self._wake:
-            if self._closed:
+        with self.lock:
+            if self.closed:
                 raise TrtspecError("the engine is shut down")
             # free slots take their requests at the next cycle boundary, so they count as room too:
             # the engine holds max_running + max_queued however fast requests arrive
-            if len(self._queue) >= self.config.max_queued + len(self._free):
+            if queue_limit and len(self._queue) >= self.config.max_queued + len(self._free):
                 raise Busy(f"the engine is busy: {len(self._active)} requests are running and "
                            f"{len(self._queue)} waiting (max-queued {self.config.max_queued}); retry later")
             self._queue.append(request)
-            self._wake.notify()
+            self.lock.notify()
         return request
 
+    def generate(self, prompts: list[list[int]], configs: list[GenerationConfig],
+                 on_commit: Callable[[int, list[int]], None] | None = None,
+                 on_finish: Callable[[Request], None] | None = None) -> list[Generation]:
+        """Decode every prompt on this thread (continuous batching over the engine's slots); results
+        in the prompts' order. `on_commit(i, tokens)` streams request i's committed tokens;
+        `on_finish` sees each request end (a progress bar)."""
+        if len(prompts) != len(configs):
+            raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
+        requests = []
+        try:
+            for index, (prompt, config) in enumerate(zip(prompts, configs)):
+                stream = None if on_commit is None else functools.partial(on_commit, index)
+                requests.append(self.submit(prompt, config, stream, on_finish, queue_limit=False))
+            while not all(r.done for r in requests):
+                self.step()
+        except BaseException:  # KeyboardInterrupt included: leave the engine empty for its next caller
+            for request in requests:
+                request.cancel()
+            self.step()
+            raise
+        return [r.result() for r in requests]
+
     def load(self) -> Load:
-        with self._wake:
+        with self.lock:
             decoding = [a for a in self._active if a.core is not None]
             return Load(len(self._queue), len(self._active), tuple(a.core.block_size(0) for a in decoding),
                         tuple(not a.request.config.sampling.greedy for a in decoding), self._recent,
                         self.config.max_running)
 
-    def close(self, cancel: bool = True, timeout: float | None = 60.0) -> None:
-        """Stop taking requests; cancel what is queued and running (or let it finish), then stop."""
-        with self._wake:
-            self._closed = True
-            if cancel:
-                for request in list(self._queue) + [a.request for a in self._active]:
-                    request.cancel()
-            self._wake.notify()
-        self._thread.join(timeout)
+    @property
+    def busy(self) -> bool:
+        """Requests are queued or running."""
+        return bool(self._queue or self._active)
 
-    def __enter__(self) -> "Engine":
-        return self
+    # ---- the stepping thread -------------------------------------------------------------------
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # ---- engine thread -------------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        """schedule -> run -> step -> emit, until closed and drained."""
-        while True:
-            with self._wake:
-                self._schedule()
-                self._average_load()
-                if not self._active:
-                    if self._closed and not self._queue:
-                        return
-                    self._wake.wait(0.05)
-                    continue
-            running = len(self._active)
-            try:
-                self._iteration()
-            except Exception as error:  # a fault of the runtime, not of one request: fail the batch, go on
-                for active in list(self._active):
-                    self._retire(active, error)
-            if len(self._active) < running:  # let the clients of finished requests resubmit before the next
-                time.sleep(0)  # cycle (a closed loop's next request would otherwise leave its slot empty for one)
+    def step(self) -> None:
+        """One iteration: schedule -> run -> step -> emit. A fault of the runtime (not of one
+        request) fails the requests it touched, and the engine goes on."""
+        with self.lock:
+            self._schedule()
+            self._average_load()
+        if not self._active:
+            return
+        running = len(self._active)
+        try:
+            self._iteration()
+        except Exception as error:
+            for active in list(self._active):
+                self._retire(active, error)
+        if len(self._active) < running:  # let the clients of finished requests resubmit before the next
+            time.sleep(0)  # cycle (a closed loop's next request would otherwise leave its slot empty for one)
 
     def _schedule(self) -> None:
         """Drop cancelled requests; admit queued ones into free slots (under the lock)."""
@@ -247,14 +262,15 @@ class Engine:
         self._recent_at = now
 
     def _iteration(self) -> None:
-        self._prefill()
+        if any(a.core is None for a in self._active):
+            self._prefill()
         groups: dict[int, list[_Active]] = {}
         for active in self._active:
             if active.core is not None and active.core.running:
                 groups.setdefault(active.core.block_size(0), []).append(active)
         timed = hasattr(self.chooser, "observe_cycle")
         for size, members in sorted(groups.items()):
-            began = time.perf_counter()
+            began = time.perf_counter() if timed else 0.0
             with torch.inference_mode():
                 if size > 1:
                     self._draft(size, members)
@@ -263,14 +279,14 @@ class Engine:
                 self._emit(active)
             if timed:  # what a cycle of this shape costs here, host work included: load-aware BlockPilot's costs
                 self.chooser.observe_cycle(size, len(members), (time.perf_counter() - began) * 1e3)
-        for active in list(self._active):  # any that finished without a cycle
-            self._emit(active)
+        for active in [a for a in self._active if a.core is not None and not a.core.running]:
+            self._emit(active)  # any that finished without a cycle
 
     def _prefill(self) -> None:
         """The next chunk of each new request's prompt, `prefill_chunk` tokens in all (so a long prompt
-        never stalls the others for more than that); chunks of equal length share one call. A request
-        whose prompt is done gets its first token and its block size."""
-        budget, chunks = self.config.prefill_chunk, {}
+        never stalls the others for more than that; 0: whole prompts); chunks of equal length share
+        one call. A request whose prompt is done gets its first token and its block size."""
+        budget, chunks = self.config.prefill_chunk or self.runner.max_context, {}
         for active in [a for a in self._active if a.core is None]:
             if budget <= 0:
                 break
@@ -286,7 +302,7 @@ class Engine:
                 for row, (active, chunk) in enumerate(rows):
                     active.prefilled += len(chunk)
                     active.prefill_s += took
-                    if self.runner.mask_token_id is not None and active.request.config.block_size != 1:
+                    if self.runner.mask_token_id is not None and not active.request.config.block.ar:
                         active.features.append(features[row].clone())  # the drafter's context (AR drafts none)
                     tail = logits[row] if active.tail_logits is None else torch.cat((active.tail_logits, logits[row]))
                     active.tail_logits = tail[-PREFILL_LOGITS:].clone()
@@ -297,50 +313,66 @@ class Engine:
         request, config, began = active.request, active.request.config, time.perf_counter()
         tail = active.tail_logits
         bonus = int(active.sampler.sample(tail[-1:])[0])
-        context = torch.cat(active.features) if active.features else None
-        block_size, grow_to, chosen = config.block_size, config.grow_to, config.block_size == AUTO
-        if chosen:
+        context = torch.cat(active.features) if len(active.features) > 1 else (active.features or [None])[0]
+        choice = config.block
+        if choice.auto:
             ask_policy = functools.partial(self.policy.choose, context, tail)  # the chooser may not need it
             choice = ask_policy() if self.chooser is None else \
                 self.chooser(ask_policy, self.load(), not config.sampling.greedy)
-            block_size, grow_to = choice.size, choice.grow_to
-            for size in choice.sizes:
-                check_built_size(self.runner, size)
-        active.stats = DecodeStats(block_size=block_size, grow_to=grow_to, prompt_tokens=len(request.prompt),
-                                   prefill_s=active.prefill_s, auto=chosen,
-                                   policy_s=time.perf_counter() - began if chosen else 0.0,
+            check_built_sizes(self.runner, choice)
+        active.stats = DecodeStats(block_size=choice.size, grow_to=choice.grow_to, prompt_tokens=len(request.prompt),
+                                   prefill_s=active.prefill_s, auto=config.block.auto,
+                                   policy_s=time.perf_counter() - began if config.block.auto else 0.0,
                                    queue_s=active.began - request.submitted)
-        active.core = self.controller([block_size], [active.limit], [config.stop_ids],
-                                        self.runner.mask_token_id or 0, [grow_to])
+        active.core = self.controller([choice.size], [active.limit], [config.stop_ids],
+                                      self.runner.mask_token_id or 0, [choice.grow_to])
         active.core.begin(0, bonus, len(request.prompt))
         active.stepper = Stepper(active.core, None if config.sampling.greedy else active.sampler.sample)
-        active.context = context if block_size > 1 else None
+        active.context = context if choice.size > 1 else None
         active.features, active.tail_logits = [], None
         active.decoding_since = began
 
+    def _rows(self, active: _Active, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The request's controller buffers at block size `size` as [1, B] tensors (made once per
+        size): the verify block, the draft block and the verify block's draft positions."""
+        rows = active.rows.get(size)
+        if rows is None:
+            verify, draft = torch.from_numpy(active.core.verify_blocks), torch.from_numpy(active.core.draft_blocks)
+            rows = active.rows[size] = verify[:1, :size], draft[:1, :size], verify[:1, 1:size]
+        return rows
+
     def _draft(self, size: int, members: list[_Active]) -> None:
-        blocks = torch.stack([torch.from_numpy(a.core.draft_blocks[0, :size]) for a in members])
+        if len(members) == 1:  # the drafter writes its proposals into the controller's verify block
+            active = members[0]
+            _, block, proposals = self._rows(active, size)
+            self.runner.draft([active.slot], [active.context], block, [active.core.start(0)], out=proposals)
+            active.context = None  # the drafter cache holds it now
+            return
+        blocks = torch.cat([self._rows(a, size)[1] for a in members])
         drafts = self.runner.draft([a.slot for a in members], [a.context for a in members], blocks,
                                    [a.core.start(0) for a in members]).cpu().numpy()
         for row, active in enumerate(members):
             active.core.verify_blocks[0, 1:size] = drafts[row]
-            active.context = None  # the drafter cache holds it now
+            active.context = None
 
     def _verify(self, size: int, members: list[_Active]) -> None:
-        blocks = torch.stack([torch.from_numpy(a.core.verify_blocks[0, :size]) for a in members])
+        if len(members) == 1:
+            blocks = self._rows(members[0], size)[0]
+        else:
+            blocks = torch.cat([self._rows(a, size)[0] for a in members])
         logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
+        drafting = self.runner.mask_token_id is not None and size > 1  # an AR request never drafts
         for row, active in enumerate(members):
-            active.stepper(logits[row])
+            active.stepper(logits if len(members) == 1 else logits[row])
             active.calls += 1
             active.shared += len(members)
-            if self.runner.mask_token_id is not None and size > 1:  # an AR request never drafts
-                active.context = features[row, :active.core.accepted(0) + 1].clone()
+            if drafting:
+                context = features[row, :active.core.accepted(0) + 1]
+                active.context = context if self._exclusive else context.clone()
 
     def _emit(self, active: _Active) -> None:
         """Hand newly committed tokens to the request; retire it when it has finished."""
         core, request = active.core, active.request
-        if core is None:
-            return
         count = core.count(0)
         if count > active.emitted:
             fresh = core.tokens[0, active.emitted:count].tolist()
@@ -359,16 +391,17 @@ class Engine:
 
     def _retire(self, active: _Active, error: BaseException | None = None) -> None:
         """Free the slot at once and finish the request (with its statistics, or its error)."""
-        with self._wake:
+        with self.lock:
             if active not in self._active:
                 return
             self._active.remove(active)
             self._free.append(active.slot)
         stats, core = active.stats, active.core
         if stats is not None and core is not None:
-            record_outcome(stats, core)
-            if error is not None:
-                stats.finish_reason = "cancelled"
+            stats.histogram = core.histograms[0, :max(stats.block_size, stats.grow_to)].tolist()
+            stats.grown_cycles, stats.ceilings = core.grown_cycles(0), core.ceilings(0)
+            stats.new_tokens = core.count(0)
+            stats.finish_reason = "cancelled" if error is not None else core.finish_reason(0)
             stats.decode_s = time.perf_counter() - active.decoding_since
             stats.batch_mean = active.shared / active.calls if active.calls else 0.0
             if error is None and hasattr(self.chooser, "observe"):  # every request's acceptance, auto or not
@@ -378,3 +411,65 @@ class Engine:
                 stats.ttft_s = active.request.first_token_at - active.request.submitted
         active.request.stats = stats
         active.request._finish(error)
+
+
+class Engine:
+    """An `EngineCore` stepped on a background thread, for servers: submit from any thread."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self._thread = threading.Thread(target=self._loop, name="trtspec-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: list[int], config: GenerationConfig, on_commit: OnCommit | None = None,
+               on_finish: Callable[[Request], None] | None = None) -> Request:
+        """Queue a request (see EngineCore.submit)."""
+        return self.core.submit(prompt, config, on_commit, on_finish)
+
+    def load(self) -> Load:
+        return self.core.load()
+
+    @property
+    def runner(self) -> BatchRunner:
+        return self.core.runner
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
+
+    @property
+    def policy(self) -> BlockPolicy | None:
+        return self.core.policy
+
+    @property
+    def chooser(self) -> Callable | None:
+        return self.core.chooser
+
+    def close(self, cancel: bool = True, timeout: float | None = 60.0) -> None:
+        """Stop taking requests; cancel what is queued and running (or let it finish), then stop."""
+        core = self.core
+        with core.lock:
+            core.closed = True
+            if cancel:
+                for request in list(core._queue) + [a.request for a in core._active]:
+                    request.cancel()
+            core.lock.notify()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _loop(self) -> None:
+        """Step until closed and drained; sleep on the lock while there is nothing to do."""
+        core = self.core
+        while True:
+            with core.lock:
+                if not core.busy:
+                    if core.closed:
+                        return
+                    core.lock.wait(0.05)
+                    continue
+            core.step()

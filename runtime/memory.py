@@ -1,6 +1,6 @@
 """Memory for the KV caches: how much a device has, and refusing caches that cannot fit before
 they are allocated (one line with the figures, instead of an allocation traceback or a machine
-pushed into swap). The runners allocate every cache once at its full size (max context x slots),
+pushed into swap). The runner allocates every cache once at its full size (max context x slots),
 so what a concurrency costs is known before any request arrives."""
 
 from __future__ import annotations

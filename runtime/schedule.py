@@ -17,22 +17,36 @@ import torch
 from trtspec.errors import TrtspecError
 from trtspec.limits import MAX_BLOCK_SIZE, parse_int
 
-AUTO = 0  # block size value meaning "let BlockPilot choose"
-
-
 @dataclass(frozen=True)
 class BlockChoice:
-    size: int         # 1: autoregressive; AUTO: BlockPilot's choice
+    """What a request asks for, from the flag to the controller: a block size B (1: autoregressive),
+    B growing to G, or auto (`size` None: the BlockPilot policy chooses after prefill)."""
+
+    size: int | None  # None: auto; 1: autoregressive
     grow_to: int = 0  # 0: never grows
 
     def __post_init__(self) -> None:
+        if self.size is None:
+            if self.grow_to:
+                raise TrtspecError("with block size auto the BlockPilot policy chooses the growth too; drop the :G")
+            return
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or not 1 <= self.size <= MAX_BLOCK_SIZE:
+            raise TrtspecError(f"block size must be AR (1), an integer in [2, {MAX_BLOCK_SIZE}] or auto; got {self.size!r}")
         if self.grow_to and not (2 <= self.size < self.grow_to <= MAX_BLOCK_SIZE):
             raise TrtspecError(f"a block grows from B >= 2 to a larger size up to {MAX_BLOCK_SIZE}; "
                                f"got {self.size}:{self.grow_to}")
 
     @property
+    def auto(self) -> bool:
+        return self.size is None
+
+    @property
+    def ar(self) -> bool:
+        return self.size == 1
+
+    @property
     def name(self) -> str:
-        base = {AUTO: "auto", 1: "AR"}.get(self.size, str(self.size))
+        base = {None: "auto", 1: "AR"}.get(self.size, str(self.size))
         return f"{base}:{self.grow_to}" if self.grow_to else base
 
     def next_size(self, accepted: int, after: int | None = None) -> int:
@@ -43,23 +57,25 @@ class BlockChoice:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """The block sizes whose graphs this schedule runs."""
+        """The block sizes whose graphs this schedule runs (none known yet for auto)."""
+        if self.size is None:
+            return ()
         return (self.size, self.grow_to) if self.grow_to else (self.size,)
 
     @classmethod
     def parse(cls, text: str | int, allow_auto: bool = True, allow_ar: bool = False, allow_growth: bool = True,
               label: str = "block size") -> "BlockChoice":
-        """'12' -> 12; '6:16' -> 6 growing to 16; 'auto' -> AUTO and 'AR' -> 1 (when allowed).
+        """'12' -> 12; '6:16' -> 6 growing to 16; 'auto' -> AUTO and 'AR' -> AR (when allowed).
 
         The one parser of block sizes: flags, label columns, policy files and requests all use it.
         """
         if isinstance(text, bool) or not isinstance(text, (str, int)):
             raise TrtspecError(f"{label} must be an integer B or B:G, got {text!r}")
         text = str(text).strip()
-        if allow_auto and text in ("auto", str(AUTO)):
-            return cls(AUTO)
+        if allow_auto and text == "auto":
+            return AUTO
         if allow_ar and text in ("AR", "1"):
-            return cls(1)
+            return AR
         base, colon, grown = text.partition(":")
         size, grow_to = parse_int(base), parse_int(grown) if colon else 0
         if colon and not allow_growth:
@@ -72,6 +88,10 @@ class BlockChoice:
             raise TrtspecError(f"{label} must be in [2, {MAX_BLOCK_SIZE}], got {size} "
                                "(autoregressive decoding is --ar, and bench's baseline)")
         return cls(size, grow_to)
+
+
+AUTO = BlockChoice(None)  # the BlockPilot policy chooses after prefill
+AR = BlockChoice(1)       # autoregressive: the target alone
 
 
 class BlockPolicy(Protocol):

@@ -48,9 +48,9 @@ def cycle_timings(target, drafter, block_size: int, past: int) -> dict:
 def batched_check(pipeline, reference, prompts: list[str], choices, max_new_tokens: int) -> dict:
     """The prompts decoded together by `pipeline`'s continuous-batching engine (mixed block sizes, 8 at
     a time) against each decoded alone by `reference`: identical tokens and acceptance histograms."""
-    from trtspec.runtime.decode import GenerationConfig
+    from trtspec.runtime.request import GenerationConfig
 
-    configs = [GenerationConfig(block_size=c.size, grow_to=c.grow_to, max_new_tokens=max_new_tokens)
+    configs = [GenerationConfig(block=c, max_new_tokens=max_new_tokens)
                for c in (choices * len(prompts))[:len(prompts)]]
     began = time.perf_counter()
     batched = pipeline.generate_batch(prompts, configs, max_running=8)

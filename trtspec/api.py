@@ -12,7 +12,6 @@ from typing import Callable
 
 import torch
 
-from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import MAX_CONTEXT
 from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
@@ -20,11 +19,11 @@ from trtspec.models import load_drafter, load_target
 from trtspec.models.draft_vocab import ids_sha256, select as select_draft_vocab
 from trtspec.blockpilot.policy import drafter_policy, load_policy
 from trtspec.device import resolve_device, resolve_dtype
-from trtspec.runtime.decode import Generation, GenerationConfig, generate
-from trtspec.runtime.engine import Engine, EngineConfig
-from trtspec.runtime.runners.batched import BatchRunner
-from trtspec.runtime.runners.compiled import open_runner
-from trtspec.runtime.schedule import AUTO
+from trtspec.export.bindings import PREFILL_LOGITS
+from trtspec.runtime.engine import Engine, EngineConfig, EngineCore
+from trtspec.runtime.request import Generation, GenerationConfig
+from trtspec.runtime.runner import BatchRunner
+from trtspec.runtime.schedule import AR, AUTO, BlockChoice
 from trtspec.tokenizer import TextCodec, TextStream
 
 @dataclass
@@ -44,7 +43,7 @@ class Pipeline:
     """A loaded model pair: from checkpoint directories (eager PyTorch) or from a built engine
     directory (`engine=`; then `target`/`drafter`, when given, must be what it was built from).
     With a BlockPilot policy (`policy=`, the engine's own, or the drafter directory's `blockpilot/`) the
-    default block size is AUTO. `draft_vocab=K` makes the drafter propose among the K most frequent
+    default block choice is AUTO. `draft_vocab=K` makes the drafter propose among the K most frequent
     token ids (counts from `draft_counts` or the drafter directory's `draft_vocab/`; an engine
     carries the K it was built with)."""
 
@@ -56,7 +55,8 @@ class Pipeline:
         self.target = self.drafter = None
         self.cuda_graphs = cuda_graphs
         if engine is not None:  # cuda_graphs: replay each block size's captured draft/verify (CUDA devices)
-            self.runner = open_runner(engine, torch_device, cuda_graphs=cuda_graphs)
+            self.runner = BatchRunner.open(engine, torch_device, cuda_graphs=cuda_graphs,
+                                           max_context=max_context and MAX_CONTEXT.check(max_context))
             check_sources(self.runner.manifest, target, drafter)
             self.codec = TextCodec(Path(engine) / TOKENIZER_DIR)
             self.backend, self.dtype = self.runner.manifest.backend, self.runner.dtype
@@ -90,22 +90,23 @@ class Pipeline:
                 self.drafter.use_draft_vocab(chosen[0])
             self.draft_vocab_size = draft_vocab if chosen is not None else None
             self.draft_ids = chosen[0] if chosen is not None else None
-            self.runner = EagerRunner(self.target, self.drafter)
+            context = self.target.config.max_position_embeddings
+            self.runner = BatchRunner.eager(self.target, self.drafter, 1, cuda_graphs,
+                                            min(MAX_CONTEXT.check(max_context), context) if max_context else context)
             self.backend, self.dtype = "torch-eager", self.target.dtype
             self.drafter_block_size = self.drafter.config.block_size if self.drafter is not None else 1
         if policy is None and engine is not None and self.runner.manifest.policy:
             policy = Path(engine) / self.runner.manifest.policy["dir"]
         elif policy is None and engine is None:
             policy = drafter_policy(drafter)
-        self.default_block_size = self.drafter_block_size
+        self.default_block = BlockChoice(self.drafter_block_size) if self.has_drafter else AR
         self.policy, self.policy_dir = None, policy
         if policy is not None:
             if not self.has_drafter:
                 raise TrtspecError("a BlockPilot policy chooses the drafter's block size; give a drafter too")
             self.policy = load_policy(policy, self.runner.block_sizes).to(torch_device)
-            self.default_block_size = AUTO
-        if max_context is not None:
-            self.runner.max_context = min(MAX_CONTEXT.check(max_context), self.runner.max_context)
+            self.default_block = AUTO
+        self._core: EngineCore | None = None
 
     @property
     def has_drafter(self) -> bool:
@@ -116,31 +117,52 @@ class Pipeline:
         baseline (eager: a target that computes no drafter features; graphs: verify(1))."""
         baseline = copy.copy(self)
         baseline.drafter = None
-        if isinstance(self.runner, EagerRunner):
-            baseline.runner = EagerRunner(self.target)
-            baseline.runner.max_context = self.runner.max_context
-        else:
-            baseline.runner = self.runner.without_drafter()
-        baseline.default_block_size, baseline.policy = 1, None
+        baseline.runner = self._runner(1, drafter=False)
+        baseline.default_block, baseline.policy, baseline._core = AR, None, None
         return baseline
 
+    def _runner(self, slots: int, drafter: bool = True) -> BatchRunner:
+        """A runner of this pair and backend with caches for `slots` requests (graphs loaded once)."""
+        if self.target is not None:  # eager: without the drafter, a target step that computes no features
+            return BatchRunner.eager(self.target, self.drafter if drafter and self.has_drafter else None, slots,
+                                     self.cuda_graphs, self.runner.max_context)
+        return self.runner.with_slots(slots, drafter=drafter and self.has_drafter)
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine core that decodes this pipeline's own requests, one at a time on the caller's
+        thread (`generate`, bench, labels); servers and batches get engines of their own (`engine`)."""
+        if self._core is None:
+            self._core = EngineCore(self.runner, self.policy, EngineConfig(max_running=1, prefill_chunk=0),
+                                    stop_ids=tuple(self.codec.stop_ids))
+        return self._core
+
     def engine(self, config: EngineConfig = EngineConfig(), load_aware: bool = True) -> Engine:
-        """A continuous-batching engine over this pair and backend (its own caches, `config.max_running`
-        slots); the tokenizer's stop ids apply to every request. With a policy and `load_aware`, the
-        cycle costs of its block sizes are measured here (a few seconds) and `auto` may choose AR when
-        the batch is large enough that speculation no longer pays (trtspec.blockpilot.load).
-        Close it when done."""
-        if isinstance(self.runner, EagerRunner):
-            runner = BatchRunner.eager(self.target, self.drafter if self.has_drafter else None, config.max_running,
-                                       cuda_graphs=self.cuda_graphs, max_context=self.runner.max_context)
-        else:
-            runner = BatchRunner.compiled(self.runner, config.max_running)
+        """A continuous-batching engine over this pair and backend on a background thread (its own
+        caches, `config.max_running` slots); the tokenizer's stop ids apply to every request. With a
+        policy and `load_aware`, the cycle costs of its block sizes are measured here (a few
+        seconds) and `auto` may choose AR when the batch is large enough that speculation no longer
+        pays (trtspec.blockpilot.load). Close it when done."""
+        return Engine(self.engine_core(config, load_aware))
+
+    def engine_core(self, config: EngineConfig = EngineConfig(), load_aware: bool = True) -> EngineCore:
+        """`engine`'s core, for a caller that steps it itself (EngineCore.generate)."""
+        runner = self._runner(config.max_running)
         chooser = None
         if self.policy is not None and load_aware:
             from trtspec.blockpilot.load import LoadAwareChooser, measure_costs
 
             chooser = LoadAwareChooser(measure_costs(runner, self.policy.block_sizes), self.policy.choices)
-        return Engine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
+        return EngineCore(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
+
+    def prefill(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's prefill of `ids` alone: the logits of its last PREFILL_LOGITS positions and the
+        drafter features of every position (BlockPilot's inputs; a divergence's trace)."""
+        if self.core.busy:
+            raise TrtspecError("the pipeline is decoding; prefill between requests")
+        with torch.inference_mode():
+            logits, features = self.runner.prefill([0], [ids], [0])
+        return logits[0, -PREFILL_LOGITS:], features[0] if self.has_drafter else None
 
     def generate_batch(self, prompts: list[str], configs: list[GenerationConfig], *, chat: bool = False,
                        max_running: int = 8, stops: tuple[str, ...] = ()) -> list[TextResult]:
@@ -148,10 +170,8 @@ class Pipeline:
         cut before its first stop string (`stops`, as in `generate`)."""
         if len(prompts) != len(configs):
             raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
-        config = EngineConfig(max_running=max_running, max_queued=max(1, len(prompts)))
-        with self.engine(config, load_aware=any(c.block_size == AUTO for c in configs)) as engine:
-            requests = [engine.submit(self.codec.encode(p, chat=chat), c) for p, c in zip(prompts, configs)]
-            generations = [r.result() for r in requests]
+        core = self.engine_core(EngineConfig(max_running=max_running), load_aware=any(c.block.auto for c in configs))
+        generations = core.generate([self.codec.encode(p, chat=chat) for p in prompts], configs)
         return [_cut_at_stops(self.codec, g, stops) for g in generations]
 
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
@@ -168,15 +188,14 @@ class Pipeline:
         on_commit, stream = None, TextStream(self.codec, stops)
         if on_text is not None or cancelled is not None:
 
-            def on_commit(tokens: list[int]) -> None:
+            def on_commit(_: int, tokens: list[int]) -> None:
                 if cancelled is not None and cancelled():
                     raise Cancelled("the request was cancelled")
                 piece = stream.push(tokens) if on_text is not None else ""
                 if piece:
                     on_text(piece)
 
-        config = config.with_stop_ids(self.codec.stop_ids)
-        generation = generate(self.runner, ids, config, on_commit, self.policy)
+        generation = self.core.generate([ids], [config], on_commit)[0]
         if on_text is None:
             return _cut_at_stops(self.codec, generation, stops)
         rest = stream.finish(generation.tokens)

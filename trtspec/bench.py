@@ -23,9 +23,9 @@ from trtspec import __version__
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
 from trtspec.limits import LIMIT, check_block_size
-from trtspec.runtime.decode import Generation
+from trtspec.runtime.request import Generation
 from trtspec.runtime.sampling import SamplingConfig
-from trtspec.runtime.schedule import AUTO, BlockChoice
+from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import (DecodeStats, decode_tokens_per_s, mean_tau, pooled_ceiling_fraction,
                                    pooled_histogram)
 from trtspec.sweep import Sweep, pipeline_requests, run_sweep
@@ -68,7 +68,7 @@ class BenchConfig:
         if not choices:
             raise TrtspecError("give at least one block size")
         for choice in choices:
-            if choice.size != AUTO:
+            if not choice.auto:
                 check_block_size(choice.size)
         if self.max_new_tokens < 2:
             raise TrtspecError(f"--max-new-tokens must be >= 2 for a benchmark (the first token comes from "
@@ -184,7 +184,7 @@ class BenchReport:
         for run in self.runs:
             stats = run.stats
             runs.append({
-                "block_size": run.name if run.block_size == AUTO or run.choice.grow_to else run.block_size,
+                "block_size": run.name if run.choice.auto or run.choice.grow_to else run.block_size,
                 "grow_to": run.choice.grow_to,
                 "grown_cycle_fraction": run.grown_fraction,
                 "chosen_block_sizes": run.chosen_block_sizes,
@@ -341,11 +341,7 @@ def trace_divergence(pipeline, reference, prompt_ids: list[int], tokens: list[in
     common = next((i for i, (x, y) in enumerate(zip(tokens, reference_tokens)) if x != y),
                   min(len(tokens), len(reference_tokens)))
     context = prompt_ids + tokens[:common]
-    logits = []
-    with torch.inference_mode():
-        for backend in (pipeline, reference):
-            backend.runner.reset(len(context))
-            logits.append(backend.runner.prefill(context)[0][-1].float().cpu())
+    logits = [backend.prefill(context)[0][-1].float().cpu() for backend in (pipeline, reference)]
     top2 = logits[1].topk(2).values
     return {"token_index": common,
             "token": tokens[common] if common < len(tokens) else None,

@@ -177,26 +177,28 @@ def _copy_tokenizer(source: Path, destination: Path) -> None:
             shutil.copy2(source / name, destination / name)
 
 
+def _check_prompt(vocab_size: int) -> list[int]:
+    """The self-check's fixed prompt: 24 token ids drawn with seed 0."""
+    return torch.randint(2, vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
 def self_check(directory: Path, device: torch.device, target, drafter, block_sizes: list[int]) -> dict:
     """Run the built engine's prefill, verify(B) and draft(B) on a fixed prompt and compare them
     with the eager modules; refuse the build if the logits differ by more than the tolerance."""
-    from trtspec.runtime.runners.eager import EagerRunner
-    from trtspec.runtime.runners.compiled import open_runner
+    from trtspec.runtime.runner import BatchRunner
 
-    compiled, eager = open_runner(directory, device), EagerRunner(target, drafter)
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(2, target.config.vocab_size, (24,), generator=generator).tolist()
+    prompt = _check_prompt(target.config.vocab_size)
+    compiled = BatchRunner.open(directory, device, max_context=len(prompt) + max(block_sizes))
+    eager = BatchRunner.eager(target, drafter, 1, max_context=compiled.max_context)
     worst = 0.0
     with torch.inference_mode():
         for block_size in block_sizes:
-            for e in (compiled, eager):
-                e.reset(len(prompt) + block_size)
-            (logits_g, features_g), (logits_e, features_e) = compiled.prefill(prompt), eager.prefill(prompt)
-            block = [prompt[-1]] + [drafter.config.mask_token_id] * (block_size - 1)
-            drafts_g = compiled.draft(features_g, block, len(prompt))
-            drafts_e = eager.draft(features_e, block, len(prompt))
-            block = [block[0], *drafts_e.tolist()]
-            verified = compiled.verify(block, len(prompt))[0], eager.verify(block, len(prompt))[0]
+            (logits_g, features_g), (logits_e, features_e) = (r.prefill([0], [prompt], [0]) for r in (compiled, eager))
+            block = torch.tensor([[prompt[-1]] + [drafter.config.mask_token_id] * (block_size - 1)])
+            drafts_g = compiled.draft([0], [features_g[0]], block, [len(prompt)])
+            drafts_e = eager.draft([0], [features_e[0]], block, [len(prompt)])
+            block = torch.cat((block[:, :1], drafts_e.cpu()), dim=1)
+            verified = compiled.verify([0], block, [len(prompt)])[0], eager.verify([0], block, [len(prompt)])[0]
             worst = max(worst, (logits_g.float().cpu() - logits_e.float().cpu()).abs().max().item(),
                         (verified[0].float().cpu() - verified[1].float().cpu()).abs().max().item())
             agree = (drafts_g.cpu() == drafts_e.cpu()).float().mean().item()

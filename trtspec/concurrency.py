@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trtspec.runtime.decode import Generation, GenerationConfig
+from trtspec.runtime.request import Generation, GenerationConfig
 from trtspec.runtime.engine import EngineConfig
 from trtspec.runtime.sampling import SamplingConfig
-from trtspec.runtime.schedule import AUTO, BlockChoice
+from trtspec.runtime.schedule import AR, BlockChoice
 from trtspec.runtime.stats import mean_tau, pooled_ceiling_fraction
 
 
@@ -144,21 +144,21 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
     baseline = pipeline.autoregressive()
     serial = None
     if sampling.greedy:  # greedy output is the same at every block size: one AR pass is the reference
-        alone = GenerationConfig(block_size=1, max_new_tokens=max_new_tokens)
+        alone = GenerationConfig(block=AR, max_new_tokens=max_new_tokens)
         serial = [baseline.generate(prompt, alone).tokens for prompt in prompts]
     rows = []
     for clients in concurrencies:
         config = EngineConfig(max_running=clients, max_queued=clients)
         engines = {True: baseline.engine(config), False: pipeline.engine(config)}  # keyed by "is AR"
         try:
-            runs = [LoadRun(clients, BlockChoice(1))] + [LoadRun(clients, c) for c in choices]
+            runs = [LoadRun(clients, AR)] + [LoadRun(clients, c) for c in choices]
             warm = [ids[0]] * clients
             for run in runs:  # warm-up: each engine and block size once
-                closed_loop(engines[run.choice.size == 1], warm, _config(run.choice, 8, sampling), clients,
+                closed_loop(engines[run.choice.ar], warm, _config(run.choice, 8, sampling), clients,
                             LoadRun(clients, run.choice))
             for repeat in range(repeats):
                 for run in runs[repeat % len(runs):] + runs[:repeat % len(runs)]:  # none always first or last
-                    closed_loop(engines[run.choice.size == 1], ids, _config(run.choice, max_new_tokens, sampling),
+                    closed_loop(engines[run.choice.ar], ids, _config(run.choice, max_new_tokens, sampling),
                                 clients, run)
                     if progress is not None:
                         progress(run)
@@ -166,14 +166,14 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
             for engine in engines.values():
                 engine.close()
         chooser = engines[False].chooser
-        best = max((run for run in runs if run.choice.size != AUTO), key=lambda run: run.throughput)
+        best = max((run for run in runs if not run.choice.auto), key=lambda run: run.throughput)
         for run in runs:
             if serial is not None:
                 outputs = [g.tokens for repeat in run.generations for g in repeat]
                 run.compared = len(outputs)
                 run.identical = sum(a == b for a, b in zip(outputs, serial * repeats))
             rows.append(run.to_dict(runs[0], best))
-            if run.choice.size == AUTO and chooser is not None:  # what load-aware BlockPilot judged by
+            if run.choice.auto and chooser is not None:  # what load-aware BlockPilot judged by
                 rows[-1]["cycle_costs_ms"] = chooser.costs.to_dict()  # timed at start-up
                 measured = {}  # and what the engine's own cycles took: size -> batch -> median ms
                 for (size, batch), ms in sorted(chooser.measured().items()):
@@ -186,8 +186,7 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
 
 
 def _config(choice: BlockChoice, max_new_tokens: int, sampling: SamplingConfig) -> GenerationConfig:
-    return GenerationConfig(block_size=choice.size, grow_to=choice.grow_to, max_new_tokens=max_new_tokens,
-                            sampling=sampling)
+    return GenerationConfig(block=choice, max_new_tokens=max_new_tokens, sampling=sampling)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -10,8 +10,8 @@ The shapes are what matters, not the weights: `random_pair` builds a Qwen3 targe
 drafter with random weights, allocated directly on the device (a Qwen3-4B target never touches
 the CPU). The step timings run the export step modules (`export/steps.py`, the functions every
 backend compiles) over whole fixed-size caches, as replay needs; their drafter reads B context
-rows (a fully accepted block). The decode cycles run the runtime's own `CompiledRunner`, torch
-executor, native controller and `generate` over those same modules (what `trtspec build
+rows (a fully accepted block). The decode cycles run the runtime's own runner, torch
+executor, native controller and engine over those same modules (what `trtspec build
 --backend torch` would save, without minutes of torch.export), launched op by op or replayed.
 
 A cycle's host share is `trtspec bench --profile`'s: 1 - model / cycle, where cycle is the
@@ -38,11 +38,12 @@ from trtspec.export.bindings import graph_specs
 from trtspec.export.exporter import step_modules
 from trtspec.export.steps import DraftStep, TargetStep
 from trtspec.host_profile import ExecutorClock
-from trtspec.engines.manifest import Manifest
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3Target, default_target_layer_ids
 from trtspec.models.checkpoint import build_empty
-from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.runners.compiled import CompiledRunner
+from trtspec.runtime.engine import EngineConfig, EngineCore
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.runner import BatchRunner
+from trtspec.runtime.schedule import BlockChoice
 
 # Qwen3-4B's decoder (its config.json); DFlash's Qwen3-4B drafters have 5 layers reading 5 target layers.
 QWEN3_4B = Qwen3Config(vocab_size=151_936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -279,37 +280,39 @@ def measure_steps(target: Qwen3Target, drafter: DFlashDrafter, block_size: int, 
 
 
 def runtime_engine(target: Qwen3Target, drafter: DFlashDrafter, block_sizes: tuple[int, ...], max_context: int,
-                   cuda_graphs: bool) -> CompiledRunner:
-    """The runtime's graph engine and torch executor over the step modules, as `open_runner` would
+                   cuda_graphs: bool) -> BatchRunner:
+    """The runtime's runner and torch executor over the step modules, as `BatchRunner.open` would
     give for an engine built from this pair (static bindings replayed from CUDA graphs, or not)."""
     specs = graph_specs(target.config, drafter.config)
     executor = TorchExecutor(step_modules(target, drafter), target.device, specs, cuda_graphs=cuda_graphs)
-    manifest = Manifest(backend="torch", dtype=str(target.dtype).removeprefix("torch."), max_context=max_context,
-                        block_sizes=list(block_sizes), max_batch=1, profiles={}, target_config=target.config.to_dict(),
-                        drafter_config=drafter.config.to_zlab(), sources={}, artifacts={})
-    return CompiledRunner(executor, manifest, static=cuda_graphs)
+    return BatchRunner(executor, specs, target.dtype, 1, max_context, tuple(block_sizes),
+                       drafter.config.mask_token_id, static=cuda_graphs and target.device.type == "cuda")
 
 
-def measure_loop(engine: CompiledRunner, prompt: list[int], block_size: int, config: CycleCostConfig,
+def measure_loop(engine: BatchRunner, prompt: list[int], block_size: int, config: CycleCostConfig,
                  cost: LoopCost) -> LoopCost:
     """Wall time per decode cycle of `requests` identical requests after a warm-up request (which
     also captures every binding the timed ones replay: the same prompt takes the same cycles), and
     the model's part of it: clocked in those requests on a CPU, where the clock adds nothing, and in
     one more request on a GPU, where it waits for every run."""
-    request = GenerationConfig(block_size=block_size, max_new_tokens=config.new_tokens)
-    source = engine.without_drafter() if block_size == 1 else engine
+    request = GenerationConfig(block=BlockChoice(block_size), max_new_tokens=config.new_tokens)
+    core = EngineCore(engine.with_slots(1, drafter=False) if block_size == 1 else engine,
+                      config=EngineConfig(max_running=1, prefill_chunk=0))
     clock, on_cpu = ExecutorClock(engine.executor), engine.device.type == "cpu"
+
+    def generate():
+        return core.generate([prompt], [request])[0]
     try:
-        generate(source, prompt, request)
+        generate()
         per_cycle, clocked_cycles = [], 0
         with clock if on_cpu else contextlib.nullcontext():
             for _ in range(config.requests):
-                stats = generate(source, prompt, request).stats
+                stats = generate().stats
                 per_cycle.append(stats.decode_s / stats.cycles * 1e3)
                 clocked_cycles += stats.cycles if on_cpu else 0
         if not on_cpu:
             with clock:
-                clocked_cycles = generate(source, prompt, request).stats.cycles
+                clocked_cycles = generate().stats.cycles
         cost.cycle_ms, cost.cycles, cost.tau = statistics.median(per_cycle), stats.cycles, stats.tau
         cost.model_ms = clock.seconds / clocked_cycles * 1e3
     except Exception as error:  # noqa: BLE001 - recorded in the report, the run goes on

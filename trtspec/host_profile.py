@@ -21,9 +21,10 @@ from trtspec.engines.executor import PREFILL
 from trtspec.export.bindings import DRAFT, TARGET
 from trtspec.errors import TrtspecError
 from trtspec.runtime.controller import native_controller
-from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.engine import EngineConfig, EngineCore
+from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.reference import PythonController
-from trtspec.runtime.schedule import AUTO, BlockChoice
+from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import decode_tokens
 from trtspec.sweep import run_sweep
 
@@ -184,23 +185,24 @@ class HostProfile:
 def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, prompts_name: str = "prompts",
                      progress: bool = True) -> HostProfile:
     """AR and every block size through both controllers, taking turns per prompt (compiled engines only)."""
-    executor = getattr(pipeline.runner, "executor", None)
-    if executor is None:
+    if pipeline.runner.manifest is None:
         raise TrtspecError("--profile times the executor's graph runs; give a built engine (--engine DIR)")
-    if any(c.size == AUTO or c.grow_to for c in config.block_sizes):
+    if any(c.auto or c.grow_to for c in config.block_sizes):
         raise TrtspecError("--profile measures fixed block sizes; leave auto and growing blocks B:G out "
                            "of --block-sizes")
     check_prompts(pipeline, prompts)
     baseline = pipeline.autoregressive()
-    clock = ExecutorClock(executor)
+    clock = ExecutorClock(pipeline.runner.executor)  # the baseline's runner shares it
 
     def through(controller):
         """Requests decoded with `controller`, each yielding its generation and its model seconds."""
+        cores = {ar: EngineCore(source.runner, source.policy, EngineConfig(max_running=1, prefill_chunk=0),
+                                tuple(pipeline.codec.stop_ids), controller=controller)
+                 for ar, source in ((True, baseline), (False, pipeline))}
+
         def request(choice: BlockChoice, ids: list[int], config: GenerationConfig):
-            source = baseline if choice.size == 1 else pipeline
             before, drafted = clock.seconds, clock.by_graph[DRAFT]
-            generation = generate(source.runner, ids, config.with_stop_ids(pipeline.codec.stop_ids),
-                                  controller=controller)
+            generation = cores[choice.ar].generate([ids], [config])[0]
             return generation, clock.seconds - before, clock.by_graph[DRAFT] - drafted
         return request
 

@@ -16,7 +16,7 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 from tqdm import tqdm
 
-from trtspec.runtime.decode import Generation, GenerationConfig
+from trtspec.runtime.request import Generation, GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig, derive_seed
 from trtspec.runtime.schedule import BlockChoice
 
@@ -46,8 +46,7 @@ class Sweep:
         return derive_seed(self.sampling.seed, repeat * n_prompts + prompt)
 
     def config(self, choice: BlockChoice, seed: int, max_new_tokens: int | None = None) -> GenerationConfig:
-        return GenerationConfig(block_size=choice.size, grow_to=choice.grow_to,
-                                max_new_tokens=max_new_tokens or self.max_new_tokens,
+        return GenerationConfig(block=choice, max_new_tokens=max_new_tokens or self.max_new_tokens,
                                 sampling=replace(self.sampling, seed=seed))
 
 
@@ -91,6 +90,6 @@ def pipeline_requests(pipeline) -> Request:
     baseline = pipeline.autoregressive()
 
     def request(choice: BlockChoice, prompt: str, config: GenerationConfig) -> Generation:
-        return (baseline if choice.size == 1 else pipeline).generate(prompt, config).generation
+        return (baseline if choice.ar else pipeline).generate(prompt, config).generation
 
     return request

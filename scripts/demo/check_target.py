@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 
-from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.models import load_target
-from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.engine import EngineConfig, EngineCore
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.runner import BatchRunner
+from trtspec.runtime.schedule import AR
 from trtspec.tokenizer import TextCodec
 
 PROMPTS = [
@@ -41,11 +43,10 @@ def main() -> None:
           f"non-embedding params {non_embed / 1e6:.2f}M, embedding {c.vocab_size * c.hidden_size / 1e6:.2f}M "
           f"(tied={c.tie_word_embeddings}); a drafter may have <= {non_embed / 4e6:.2f}M params")
     codec = TextCodec(a.directory)
-    engine = EagerRunner(target)
+    engine = EngineCore(BatchRunner.eager(target, None, 1), config=EngineConfig(max_running=1, prefill_chunk=0),
+                        stop_ids=tuple(codec.stop_ids))
     for prompt in PROMPTS:
-        ids = codec.encode(prompt)
-        out = generate(engine, ids, GenerationConfig(block_size=1, max_new_tokens=a.max_new_tokens,
-                                                     stop_ids=codec.stop_ids))
+        out = engine.generate([codec.encode(prompt)], [GenerationConfig(block=AR, max_new_tokens=a.max_new_tokens)])[0]
         print("-" * 72)
         print(prompt + codec.decode(out.tokens))
 

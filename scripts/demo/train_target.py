@@ -38,8 +38,10 @@ from corpus import corpus_manifest, read_text, split_files  # noqa: E402
 
 from trtspec.models import Qwen3Config, Qwen3Target, load_target  # noqa: E402
 from trtspec.models.checkpoint import save_checkpoint  # noqa: E402
-from trtspec.runtime.decode import GenerationConfig, generate  # noqa: E402
-from trtspec.runtime.runners.eager import EagerRunner  # noqa: E402
+from trtspec.runtime.engine import EngineConfig, EngineCore  # noqa: E402
+from trtspec.runtime.request import GenerationConfig  # noqa: E402
+from trtspec.runtime.runner import BatchRunner  # noqa: E402
+from trtspec.runtime.schedule import AR  # noqa: E402
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -164,8 +166,9 @@ def greedy_sample(model: Qwen3Target, tokenizer, prompt: str, new_tokens: int = 
     """The prompt and the model's greedy continuation (up to EOS, id 0, which is not shown), through
     trtspec's own decode loop."""
     model.eval()
-    config = GenerationConfig(block_size=1, max_new_tokens=new_tokens, stop_ids=(0,))
-    out = generate(EagerRunner(model), tokenizer.encode(prompt).ids, config).tokens
+    config = GenerationConfig(block=AR, max_new_tokens=new_tokens, stop_ids=(0,))
+    engine = EngineCore(BatchRunner.eager(model, None, 1), config=EngineConfig(max_running=1, prefill_chunk=0))
+    out = engine.generate([tokenizer.encode(prompt).ids], [config])[0].tokens
     model.train()
     return prompt + tokenizer.decode(out[:-1] if out[-1:] == [0] else out)
 

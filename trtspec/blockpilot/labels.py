@@ -145,9 +145,7 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
     for prompt in prompts:  # the policy's inputs: a summary of each prompt's prefill
         ids = pipeline.codec.encode(prompt)
         lengths.append(len(ids))
-        pipeline.runner.reset(len(ids))
-        with torch.inference_mode():
-            prompt_logits, prefill_features = pipeline.runner.prefill(ids)
+        prompt_logits, prefill_features = pipeline.prefill(ids)
         for kind in FEATURE_KINDS:
             summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
     sweep = Sweep(config.choices, config.max_new_tokens, config.sampling)

@@ -12,7 +12,8 @@ from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, dra
                                       load_pipeline, max_new_tokens_option, model_options, policy_option,
                                       sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
-from trtspec.runtime.decode import GenerationConfig
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import AR
 
 
 def read_prompt(path: str) -> str:
@@ -112,8 +113,7 @@ def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
     stops, single_token_stops = pipeline.codec.stop_strings(stop)
     config = GenerationConfig(
-        block_size=1 if ar else (block_size.size if block_size is not None else pipeline.default_block_size),
-        grow_to=block_size.grow_to if block_size is not None else 0,
+        block=AR if ar else (block_size if block_size is not None else pipeline.default_block),
         max_new_tokens=max_new_tokens,
         stop_ids=pipeline.codec.stop_token_ids(stop_token_ids) + single_token_stops,
         sampling=sampling,
@@ -166,7 +166,7 @@ def _compare_with_ar(pipeline, prompt: str, config: GenerationConfig, chat: bool
     so a rough figure: `trtspec bench` gives medians over many prompts and repeats)."""
     from dataclasses import replace
 
-    baseline = pipeline.autoregressive().generate(prompt, replace(config, block_size=1, grow_to=0), chat=chat,
+    baseline = pipeline.autoregressive().generate(prompt, replace(config, block=AR), chat=chat,
                                                  stops=stops)
     ar_rate = baseline.generation.stats.decode_tokens_per_s
     rate = result.generation.stats.decode_tokens_per_s

@@ -116,19 +116,17 @@ def _check_block_size(pipeline, choice) -> None:
     """Refuse at start a default block size the pipeline cannot run (else every request without a
     block_size field would be refused): a drafter for any block, a policy for auto, and an engine
     built for each size the schedule runs."""
-    from trtspec.runtime.decode import check_built_size
-    from trtspec.runtime.schedule import AUTO
+    from trtspec.runtime.request import check_built_sizes
 
-    if choice.size == 1:
+    if choice.ar:
         return
     if not pipeline.has_drafter:
         raise TrtspecError("--block-size needs a drafter; give --drafter DIR, or --block-size AR")
-    if choice.size == AUTO:
+    if choice.auto:
         if pipeline.policy is None:
             raise TrtspecError("--block-size auto needs a BlockPilot policy (--policy DIR, or a drafter that ships one)")
         return
     try:
-        for size in choice.sizes:
-            check_built_size(pipeline.runner, size)
+        check_built_sizes(pipeline.runner, choice)
     except TrtspecError as exc:
         raise TrtspecError(f"--block-size {choice.name}: {exc}") from None

@@ -10,7 +10,8 @@ from trtspec import limits
 from trtspec.commands.options import (BlockSizeType, Ranged, device_options, limit_option, load_pipeline,
                                       max_new_tokens_option, sampling_config, sampling_options, target_option)
 from trtspec.errors import TrtspecError
-from trtspec.runtime.decode import GenerationConfig
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import AR
 
 
 def _layer_ids(value: str | None) -> tuple[int, ...]:
@@ -59,7 +60,7 @@ def generate_data(target, prompts_file, output, max_new_tokens, limit, batch_siz
 
     check_output_file(output, (prompts_file, target))
     prompts = read_prompt_set(prompts_file, limit)
-    config = GenerationConfig(block_size=1, max_new_tokens=max_new_tokens,
+    config = GenerationConfig(block=AR, max_new_tokens=max_new_tokens,
                               sampling=sampling_config(temperature, top_k, top_p, seed))
     pipeline = load_pipeline(target, None, dtype, device, with_drafter=False)
     path = generate(pipeline, prompts, config, output, batch_size)

@@ -11,7 +11,8 @@ from tqdm import tqdm
 from trtspec.errors import TrtspecError
 from trtspec.fileio import staged_file
 from trtspec.dbloom.histogram import Preflight
-from trtspec.runtime.decode import GenerationConfig
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import AR
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats, mean_tau, pooled_histogram
 from trtspec.sweep import Sweep, pipeline_requests, run_sweep
@@ -81,9 +82,9 @@ def run_teacher_forced(pipeline, prompts: list[str], block_size: int, max_new_to
     target, drafter, codec = pipeline.target, pipeline.drafter, pipeline.codec
     if target is None or drafter is None:
         raise TrtspecError("teacher-forced acceptance runs the checkpoints: give --target and --drafter, not --engine")
-    config = GenerationConfig(block_size=1, max_new_tokens=max_new_tokens + block_size - 1)
+    config = GenerationConfig(block=AR, max_new_tokens=max_new_tokens + block_size - 1)
     prompt_ids = [codec.encode(p) for p in prompts]
-    continuations = continue_prompts(target, prompt_ids, config.with_stop_ids(codec.stop_ids), progress=progress)
+    continuations = continue_prompts(pipeline, prompt_ids, config.with_stop_ids(codec.stop_ids), progress=progress)
     stats, accepted_counts = [], []
     with torch.inference_mode():
         for ids, continuation in tqdm(list(zip(prompt_ids, continuations)), desc="teacher-forced", unit="req",

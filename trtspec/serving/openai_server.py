@@ -42,7 +42,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from trtspec import limits
 from trtspec.errors import Cancelled, TrtspecError
-from trtspec.runtime.decode import GenerationConfig
+from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.engine import Busy
 from trtspec.tokenizer import TextStream, check_text
 from trtspec.runtime.sampling import SamplingConfig
@@ -298,8 +298,7 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
                    "stream_options")
     texts, stop_ids = _stops(body, codec)
     try:
-        config = GenerationConfig(block_size=block.size, grow_to=block.grow_to, max_new_tokens=max_tokens,
-                                  stop_ids=stop_ids, sampling=sampling)
+        config = GenerationConfig(block=block, max_new_tokens=max_tokens, stop_ids=stop_ids, sampling=sampling)
     except TrtspecError as exc:
         raise _bad(str(exc), "block_size") from None
     ids = _chat_ids(body, codec, max_context) if chat else _prompt_ids(body, codec, max_context)
@@ -440,7 +439,7 @@ class OpenAIServer:
                  read_timeout_s: float = READ_TIMEOUT_S, api_key: str | None = None):
         self.pipeline, self.codec, self.engine_config = pipeline, pipeline.codec, engine_config
         self.model_name = model_name
-        self.default_block = block_size or BlockChoice(pipeline.default_block_size)
+        self.default_block = block_size or pipeline.default_block
         self.metrics = metrics or ServingMetrics()
         self.max_body_bytes, self.read_timeout_s, self.api_key = max_body_bytes, read_timeout_s, api_key
         self.engine = None

@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - imported for documentation or tests ou
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import STOP_CHARS, STOPS
-from trtspec.runtime.decode import Generation
+from trtspec.runtime.request import Generation
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.stats import DecodeStats
 from trtspec.tokenizer import TextStream
@@ -361,13 +361,18 @@ class TritonPythonModel:
         """The request's fields as a GenerationConfig, whose checks (trtspec.limits, shared with the
         CLI) refuse out-of-range values: temperature >= 0 and finite, seed in [0, 2**63-1],
         max_tokens in [1, 2**31-1], block_size 0 (auto) or in [2, 64], grow_to 0 or above it."""
-        from trtspec.runtime.decode import GenerationConfig
+        from dataclasses import replace
+
+        from trtspec.runtime.request import GenerationConfig
+        from trtspec.runtime.schedule import BlockChoice
 
         sampling = self._sampling(temperature=scalars["temperature"], seed=scalars["seed"])
-        block_size = scalars["block_size"]
-        return GenerationConfig(block_size=self.pipeline.default_block_size if block_size is None else block_size,
-                                grow_to=scalars["grow_to"], stop_ids=stop_ids, max_new_tokens=scalars["max_tokens"],
-                                sampling=sampling)
+        size, grow_to = scalars["block_size"], scalars["grow_to"]
+        if size is None:  # the model's default, perhaps growing
+            block = replace(self.pipeline.default_block, grow_to=grow_to) if grow_to else self.pipeline.default_block
+        else:  # on the wire, 0 is auto
+            block = BlockChoice(size or None, grow_to)
+        return GenerationConfig(block=block, stop_ids=stop_ids, max_new_tokens=scalars["max_tokens"], sampling=sampling)
 
     def execute(self, requests):
         """Copy each request's inputs (refusing oversized ones) for the preparing thread, and return

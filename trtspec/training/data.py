@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
+from dataclasses import replace
+
 from tqdm import tqdm
 
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
 from trtspec.limits import LIMIT
-from trtspec.runtime.decode import GenerationConfig
-from trtspec.runtime.sampling import Sampler
+from trtspec.runtime.engine import EngineConfig
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.sampling import derive_seed
+from trtspec.runtime.schedule import AR
 from trtspec.validate import Fields, check_token_range, jsonl_records, prompt_record
 
 
@@ -36,47 +39,21 @@ def write_jsonl_atomic(records: list[dict], path: str | Path) -> Path:
     return atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in records))
 
 
-def continue_prompts(target, prompts: list[list[int]], config: GenerationConfig, batch_size: int = 16,
+def continue_prompts(pipeline, prompts: list[list[int]], config: GenerationConfig, batch_size: int = 16,
                      progress: bool = True) -> list[list[int]]:
-    """The target's own continuation of every prompt, decoded in batches of equal-length prompts.
-
-    Data generation is throughput work, so prompts of the same token length share one batched
-    autoregressive pass; each row is cut after its first stop id or at the token limit.
-    """
-    sampler = Sampler(config.sampling, target.device)
-    stops = torch.tensor(sorted(set(config.stop_ids)) or [-1], device=target.device)
-    by_length: dict[int, list[int]] = {}
+    """The target's own continuation of every prompt (autoregressive), `batch_size` decoded together
+    by the engine; request i samples with seed derive_seed(seed, i), so a prompt's continuation
+    does not depend on which others share its batch. Each ends after a stop id or at the limit."""
     for index, ids in enumerate(prompts):
         if not ids:
             raise TrtspecError(f"prompt {index + 1} is empty")
-        by_length.setdefault(len(ids), []).append(index)
-    chunks = [members[i:i + batch_size] for members in by_length.values() for i in range(0, len(members), batch_size)]
-    results: list[list[int]] = [[] for _ in prompts]
-    bar = tqdm(total=len(prompts), desc="generate-data", unit="prompt", disable=not progress, dynamic_ncols=True)
-    with torch.inference_mode():
-        for chunk in chunks:
-            length = len(prompts[chunk[0]])
-            budget = min(config.max_new_tokens, target.config.max_position_embeddings - length)
-            if budget < 1:
-                raise TrtspecError(f"a prompt of {length} tokens leaves no room in the target's context")
-            tokens = torch.tensor([prompts[i] for i in chunk], device=target.device)
-            cache = target.new_cache(len(chunk), length + budget)
-            logits, _ = target(tokens, 0, cache, last_logits=1)
-            generated, finished = [], torch.zeros(len(chunk), dtype=torch.bool, device=target.device)
-            for step in range(budget):
-                token = sampler.sample(logits[:, -1])
-                generated.append(token)
-                finished |= torch.isin(token, stops)
-                if bool(finished.all()) or step == budget - 1:
-                    break
-                logits, _ = target(token[:, None], length + step, cache)
-            rows = torch.stack(generated, dim=1).tolist()
-            for index, row in zip(chunk, rows):
-                cut = next((k + 1 for k, t in enumerate(row) if t in config.stop_ids), len(row))
-                results[index] = row[:cut]
-            bar.update(len(chunk))
-    bar.close()
-    return results
+    core = pipeline.autoregressive().engine_core(EngineConfig(max_running=batch_size), load_aware=False)
+    configs = [replace(config, block=AR, sampling=replace(config.sampling, seed=derive_seed(config.sampling.seed, i)))
+               for i in range(len(prompts))]
+    with tqdm(total=len(prompts), desc="generate-data", unit="prompt", disable=not progress,
+              dynamic_ncols=True) as bar:
+        generations = core.generate(prompts, configs, on_finish=lambda _: bar.update())
+    return [generation.tokens for generation in generations]
 
 
 def generate_data(pipeline, prompts: list[dict], config: GenerationConfig, output: str | Path,
@@ -87,7 +64,7 @@ def generate_data(pipeline, prompts: list[dict], config: GenerationConfig, outpu
     prompt_ids = [r.get("prompt_ids") or pipeline.codec.encode(r["prompt"]) for r in prompts]
     for number, ids in enumerate(prompt_ids, 1):
         check_token_range(f"prompt {number}", "prompt_ids", ids, pipeline.target.config.vocab_size)
-    responses = continue_prompts(pipeline.target, prompt_ids, config, batch_size, progress)
+    responses = continue_prompts(pipeline, prompt_ids, config, batch_size, progress)
     records = [{"prompt": r["prompt"], "response": pipeline.codec.decode(out), "prompt_ids": ids,
                 "response_ids": out} for r, ids, out in zip(prompts, prompt_ids, responses)]
     return write_jsonl_atomic(records, output)

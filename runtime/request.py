@@ -1,0 +1,64 @@
+"""What one request asks for (GenerationConfig) and what it gets back (Generation), and the checks
+that refuse a request an engine cannot decode. The engine (trtspec.runtime.engine) decodes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from trtspec.errors import TrtspecError
+from trtspec.limits import MAX_NEW_TOKENS, check_block_size
+from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.stats import DecodeStats
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """One request's ask: its block schedule (`block`: B, B:G, AR or auto, see
+    trtspec.runtime.schedule), token limit, stop ids and sampling."""
+
+    block: BlockChoice = BlockChoice(16)
+    max_new_tokens: int = 256
+    stop_ids: tuple[int, ...] = ()
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block, BlockChoice):
+            raise TrtspecError(f"GenerationConfig.block must be a BlockChoice, got {self.block!r}")
+        for size in self.block.sizes:
+            if size > 1:  # ranges: trtspec.limits
+                check_block_size(size)
+        MAX_NEW_TOKENS.check(self.max_new_tokens)
+
+    def with_stop_ids(self, extra: tuple[int, ...]) -> "GenerationConfig":
+        """This config with `extra` stop ids added (e.g. the tokenizer's EOS ids)."""
+        return replace(self, stop_ids=tuple(dict.fromkeys(self.stop_ids + tuple(extra))))
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stats: DecodeStats
+
+
+def check_request(runner, prompt: list[int], config: GenerationConfig, policy) -> int:
+    """Refuse a request this runner cannot decode (one line saying why); else its token limit."""
+    if not prompt:
+        raise TrtspecError("the prompt is empty")
+    if len(prompt) >= runner.max_context:
+        raise TrtspecError(f"the prompt is {len(prompt)} tokens; the context holds {runner.max_context}")
+    if not config.block.ar and runner.mask_token_id is None:
+        raise TrtspecError("speculative decoding needs a drafter (or use block size 1 / --ar)")
+    if config.block.auto and policy is None:
+        raise TrtspecError("block size auto needs a BlockPilot policy (trtspec train-policy; then --policy DIR "
+                           "or trtspec build --policy DIR)")
+    check_built_sizes(runner, config.block)
+    return min(config.max_new_tokens, runner.max_context - len(prompt))
+
+
+def check_built_sizes(runner, block: BlockChoice) -> None:
+    """Refuse a schedule whose block sizes the runner's engine was not built for."""
+    for size in block.sizes:
+        if size > 1 and runner.block_sizes is not None and size not in runner.block_sizes:
+            raise TrtspecError(f"the engine was built for block sizes {', '.join(map(str, runner.block_sizes))}; "
+                               f"block size {size} is not among them (rebuild with --block-sizes)")

@@ -1,0 +1,256 @@
+"""The runner: one draft or verify call for a group of requests, each in its own cache slot.
+
+It runs the step graphs (`trtspec.export.steps`) through any executor: the eager step modules
+(`TorchExecutor` over them, so eager and compiled decoding share every line), or a built engine's
+ONNX Runtime / TensorRT / torch.export graphs (`BatchRunner.open`). The KV caches are
+preallocated once, [positions, slots, layers, kv_heads, head_dim] per graph; a request owns a
+slot from admission to its end, and what its slot holds is implied by its position: the target
+cache is valid below the request's start, the drafter cache below the start of the context it
+has not seen yet. So nothing is ever rolled back: rejected drafts' keys are simply overwritten.
+
+A call of one request (every call of `trtspec run`, and a server with one client) takes a
+shorter path: its new keys are written straight into its cache slot, its index inputs go
+through numpy views of buffers kept per batch size, and the drafter can write its proposals
+into the caller's buffer. On a CPU cycle of a small model each torch call costs about as much
+as the controller's whole step, so these are what keeps batch 1 as fast as a loop written for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trtspec.engines.executor import PREFILL, TORCH_DTYPES, Executor, ProfileKey
+from trtspec.errors import TrtspecError
+from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec
+from trtspec.runtime.memory import cache_bytes, check_cache_fits
+
+SHORT_CONTEXT = 32  # draft rows with at most this many new context entries share a (padded) call
+
+
+class BatchRunner:
+    def __init__(self, executor: Executor, specs: dict[str, GraphSpec], dtype: torch.dtype, slots: int,
+                 max_context: int, block_sizes: tuple[int, ...] | None, mask_token_id: int | None,
+                 static: bool = False, manifest=None):
+        self.executor, self.specs, self.dtype, self.slots = executor, specs, dtype, slots
+        self.manifest = manifest  # a built engine's (trtspec.engines.manifest), None for eager modules
+        # Static mode, for CUDA-graph replay: decode calls read the whole cache buffer as `past` (stale
+        # entries are masked) and their inputs are copied into buffers kept per shape, so every
+        # binding of a (graph, block size, batch, context width) call keeps its address.
+        self.static = static
+        self._static_inputs: dict[tuple, dict[str, torch.Tensor]] = {}
+        self.device = executor.device
+        self.max_context, self.block_sizes, self.mask_token_id = max_context, block_sizes, mask_token_id
+        capacity = max_context + MAX_BLOCK_SIZE
+        shapes = {graph: (capacity, slots, *spec.input("past_k").dims[2:]) for graph, spec in specs.items()}
+        check_cache_fits(slots, cache_bytes(shapes.values(), dtype) // slots, max_context, self.device)
+        self._caches = {graph: [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2)]
+                        for graph, shape in shapes.items()}
+        self._outputs: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._indices: dict[tuple[str, int], tuple[torch.Tensor, np.ndarray | None]] = {}
+
+    # ---- making one --------------------------------------------------------------------------------
+
+    @classmethod
+    def eager(cls, target, drafter, slots: int, cuda_graphs: bool = False,
+              max_context: int | None = None) -> "BatchRunner":
+        """The PyTorch modules: the step modules the engines are exported from, run as they are
+        (caches for `max_context` positions per slot; default: the target's maximum)."""
+        from trtspec.engines.torch import TorchExecutor
+        from trtspec.export.bindings import draft_graph, target_graph
+        from trtspec.export.steps import DraftStep, TargetStep
+
+        layers = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        modules = {TARGET: TargetStep(target, layers).eval()}
+        specs = {TARGET: target_graph(target.config, len(layers))}
+        if drafter is not None:
+            modules[DRAFT], specs[DRAFT] = DraftStep(drafter).eval(), draft_graph(drafter.config)
+        executor = TorchExecutor(modules, target.device, specs, cuda_graphs=cuda_graphs)
+        return cls(executor, specs, target.dtype, slots, max_context or target.config.max_position_embeddings, None,
+                   drafter.config.mask_token_id if drafter is not None else None,
+                   static=cuda_graphs and target.device.type == "cuda")
+
+    @classmethod
+    def open(cls, directory: str | Path, device: torch.device, slots: int = 1, threads: int | None = None,
+             cuda_graphs: bool = False, max_context: int | None = None) -> "BatchRunner":
+        """Load a built engine directory (manifest verified) onto `device` with its backend's executor
+        (caches for `max_context` positions per slot, at most the engine's; default: the engine's);
+        with `cuda_graphs` on a CUDA device, decode cycles replay captured CUDA graphs."""
+        from trtspec.engines.manifest import read_manifest
+
+        cuda_graphs = cuda_graphs and device.type == "cuda"
+        directory = Path(directory)
+        manifest = read_manifest(directory)
+        graphs = {graph: directory / info["file"] for graph, info in manifest.graphs.items()}
+        if manifest.backend == "onnxruntime":
+            from trtspec.engines.onnxruntime import OnnxRuntimeExecutor
+            executor = OnnxRuntimeExecutor(graphs, device, threads, cuda_graphs=cuda_graphs)
+        elif manifest.backend == "tensorrt":
+            from trtspec.engines.tensorrt import TensorRTExecutor
+            executor = TensorRTExecutor(graphs, device, manifest.profiles, cuda_graphs=cuda_graphs)
+        elif manifest.backend == "torch":
+            from trtspec.engines.torch import TorchExecutor
+            executor = TorchExecutor.load(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs)
+        else:
+            raise TrtspecError(f"engine {directory}: unknown backend {manifest.backend!r}")
+        context = min(max_context, manifest.max_context) if max_context else manifest.max_context
+        return cls(executor, manifest.specs(), TORCH_DTYPES[manifest.dtype], slots, context,
+                   tuple(manifest.block_sizes), manifest.drafter.mask_token_id, static=cuda_graphs, manifest=manifest)
+
+    def with_slots(self, slots: int, max_context: int | None = None, drafter: bool = True) -> "BatchRunner":
+        """Another runner over the same executor (graphs loaded once) with caches of its own:
+        `slots` requests of up to `max_context` positions; without the `drafter`, autoregressive."""
+        return BatchRunner(self.executor, self.specs, self.dtype, slots, max_context or self.max_context,
+                           self.block_sizes, self.mask_token_id if drafter else None, self.static, self.manifest)
+
+    # ---- running a graph ---------------------------------------------------------------------------
+
+    def _run(self, graph: str, profile: ProfileKey, sizes: dict[str, int], past: int, inputs: dict[str, torch.Tensor],
+             new_at: int | None = None, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Run `graph` over the first `past` cache positions. `new_at`: a single-slot runner's new
+        keys/values go straight to that position of its cache; `into`: output tensors of the caller's."""
+        cache_k, cache_v = self._caches[graph]
+        key = (graph, profile, sizes["batch"], sizes.get("context", 0))
+        outputs = self._outputs.get(key)
+        if outputs is None:
+            outputs = {t.name: torch.empty(t.shape(sizes), dtype=TORCH_DTYPES.get(t.dtype, self.dtype),
+                                           device=self.device) for t in self.specs[graph].outputs}
+            if profile != PREFILL:  # decode shapes recur; prompt chunks vary
+                self._outputs[key] = outputs
+        if self.static and profile != PREFILL:
+            bound = self._static_inputs.get(key)
+            if bound is None:
+                bound = self._static_inputs[key] = {name: torch.empty_like(t) for name, t in inputs.items()}
+            for name, tensor in inputs.items():
+                bound[name].copy_(tensor, non_blocking=True)
+            inputs, past, new_at = bound, cache_k.shape[0], None
+        inputs["past_k"], inputs["past_v"] = cache_k[:past], cache_v[:past]
+        if new_at is not None or into:
+            outputs = dict(outputs)
+            if into:
+                outputs.update(into)
+            if new_at is not None:
+                count = outputs["new_k"].shape[1]
+                outputs["new_k"] = _as_row(cache_k[new_at:new_at + count])
+                outputs["new_v"] = _as_row(cache_v[new_at:new_at + count])
+        self.executor.run(graph, profile, inputs, outputs)
+        return outputs
+
+    def _store(self, graph: str, starts: list[int], count: int, slots: list[int], outputs: dict[str, torch.Tensor],
+               keep: torch.Tensor | None = None) -> None:
+        """Write the new keys/values [b, count, ...] at positions start..start+count-1 of each row's slot
+        (rows' positions where `keep`)."""
+        cache_k, cache_v = self._caches[graph]
+        new_k, new_v = outputs["new_k"], outputs["new_v"]
+        if len(slots) == 1 and keep is None:  # one strided copy
+            start, slot = starts[0], slots[0]
+            cache_k[start:start + count, slot].copy_(new_k[0])
+            cache_v[start:start + count, slot].copy_(new_v[0])
+            return
+        positions = self._long("starts", starts)[:, None] + torch.arange(count, device=self.device)
+        rows = self._long("slots", slots)[:, None].expand_as(positions)
+        if keep is not None:
+            positions, rows, new_k, new_v = positions[keep], rows[keep], new_k[keep], new_v[keep]
+        cache_k[positions, rows] = new_k
+        cache_v[positions, rows] = new_v
+
+    def _direct(self, slots: list[int]) -> bool:
+        """Whether new keys can be written by the graph itself: one slot, not replayed."""
+        return self.slots == 1 and not self.static
+
+    def _long(self, name: str, values: list[int]) -> torch.Tensor:
+        """`values` as an int64 tensor on the device, in a buffer kept per (name, length): on the CPU
+        written through a numpy view (a torch call per input costs more than the copy)."""
+        known = self._indices.get((name, len(values)))
+        if known is None:
+            tensor = torch.zeros(len(values), dtype=torch.long, device=self.device)
+            known = self._indices[name, len(values)] = tensor, tensor.numpy() if self.device.type == "cpu" else None
+        tensor, host = known
+        if host is not None:
+            host[:] = values
+        else:
+            tensor.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+        return tensor
+
+    # ---- the step functions ------------------------------------------------------------------------
+
+    def prefill(self, slots: list[int], chunks: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk of each row's prompt, all of one length T, at its start (earlier chunks already
+        cached): logits [b, T, V] and drafter features [b, T, F]."""
+        tokens = torch.tensor(chunks, dtype=torch.long, device=self.device)
+        batch, count = tokens.shape
+        direct = self._direct(slots)
+        out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots}, max(starts),
+                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
+                        new_at=starts[0] if direct else None)
+        if not direct:
+            self._store(TARGET, starts, count, slots, out)
+        return out["logits"], out["features"]
+
+    def verify(self, slots: list[int], blocks: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [b, B, V] and drafter features [b, B, F] of each row's block at its start (B = 1: AR steps)."""
+        batch, size = blocks.shape
+        direct = self._direct(slots)
+        out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots}, max(starts),
+                        {"tokens": blocks.to(self.device), "starts": self._long("starts", starts),
+                         "slots": self._long("slots", slots)}, new_at=starts[0] if direct else None)
+        if not direct:
+            self._store(TARGET, starts, size, slots, out)
+        return out["logits"], out["features"]
+
+    def draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: torch.Tensor, starts: list[int],
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy proposals [b, B-1]. Row r's context [n_r, F] holds the features of the n_r positions
+        before its start that its drafter cache lacks (a first cycle: the whole prompt). With `out`
+        ([b, B-1] int64) the proposals are written there (by the graph itself when it can)."""
+        counts = [len(c) for c in contexts]
+        short = [r for r, n in enumerate(counts) if n <= SHORT_CONTEXT]
+        if len(short) == len(counts) or len(counts) == 1:
+            return self._draft(slots, contexts, blocks, starts, out)
+        drafts = out if out is not None else \
+            torch.empty(blocks.shape[0], blocks.shape[1] - 1, dtype=torch.long, device=self.device)
+        groups = ([short] if short else []) + [[r] for r in range(len(counts)) if counts[r] > SHORT_CONTEXT]
+        for rows in groups:  # a long context (a prompt) is drafted alone rather than padding every row to it
+            drafts[rows] = self._draft([slots[r] for r in rows], [contexts[r] for r in rows], blocks[rows],
+                                       [starts[r] for r in rows])
+        return drafts
+
+    def _draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: torch.Tensor, starts: list[int],
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        batch, size = blocks.shape
+        counts = [len(c) for c in contexts]
+        width = max(counts)
+        if batch == 1:
+            padded = contexts[0][None]
+        else:
+            padded = contexts[0].new_zeros(batch, width, contexts[0].shape[-1])
+            for row, context in enumerate(contexts):
+                padded[row, width - len(context):] = context
+        sizes = {"batch": batch, "context": width, "block": size, "proposals": size - 1, "slots": self.slots}
+        first = [s - n for s, n in zip(starts, counts)]  # where each row's new context begins
+        direct = self._direct(slots)
+        # the graph writes the proposals into `out` itself when it is a contiguous buffer on the device
+        into = {"drafts": out} if out is not None and not self.static and out.device == self.device \
+            and out.is_contiguous() else None
+        result = self._run(DRAFT, size, sizes, max(first),
+                           {"context": padded, "counts": self._long("counts", counts), "block": blocks.to(self.device),
+                            "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
+                           new_at=first[0] if direct else None, into=into)
+        if not direct:
+            keep = None
+            if batch > 1:
+                offsets = torch.arange(width, device=self.device)
+                keep = offsets[None, :] >= (width - self._long("counts", counts))[:, None]
+            self._store(DRAFT, [s - width for s in starts], width, slots, result, keep)
+        drafts = result["drafts"]
+        if out is not None and into is None:
+            out.copy_(drafts)
+            return out
+        return drafts
+
+
+def _as_row(positions: torch.Tensor) -> torch.Tensor:
+    """Cache positions [T, 1, ...] of a single-slot cache as the graphs' new keys/values [1, T, ...] (same memory)."""
+    return positions.view(1, positions.shape[0], *positions.shape[2:])
