@@ -164,6 +164,7 @@ class EngineCore:
         # One slot, one request at a time: a verify output buffer is never reused by another request
         # before this one drafts from it, so its features need no copy.
         self._exclusive = config.max_running == 1
+        self._timed = hasattr(chooser, "observe_cycle")  # load-aware BlockPilot times every cycle
 
     # ---- front-end side ------------------------------------------------------------------------
 
@@ -232,7 +233,8 @@ class EngineCore:
             return
         running = len(self._active)
         try:
-            self._iteration()
+            with torch.inference_mode():
+                self._iteration()
         except Exception as error:
             for active in list(self._active):
                 self._retire(active, error)
@@ -268,13 +270,12 @@ class EngineCore:
         for active in self._active:
             if active.core is not None and active.core.running:
                 groups.setdefault(active.core.block_size(0), []).append(active)
-        timed = hasattr(self.chooser, "observe_cycle")
+        timed = self._timed
         for size, members in sorted(groups.items()):
             began = time.perf_counter() if timed else 0.0
-            with torch.inference_mode():
-                if size > 1:
-                    self._draft(size, members)
-                self._verify(size, members)
+            if size > 1:
+                self._draft(size, members)
+            self._verify(size, members)
             for active in members:
                 self._emit(active)
             if timed:  # what a cycle of this shape costs here, host work included: load-aware BlockPilot's costs
@@ -293,21 +294,20 @@ class EngineCore:
             chunk = active.request.prompt[active.prefilled:active.prefilled + budget]
             chunks.setdefault(len(chunk), []).append((active, chunk))
             budget -= len(chunk)
-        with torch.inference_mode():
-            for rows in chunks.values():
-                began = time.perf_counter()
-                logits, features = self.runner.prefill([a.slot for a, _ in rows], [c for _, c in rows],
-                                                       [a.prefilled for a, _ in rows])
-                took = (time.perf_counter() - began) / len(rows)
-                for row, (active, chunk) in enumerate(rows):
-                    active.prefilled += len(chunk)
-                    active.prefill_s += took
-                    if self.runner.mask_token_id is not None and not active.request.config.block.ar:
-                        active.features.append(features[row].clone())  # the drafter's context (AR drafts none)
-                    tail = logits[row] if active.tail_logits is None else torch.cat((active.tail_logits, logits[row]))
-                    active.tail_logits = tail[-PREFILL_LOGITS:].clone()
-                    if active.prefilled == len(active.request.prompt):
-                        self._start_decoding(active)
+        for rows in chunks.values():
+            began = time.perf_counter()
+            logits, features = self.runner.prefill([a.slot for a, _ in rows], [c for _, c in rows],
+                                                   [a.prefilled for a, _ in rows])
+            took = (time.perf_counter() - began) / len(rows)
+            for row, (active, chunk) in enumerate(rows):
+                active.prefilled += len(chunk)
+                active.prefill_s += took
+                if self.runner.mask_token_id is not None and not active.request.config.block.ar:
+                    active.features.append(features[row].clone())  # the drafter's context (AR drafts none)
+                tail = logits[row] if active.tail_logits is None else torch.cat((active.tail_logits, logits[row]))
+                active.tail_logits = tail[-PREFILL_LOGITS:].clone()
+                if active.prefilled == len(active.request.prompt):
+                    self._start_decoding(active)
 
     def _start_decoding(self, active: _Active) -> None:
         request, config, began = active.request, active.request.config, time.perf_counter()
@@ -362,8 +362,11 @@ class EngineCore:
             blocks = torch.cat([self._rows(a, size)[0] for a in members])
         logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
         drafting = self.runner.mask_token_id is not None and size > 1  # an AR request never drafts
+        alone = len(members) == 1
         for row, active in enumerate(members):
-            active.stepper(logits if len(members) == 1 else logits[row])
+            # a greedy request alone steps on the whole output buffer (the same tensor every cycle, so
+            # the stepper's numpy view of it is made once); a sampled one samples its [B, V] rows
+            active.stepper(logits if alone and active.stepper.posterior_of is None else logits[row])
             active.calls += 1
             active.shared += len(members)
             if drafting:

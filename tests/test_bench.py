@@ -9,7 +9,7 @@ from helpers import assert_one_line_error, trtspec
 from trtspec.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, run_bench,
                            speedups)
 from trtspec.errors import TrtspecError
-from trtspec.runtime.decode import Generation
+from trtspec.runtime.request import Generation
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AUTO, BlockChoice, parse_block_choices, parse_block_sizes
 from trtspec.runtime.stats import DecodeStats
@@ -204,13 +204,13 @@ def test_the_closed_loop_counts_the_steady_state_apart_from_the_drain(pipeline):
     """Throughput at c clients counts what was committed while all c had a request in flight: up to
     the moment the first client finds the prompt set empty. The rest of the run is the drain."""
     from trtspec.concurrency import LoadRun, closed_loop
-    from trtspec.runtime.decode import GenerationConfig
+    from trtspec.runtime.request import GenerationConfig
     from trtspec.runtime.engine import EngineConfig
 
     prompts = [pipeline.codec.encode(p) for p in PROMPTS * 2]  # 6 prompts, 2 clients: 3 each
     run = LoadRun(2, BlockChoice(4))
     with pipeline.engine(EngineConfig(max_running=2, max_queued=2), load_aware=False) as engine:
-        closed_loop(engine, prompts, GenerationConfig(block_size=4, max_new_tokens=16), 2, run)
+        closed_loop(engine, prompts, GenerationConfig(block=BlockChoice(4), max_new_tokens=16), 2, run)
     (tokens, seconds), total = run.steady[0], sum(g.stats.new_tokens for g in run.generations[0])
     assert total == 6 * 16 and 4 * 16 <= tokens <= total  # at least the first four requests had finished
     assert 0 < seconds < run.seconds[0]

@@ -8,7 +8,8 @@ import pytest
 from helpers import assert_one_line_error, trtspec, trtspec_in_process
 
 from trtspec.api import Pipeline
-from trtspec.runtime.decode import GenerationConfig
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import BlockChoice
 
 
 
@@ -131,7 +132,7 @@ def test_run_batch_decodes_a_file_of_prompts_together(target_dir, drafter_dir, p
     assert len(lines) == len(prompts) and b"4 prompts" in result.stderr
     pipeline = Pipeline(target_dir, drafter_dir)
     for prompt, line in zip(prompts, lines):  # in the file's order, each equal to the prompt decoded alone
-        alone = pipeline.generate(prompt, GenerationConfig(block_size=4, max_new_tokens=20)).to_dict()
+        alone = pipeline.generate(prompt, GenerationConfig(block=BlockChoice(4), max_new_tokens=20)).to_dict()
         assert line["tokens"] == alone["tokens"] and line["stats"]["histogram"] == alone["stats"]["histogram"]
     assert max(line["stats"]["batch_mean"] for line in lines) > 1.0
     for args, message in ((("--batch", batch, prompt_file), "give one PROMPT_FILE, or --batch"),

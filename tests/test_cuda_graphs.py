@@ -8,25 +8,27 @@ the ordinary mode; capture and replay themselves need a GPU.
 import pytest
 import torch
 
+from helpers import ar_of, core_of, generate, opened
 from trtspec.engines.capture import CudaGraphs, binding_key
-from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.runners.compiled import CompiledRunner, open_runner
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import BlockChoice
 
 PROMPTS = [[5, 9, 13, 2, 7], [40, 41, 42, 43, 44, 45, 46, 47], [3] * 12]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA device")
 
 
 def _greedy(engine, block_size):
-    config = GenerationConfig(block_size=block_size, max_new_tokens=20)
+    config = GenerationConfig(block=BlockChoice(block_size), max_new_tokens=20)
     return [generate(engine, prompt, config).tokens for prompt in PROMPTS]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 8])
 def test_static_bindings_decode_like_the_ordinary_engine(ort_engine_dir, block_size):
-    ordinary = open_runner(ort_engine_dir, torch.device("cpu"))
-    static = CompiledRunner(ordinary.executor, ordinary.manifest, static=True)
+    ordinary = opened(ort_engine_dir, torch.device("cpu"))
     if block_size == 1:
-        ordinary, static = ordinary.without_drafter(), static.without_drafter()
+        ordinary = ar_of(ordinary)
+    static = core_of(ordinary.runner.with_slots(1, drafter=block_size > 1))
+    static.runner.static = True
     assert _greedy(static, block_size) == _greedy(ordinary, block_size)
 
 
@@ -57,7 +59,7 @@ def test_torch_engine_replayed_as_cuda_graphs_equals_eager(target_dir, drafter_d
     build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4, 8), backend="torch", device="cuda"),
                  progress=False)
     device = torch.device("cuda")
-    eager, replayed = open_runner(output, device), open_runner(output, device, cuda_graphs=True)
+    eager, replayed = opened(output, device), opened(output, device, cuda_graphs=True)
     for block_size in (4, 8):
         assert _greedy(replayed, block_size) == _greedy(eager, block_size)
     assert replayed.executor.cuda_graphs.graphs  # the cycles really were captured

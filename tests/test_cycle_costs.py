@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import ar_of, core_of, generate, single
 from trtspec.cycle_costs import (QWEN3_4B, TINY, CycleCostConfig, drafter_config, measure, random_pair,
                                  runtime_engine, tiny)
-from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.errors import TrtspecError
 from trtspec.models import load_drafter, load_target
-from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import AR, BlockChoice
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,16 +45,16 @@ def test_random_pair_is_allocated_on_the_device_in_the_dtype_and_tied():
 def test_the_timed_runtime_engine_decodes_like_eager_pytorch(target_dir, drafter_dir, static):
     target = load_target(target_dir)
     drafter = load_drafter(drafter_dir, target)
-    engine = runtime_engine(target, drafter, (4, 8), max_context=96, cuda_graphs=False)
-    if static:  # the fixed bindings replay needs, here without the capture (a CPU has none)
-        engine.static = True
-    eager = EagerRunner(target, drafter)
+    runner = runtime_engine(target, drafter, (4, 8), max_context=96, cuda_graphs=False)
+    runner.static = static  # the fixed bindings replay needs, here without the capture (a CPU has none)
+    engine = core_of(runner)
+    eager = single(target, drafter)
     prompt = torch.randint(2, target.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     for block_size in (4, 8):
-        config = GenerationConfig(block_size=block_size, max_new_tokens=40)
+        config = GenerationConfig(block=BlockChoice(block_size), max_new_tokens=40)
         assert generate(engine, prompt, config).tokens == generate(eager, prompt, config).tokens
-    ar = GenerationConfig(block_size=1, max_new_tokens=40)
-    assert generate(engine.without_drafter(), prompt, ar).tokens == generate(EagerRunner(target), prompt, ar).tokens
+    ar = GenerationConfig(block=AR, max_new_tokens=40)
+    assert generate(ar_of(engine), prompt, ar).tokens == generate(single(target), prompt, ar).tokens
 
 
 def test_a_tiny_measurement_fills_every_row():

@@ -9,6 +9,7 @@ from helpers import assert_one_line_error, trtspec
 from trtspec.dbloom.histogram import Preflight, per_position_acceptance
 from trtspec.training.blocks import position_weights
 from trtspec.dbloom.expand import ExpandConfig, stage_plan
+from trtspec.runtime.schedule import AR, BlockChoice
 
 
 def test_per_position_acceptance_and_the_stranded_estimate():
@@ -58,7 +59,7 @@ def test_preflight_command_writes_the_documented_json_and_plot(target_dir, draft
 
 def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, drafter_dir, tmp_path):
     from trtspec.api import Pipeline
-    from trtspec.runtime.decode import GenerationConfig
+    from trtspec.runtime.request import GenerationConfig
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": "    return x + 1\n" * 4}) + "\n"
@@ -81,8 +82,8 @@ def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, dr
     pipeline = Pipeline(target_dir, output)
     assert pipeline.drafter_block_size == 20
     for prompt in ("def add(a, b):\n", "class Point:\n"):
-        spec = pipeline.generate(prompt, GenerationConfig(block_size=20, max_new_tokens=24)).tokens
-        ar = pipeline.autoregressive().generate(prompt, GenerationConfig(block_size=1, max_new_tokens=24)).tokens
+        spec = pipeline.generate(prompt, GenerationConfig(block=BlockChoice(20), max_new_tokens=24)).tokens
+        ar = pipeline.autoregressive().generate(prompt, GenerationConfig(block=AR, max_new_tokens=24)).tokens
         assert spec == ar
     assert_one_line_error(trtspec(*args[:5], "--to", 8, *args[7:]), "larger than the drafter's block size 16")
 
@@ -94,7 +95,7 @@ def test_teacher_forced_acceptance_equals_drafting_each_context_through_the_infe
     from trtspec.assets import resolve_drafter, resolve_target
     from trtspec.dbloom.preflight import run_teacher_forced
     from trtspec.training.data import continue_prompts
-    from trtspec.runtime.decode import GenerationConfig
+    from trtspec.runtime.request import GenerationConfig
 
     demo = Pipeline(resolve_target(None), resolve_drafter(None, None))  # a trained pair: acceptance varies
     prompt, block_size, horizon = "class Stack:\n    def __init__(self):\n", 8, 40
@@ -102,8 +103,8 @@ def test_teacher_forced_acceptance_equals_drafting_each_context_through_the_infe
 
     target, drafter = demo.target, demo.drafter
     ids = demo.codec.encode(prompt)
-    config = GenerationConfig(block_size=1, max_new_tokens=horizon + block_size - 1).with_stop_ids(demo.codec.stop_ids)
-    sequence = ids + continue_prompts(target, [ids], config, progress=False)[0]
+    config = GenerationConfig(block=AR, max_new_tokens=horizon + block_size - 1).with_stop_ids(demo.codec.stop_ids)
+    sequence = ids + continue_prompts(demo, [ids], config, progress=False)[0]
     expected = [0] * block_size
     with torch.inference_mode():
         _, features = target(torch.tensor([sequence]), 0, None, drafter.config.target_layer_ids)

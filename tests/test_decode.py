@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from helpers import predictable_pair, random_drafter, tiny_config
-from trtspec.runtime.runners.eager import EagerRunner
+from helpers import core_of, generate, predictable_pair, random_drafter, single, tiny_config
 from trtspec.errors import TrtspecError
 from trtspec.models import Qwen3Target
-from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import AR, BlockChoice
 
 BLOCK_SIZES = (2, 4, 8, 12, 16, 20, 24)
 GROWING = ((2, 8), (4, 12), (8, 24))  # B growing to G after a full block of B
@@ -21,14 +21,14 @@ def _prompts(count, vocab, seed=0):
 
 @pytest.fixture(scope="module")
 def predictable():
-    return EagerRunner(*predictable_pair())
+    return single(*predictable_pair())
 
 
 @pytest.fixture(scope="module")
 def unhelpful():
     torch.manual_seed(0)
     target = Qwen3Target(tiny_config(layers=3)).eval()
-    return EagerRunner(target, random_drafter(target, layer_ids=(0, 2), seed=5))
+    return single(target, random_drafter(target, layer_ids=(0, 2), seed=5))
 
 
 def _mid_block_cut(stats) -> bool:
@@ -41,14 +41,14 @@ def _mid_block_cut(stats) -> bool:
 def test_greedy_speculative_equals_autoregressive(engine_name, request):
     engine = request.getfixturevalue(engine_name)
     totals, grown = {b: [0] * b for b in BLOCK_SIZES}, 0
-    for prompt in _prompts(8, engine.target.config.vocab_size):
-        expected = generate(engine, prompt, GenerationConfig(block_size=1, max_new_tokens=70)).tokens
+    for prompt in _prompts(8, 64):
+        expected = generate(engine, prompt, GenerationConfig(block=AR, max_new_tokens=70)).tokens
         for block_size in BLOCK_SIZES:
-            result = generate(engine, prompt, GenerationConfig(block_size=block_size, max_new_tokens=70))
+            result = generate(engine, prompt, GenerationConfig(block=BlockChoice(block_size), max_new_tokens=70))
             assert result.tokens == expected, f"B={block_size} prompt={prompt}"
             totals[block_size] = [x + y for x, y in zip(totals[block_size], result.stats.histogram)]
         for block_size, grow_to in GROWING:
-            result = generate(engine, prompt, GenerationConfig(block_size=block_size, grow_to=grow_to,
+            result = generate(engine, prompt, GenerationConfig(block=BlockChoice(block_size, grow_to),
                                                                max_new_tokens=70))
             assert result.tokens == expected, f"B={block_size}:{grow_to} prompt={prompt}"
             grown += result.stats.grown_cycles
@@ -65,18 +65,18 @@ def test_greedy_speculative_equals_autoregressive(engine_name, request):
 def test_stop_ids_and_token_limits_that_land_mid_block(predictable):
     cuts = 0
     for prompt in _prompts(12, 64, seed=1):
-        reference = generate(predictable, prompt, GenerationConfig(block_size=1, max_new_tokens=60)).tokens
+        reference = generate(predictable, prompt, GenerationConfig(block=AR, max_new_tokens=60)).tokens
         for stop in set(reference[3:40:6]):
             expected = reference[:reference.index(stop) + 1]
             for block_size in (4, 8, 16):
-                result = generate(predictable, prompt, GenerationConfig(block_size=block_size, max_new_tokens=60,
+                result = generate(predictable, prompt, GenerationConfig(block=BlockChoice(block_size), max_new_tokens=60,
                                                                         stop_ids=(stop,)))
                 assert result.tokens == expected
                 assert result.stats.finish_reason == "stop"
                 cuts += _mid_block_cut(result.stats)
         for limit in (1, 2, 7, 13, 29):
             for block_size in (4, 8, 16):
-                result = generate(predictable, prompt, GenerationConfig(block_size=block_size, max_new_tokens=limit))
+                result = generate(predictable, prompt, GenerationConfig(block=BlockChoice(block_size), max_new_tokens=limit))
                 assert result.tokens == reference[:limit]
                 assert result.stats.new_tokens == limit and result.stats.finish_reason == "length"
                 cuts += _mid_block_cut(result.stats)
@@ -84,46 +84,48 @@ def test_stop_ids_and_token_limits_that_land_mid_block(predictable):
 
 
 def test_context_limit_stops_generation(predictable):
-    predictable.max_context = 40
+    context = predictable.runner.max_context
+    predictable.runner.max_context = 40
     try:
         prompt = _prompts(1, 64)[0]
-        ar = generate(predictable, prompt, GenerationConfig(block_size=1, max_new_tokens=500))
-        spec = generate(predictable, prompt, GenerationConfig(block_size=16, max_new_tokens=500))
+        ar = generate(predictable, prompt, GenerationConfig(block=AR, max_new_tokens=500))
+        spec = generate(predictable, prompt, GenerationConfig(block=BlockChoice(16), max_new_tokens=500))
         assert len(prompt) + len(ar.tokens) == 40 and spec.tokens == ar.tokens
         with pytest.raises(TrtspecError, match="the context holds 40"):
-            generate(predictable, list(range(2, 42)), GenerationConfig(block_size=4))
+            generate(predictable, list(range(2, 42)), GenerationConfig(block=BlockChoice(4)))
     finally:
-        predictable.max_context = predictable.target.config.max_position_embeddings
+        predictable.runner.max_context = context
 
 
 def test_statistics(predictable):
-    result = generate(predictable, _prompts(1, 64, seed=3)[0], GenerationConfig(block_size=8, max_new_tokens=64))
+    result = generate(predictable, _prompts(1, 64, seed=3)[0], GenerationConfig(block=BlockChoice(8), max_new_tokens=64))
     s = result.stats
     assert len(s.histogram) == 8 and s.cycles == sum(s.histogram)
     assert s.tau == pytest.approx(sum((a + 1) * n for a, n in enumerate(s.histogram)) / s.cycles)
     assert 1 <= s.tau <= 8
     assert s.ceiling_fraction == pytest.approx(s.histogram[-1] / s.cycles)
     assert s.new_tokens == len(result.tokens) and s.decode_s > 0 and s.prefill_s > 0
-    ar = generate(predictable, [5, 6, 7], GenerationConfig(block_size=1, max_new_tokens=10)).stats
+    ar = generate(predictable, [5, 6, 7], GenerationConfig(block=AR, max_new_tokens=10)).stats
     assert ar.histogram == [9] and ar.tau == 1.0 and ar.block_size == 1
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"block_size": -1}, r"block size must be an integer in \[2, 64\], got -1"),
-    ({"block_size": 65}, r"block size must be an integer in \[2, 64\], got 65"),
-    ({"block_size": 4, "grow_to": 65}, r"grow_to must be an integer in \[2, 64\], got 65"),
-    ({"max_new_tokens": 0}, "max new tokens"),
-    ({"block_size": 8, "grow_to": 8}, "grows from B >= 2 to a larger size"),
-    ({"block_size": 1, "grow_to": 8}, "grows from B >= 2"),
-    ({"block_size": 0, "grow_to": 8}, "policy chooses the growth"),
+@pytest.mark.parametrize("make, message", [
+    (lambda: BlockChoice(-1), r"block size must be AR \(1\), an integer in \[2, 64\] or auto; got -1"),
+    (lambda: BlockChoice(65), r"block size must be AR \(1\), an integer in \[2, 64\] or auto; got 65"),
+    (lambda: BlockChoice(4, 65), r"grows from B >= 2 to a larger size up to 64"),
+    (lambda: GenerationConfig(max_new_tokens=0), "max new tokens"),
+    (lambda: BlockChoice(8, 8), "grows from B >= 2 to a larger size"),
+    (lambda: BlockChoice(1, 8), "grows from B >= 2"),
+    (lambda: BlockChoice(None, 8), "policy chooses the growth"),
+    (lambda: GenerationConfig(block=16), "must be a BlockChoice"),
 ])
-def test_bad_generation_configs(kwargs, message):
+def test_bad_generation_configs(make, message):
     with pytest.raises(TrtspecError, match=message):
-        GenerationConfig(**kwargs)
+        make()
 
 
 def test_empty_prompt_and_missing_drafter(unhelpful):
     with pytest.raises(TrtspecError, match="empty"):
-        generate(unhelpful, [], GenerationConfig(block_size=4))
+        generate(unhelpful, [], GenerationConfig(block=BlockChoice(4)))
     with pytest.raises(TrtspecError, match="needs a drafter"):
-        generate(EagerRunner(unhelpful.target), [3, 4], GenerationConfig(block_size=4))
+        generate(core_of(unhelpful.runner.with_slots(1, drafter=False)), [3, 4], GenerationConfig(block=BlockChoice(4)))

@@ -11,8 +11,8 @@ from trtspec.api import Pipeline
 from trtspec.assets import ASSETS, resolve_drafter, resolve_target
 from trtspec.bench import load_prompts
 from trtspec.errors import TrtspecError
-from trtspec.runtime.decode import GenerationConfig
-from trtspec.runtime.schedule import AUTO
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import AR, AUTO, BlockChoice
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fibonacci.py.txt"
 
@@ -40,9 +40,9 @@ def test_demo_speculative_equals_autoregressive_on_humaneval(demo):
     _, prompts = load_prompts("humaneval", limit=4)
     baseline = demo.autoregressive()
     for prompt in prompts:
-        expected = baseline.generate(prompt, GenerationConfig(block_size=1, max_new_tokens=48)).tokens
+        expected = baseline.generate(prompt, GenerationConfig(block=AR, max_new_tokens=48)).tokens
         for block_size in (8, 16):
-            result = demo.generate(prompt, GenerationConfig(block_size=block_size, max_new_tokens=48))
+            result = demo.generate(prompt, GenerationConfig(block=BlockChoice(block_size), max_new_tokens=48))
             assert result.tokens == expected
             assert result.generation.stats.tau > 1.5  # a trained drafter, not a random one
 
@@ -101,7 +101,7 @@ def test_demo_engine_built_with_defaults_reproduces_eager(demo, tmp_path):
     _, prompts = load_prompts("humaneval", limit=6)
     for prompt in prompts:
         for block_size in (12, 24):
-            config = GenerationConfig(block_size=block_size, max_new_tokens=48)
+            config = GenerationConfig(block=BlockChoice(block_size), max_new_tokens=48)
             assert engine.generate(prompt, config).tokens == demo.generate(prompt, config).tokens
 
 
@@ -112,6 +112,6 @@ def test_expanded_demo_drafter_ships_with_its_lineage(demo):
     assert expanded.drafter.config.block_size == 24 and lineage["source_block_size"] == 16
     _, prompts = load_prompts("humaneval", limit=2)
     for prompt in prompts:
-        config = GenerationConfig(block_size=24, max_new_tokens=48)
+        config = GenerationConfig(block=BlockChoice(24), max_new_tokens=48)
         assert expanded.generate(prompt, config).tokens == demo.autoregressive().generate(
-            prompt, GenerationConfig(block_size=1, max_new_tokens=48)).tokens
+            prompt, GenerationConfig(block=AR, max_new_tokens=48)).tokens

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_one_line_error, predictable_pair, trtspec_in_process
+from helpers import assert_one_line_error, opened, predictable_pair, single, trtspec_in_process
 from test_sampling import ALPHA, PROMPT, exact_three_token_distribution, pvalues, sample_three_tokens
 from trtspec.api import Pipeline
 from trtspec.models.draft_vocab import TokenCounts, ids_sha256, load_counts
-from trtspec.runtime.decode import GenerationConfig
-from trtspec.runtime.runners.eager import EagerRunner
+from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.schedule import BlockChoice
 
 K = 24
 CORPUS = "".join(f"def f{i}(a, b):\n    return a * {i} + b  # {'x' * (i % 7)}\n" for i in range(200))
@@ -66,7 +66,7 @@ def test_the_draft_head_is_the_full_head_restricted_to_the_k_ids():
 
 
 def _tokens(pipeline, prompt, block_size):
-    config = GenerationConfig(block_size=block_size, max_new_tokens=40)
+    config = GenerationConfig(block=BlockChoice(block_size), max_new_tokens=40)
     return pipeline.generate(prompt, config).tokens
 
 
@@ -79,16 +79,14 @@ def test_greedy_with_a_draft_vocabulary_equals_autoregressive(target_dir, drafte
     for block_size in (4, 8):
         assert _tokens(pipeline, prompt, block_size) == ar
     runner = pipeline.runner  # every proposal lies in the K ids
-    runner.reset(64)
-    _, features = runner.prefill([5, 9, 33, 2, 7])
-    drafts = runner.draft(features, [7] + [1] * 7, 5)
+    _, features = runner.prefill([0], [[5, 9, 33, 2, 7]], [0])
+    drafts = runner.draft([0], [features[0]], torch.tensor([[7] + [1] * 7]), [5])
     assert torch.isin(drafts, ids).all()
 
 
 def test_an_onnxruntime_engine_built_with_a_draft_vocabulary(target_dir, drafter_dir, counts_dir, tmp_path):
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
     from trtspec.build import BuildConfig, build_engine
-    from trtspec.runtime.runners.compiled import open_runner
 
     engine = tmp_path / "engine"
     manifest = build_engine(target_dir, drafter_dir, engine, BuildConfig(block_sizes=(4,), backend="onnxruntime",
@@ -99,11 +97,9 @@ def test_an_onnxruntime_engine_built_with_a_draft_vocabulary(target_dir, drafter
     eager = Pipeline(target_dir, drafter_dir, draft_vocab=K, draft_counts=counts_dir)
     built = Pipeline(engine=engine)
     assert built.draft_vocab_size == K and torch.equal(built.draft_ids, ids)
-    compiled, reference = open_runner(engine, torch.device("cpu")), eager.runner
-    for runner in (compiled, reference):
-        runner.reset(64)
-    prompt = [5, 9, 33, 2, 7, 100, 41]
-    drafts = [r.draft(r.prefill(prompt)[1], [7, 1, 1, 1], len(prompt)) for r in (compiled, reference)]
+    prompt, block = [5, 9, 33, 2, 7, 100, 41], torch.tensor([[7, 1, 1, 1]])
+    drafts = [r.draft([0], [r.prefill([0], [prompt], [0])[1][0]], block, [len(prompt)])
+              for r in (built.runner, eager.runner)]
     assert torch.equal(drafts[0], drafts[1]) and torch.isin(drafts[0], ids).all()
     for text in ("def add(a, b):\n", "return a * 3 + b"):
         assert _tokens(built, text, 4) == _tokens(eager, text, 4) == _tokens(eager.autoregressive(), text, 1)
@@ -117,10 +113,10 @@ def test_an_onnxruntime_engine_built_with_a_draft_vocabulary(target_dir, drafter
 def test_sampling_at_t1_with_a_draft_vocabulary_follows_the_target():
     """T = 1: the drafter proposes among 3 ids (token 7, which the target often samples, among
     them); the first three tokens still follow the target's own distribution."""
-    runner = EagerRunner(*predictable_pair(vocab_size=8, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1))
-    runner.drafter.use_draft_vocab(torch.tensor([7, 2, 5]))
-    joint = exact_three_token_distribution(runner.target)
-    samples = sample_three_tokens(runner, 8_000)
+    pair = predictable_pair(vocab_size=8, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1)
+    pair[1].use_draft_vocab(torch.tensor([7, 2, 5]))
+    joint = exact_three_token_distribution(pair[0])
+    samples = sample_three_tokens(pair, 8_000)
     assert 0.1 < np.mean(samples[:, 1] == 7) < 0.5
     results = pvalues(samples, joint)
     assert min(results.values()) > ALPHA, results

@@ -20,12 +20,12 @@ from trtspec.assets import resolve_drafter, resolve_target
 from trtspec.bench import load_prompts
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime import reference as oracle
-from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.engine import Busy, Engine, EngineConfig
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.engine import Busy, Engine, EngineConfig, EngineCore
 from trtspec.runtime.reference import PythonController
-from trtspec.runtime.runners.batched import BatchRunner
+from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.sampling import SamplingConfig
-from trtspec.runtime.schedule import AUTO
+from trtspec.runtime.schedule import AR, AUTO, BlockChoice
 
 # (block size, grow_to): AR, fixed, growing and BlockPilot's choice, cycled over the prompts.
 SCHEDULES = [(1, 0), (4, 0), (8, 0), (16, 0), (6, 16), (AUTO, 0)]
@@ -50,8 +50,8 @@ def demo_ort(tmp_path_factory):
 
 
 def _alone(pipeline, ids, config):
-    """The request decoded by itself: the single-request loop, with the engine's stop ids."""
-    return generate(pipeline.runner, ids, config.with_stop_ids(tuple(pipeline.codec.stop_ids)), policy=pipeline.policy)
+    """The request decoded by itself: the pipeline's one-slot engine core (what `trtspec run` uses)."""
+    return pipeline.core.generate([ids], [config])[0]
 
 
 def _requests(pipeline, count):
@@ -60,7 +60,7 @@ def _requests(pipeline, count):
     requests = []
     for i, prompt in enumerate(load_prompts("humaneval", count)[1]):
         size, grow_to = SCHEDULES[i % len(SCHEDULES)]
-        config = GenerationConfig(block_size=size, grow_to=grow_to, max_new_tokens=LIMITS[i % len(LIMITS)],
+        config = GenerationConfig(block=BlockChoice(size, grow_to), max_new_tokens=LIMITS[i % len(LIMITS)],
                                   stop_ids=(stop,) if i % 3 == 2 else ())
         requests.append((pipeline.codec.encode(prompt), config))
     return requests
@@ -99,15 +99,15 @@ def _sample_in_batches(pair, count: int, controller=None) -> np.ndarray:
     """First three tokens of `count` seeded T = 1 requests at B = 4, each decoded among greedy
     requests at other block sizes and other sampled ones."""
     options = {"controller": controller} if controller is not None else {}
-    engine = Engine(BatchRunner.eager(*pair, slots=16), config=EngineConfig(max_running=16, max_queued=count * 2),
-                    **options)
+    engine = Engine(EngineCore(BatchRunner.eager(*pair, slots=16),
+                               config=EngineConfig(max_running=16, max_queued=count * 2), **options))
     try:
         sampled = []
         for seed in range(count):
             sampled.append(engine.submit(PROMPT, GenerationConfig(
-                block_size=4, max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=seed))))
+                block=BlockChoice(4), max_new_tokens=3, sampling=SamplingConfig(temperature=1.0, seed=seed))))
             if seed % 4 == 0:  # neighbours: greedy at other sizes, and longer
-                engine.submit(PROMPT + [seed % 8], GenerationConfig(block_size=(2, 3, 1)[seed % 3], max_new_tokens=9))
+                engine.submit(PROMPT + [seed % 8], GenerationConfig(block=BlockChoice((2, 3, 1)[seed % 3]), max_new_tokens=9))
         return np.array([r.result(timeout=600).tokens for r in sampled])
     finally:
         engine.close()
@@ -135,7 +135,7 @@ def tiny(target_dir, drafter_dir):
 
 def test_bad_requests_fail_alone_and_the_batch_finishes_unchanged(tiny):
     prompts = [[5, 9, 33, 2, 7], [100, 3], [8] * 30]
-    config = GenerationConfig(block_size=4, max_new_tokens=40)
+    config = GenerationConfig(block=BlockChoice(4), max_new_tokens=40)
     alone = [_alone(tiny, p, config).tokens for p in prompts]
     calls = []
 
@@ -148,7 +148,7 @@ def test_bad_requests_fail_alone_and_the_batch_finishes_unchanged(tiny):
         for bad, message in (([], "empty"), ([5] * 5000, "context holds"),
                              ([5, 6], "needs a BlockPilot policy")):
             with pytest.raises(TrtspecError, match=message):
-                engine.submit(bad, GenerationConfig(block_size=AUTO) if "policy" in message else config)
+                engine.submit(bad, GenerationConfig(block=AUTO) if "policy" in message else config)
         failing = engine.submit([5, 6, 7], config, on_commit=failing_callback)
         with pytest.raises(RuntimeError, match="went away"):
             failing.result(timeout=120)
@@ -160,7 +160,7 @@ def test_a_full_queue_answers_busy(tiny):
     """The engine holds max_running + max_queued requests whether or not its loop has admitted the
     first ones yet (requests can arrive faster than cycles end); the next one is refused."""
     with tiny.engine(EngineConfig(max_running=2, max_queued=1)) as engine:
-        config = GenerationConfig(block_size=4, max_new_tokens=200)
+        config = GenerationConfig(block=BlockChoice(4), max_new_tokens=200)
         with engine._wake:  # the loop cannot admit anything meanwhile: the worst case for arrivals
             held = [engine.submit([5, 9, 33], config) for _ in range(3)]
             with pytest.raises(Busy, match="busy"):
@@ -171,14 +171,14 @@ def test_a_full_queue_answers_busy(tiny):
 def test_cancelling_frees_the_slot_within_a_cycle(tiny):
     started = threading.Event()
     with tiny.engine(EngineConfig(max_running=1)) as engine:
-        long = engine.submit([5, 9, 33], GenerationConfig(block_size=4, max_new_tokens=1000),
+        long = engine.submit([5, 9, 33], GenerationConfig(block=BlockChoice(4), max_new_tokens=1000),
                              on_commit=lambda tokens: started.set())
         assert started.wait(60)
         long.cancel()
         with pytest.raises(Cancelled):
             long.result(timeout=60)
         assert len(long.tokens) < 1000
-        after = engine.submit([5, 9, 33], GenerationConfig(block_size=4, max_new_tokens=5))
+        after = engine.submit([5, 9, 33], GenerationConfig(block=BlockChoice(4), max_new_tokens=5))
         assert len(after.result(timeout=60).tokens) == 5  # the one slot was free again
         assert engine.load().running == 0
 
@@ -186,7 +186,7 @@ def test_cancelling_frees_the_slot_within_a_cycle(tiny):
 def test_the_engine_needs_its_slots(tiny):
     runner = BatchRunner.eager(tiny.target, tiny.drafter, slots=2)
     with pytest.raises(TrtspecError, match="cache slots"):
-        Engine(runner, config=EngineConfig(max_running=3))
+        EngineCore(runner, config=EngineConfig(max_running=3))
     with pytest.raises(TrtspecError, match="max-running"):
         EngineConfig(max_running=0)
 
@@ -430,11 +430,11 @@ def test_the_engine_learns_acceptance_from_every_speculative_request():
     from trtspec.blockpilot.load import CostTable, LoadAwareChooser
 
     chooser = LoadAwareChooser(CostTable((1, 2), {1: [1.0, 1.5], 4: [2.0, 3.0], 8: [3.0, 5.0]}))
-    configs = [GenerationConfig(block_size=8, max_new_tokens=60),
-               GenerationConfig(block_size=4, grow_to=8, max_new_tokens=60),
-               GenerationConfig(block_size=1, max_new_tokens=20)]
+    configs = [GenerationConfig(block=BlockChoice(8), max_new_tokens=60),
+               GenerationConfig(block=BlockChoice(4, 8), max_new_tokens=60),
+               GenerationConfig(block=AR, max_new_tokens=20)]
     runner = BatchRunner.eager(*predictable_pair(), slots=2)  # cycles that accept nothing, part or all
-    with Engine(runner, config=EngineConfig(max_running=2), chooser=chooser) as engine:
+    with Engine(EngineCore(runner, config=EngineConfig(max_running=2), chooser=chooser)) as engine:
         fixed, growing, ar = [engine.submit([5, 9, 33, 2, 7], c).result(timeout=120).stats for c in configs]
     assert growing.grown_cycles > 0  # else the growing request shows nothing here
 
@@ -454,12 +454,12 @@ def test_static_buffers_for_graph_replay_decode_the_same(tiny):
     """The CUDA-graph binding mode (whole cache as past, inputs in fixed buffers) on the CPU: the
     same tokens and acceptance as the plain batched runner."""
     prompts = [[5, 9, 33, 2, 7], [100, 3], [8] * 30, [7, 7]]
-    configs = [GenerationConfig(block_size=b, max_new_tokens=30) for b in (4, 8, 1, 4)]
+    configs = [GenerationConfig(block=BlockChoice(b), max_new_tokens=30) for b in (4, 8, 1, 4)]
     outputs = []
     for static in (False, True):
         runner = BatchRunner.eager(tiny.target, tiny.drafter, slots=4)
         runner.static = static
-        with Engine(runner, config=EngineConfig(max_running=4)) as engine:
+        with Engine(EngineCore(runner, config=EngineConfig(max_running=4))) as engine:
             generations = [r.result(timeout=120) for r in [engine.submit(p, c) for p, c in zip(prompts, configs)]]
         outputs.append([(g.tokens, g.stats.histogram) for g in generations])
     assert outputs[0] == outputs[1]

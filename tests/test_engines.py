@@ -10,18 +10,17 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_one_line_error, save_random_drafter, trtspec, trtspec_in_process
+from helpers import ar_of, assert_one_line_error, generate, opened, save_random_drafter, single, trtspec, trtspec_in_process
 
 from trtspec.build import BuildConfig, build_engine
 from trtspec.engines import tensorrt as trt_engine
-from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, TARGET, graph_specs
 from trtspec.export.steps import DraftStep, TargetStep
 from trtspec.engines.manifest import MANIFEST_FILE, read_manifest
 from trtspec.models import load_drafter, load_target
-from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.runners.compiled import open_runner
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import BlockChoice
 
 BLOCK_SIZES = (4, 8)
 
@@ -111,7 +110,7 @@ def test_build_writes_a_manifest_with_one_profile_per_block_size(ort_engine, pai
 
 
 def _greedy(engine, prompts, block_size, tokens=24):
-    return [generate(engine, prompt, GenerationConfig(block_size=block_size, max_new_tokens=tokens)).tokens
+    return [generate(engine, prompt, GenerationConfig(block=BlockChoice(block_size), max_new_tokens=tokens)).tokens
             for prompt in prompts]
 
 
@@ -119,10 +118,10 @@ def _greedy(engine, prompts, block_size, tokens=24):
 def test_onnxruntime_greedy_equals_eager(ort_engine, pair, block_size):
     generator = torch.Generator().manual_seed(block_size)
     prompts = [torch.randint(2, 300, (n,), generator=generator).tolist() for n in (1, 5, 17, 40)]
-    graph_engine = open_runner(ort_engine, torch.device("cpu"))
+    graph_engine = opened(ort_engine, torch.device("cpu"))
     if block_size == 1:
-        graph_engine = graph_engine.without_drafter()
-    assert _greedy(graph_engine, prompts, block_size) == _greedy(EagerRunner(*pair), prompts, block_size)
+        graph_engine = ar_of(graph_engine)
+    assert _greedy(graph_engine, prompts, block_size) == _greedy(single(*pair), prompts, block_size)
 
 
 def test_torch_export_backend_equals_eager(target_dir, drafter_dir, pair, tmp_path):
@@ -131,7 +130,7 @@ def test_torch_export_backend_equals_eager(target_dir, drafter_dir, pair, tmp_pa
                             progress=False)
     assert {"target.pt2", "draft.pt2"} <= set(manifest.artifacts)
     prompts = [[5, 9, 33, 2, 7], [100]]
-    assert _greedy(open_runner(output, torch.device("cpu")), prompts, 4) == _greedy(EagerRunner(*pair), prompts, 4)
+    assert _greedy(opened(output, torch.device("cpu")), prompts, 4) == _greedy(single(*pair), prompts, 4)
 
 
 def test_cli_build_run_and_block_sizes_the_engine_lacks(target_dir, drafter_dir, ort_engine, tmp_path):
@@ -182,7 +181,7 @@ def _damaged(source, tmp_path, how):
 ])
 def test_damaged_engine_directories_are_refused(ort_engine, tmp_path, how, message):
     with pytest.raises(TrtspecError, match=message.replace("(", r"\(")):
-        open_runner(_damaged(ort_engine, tmp_path, how), torch.device("cpu"))
+        opened(_damaged(ort_engine, tmp_path, how), torch.device("cpu"))
 
 
 def test_engine_from_other_checkpoints_is_refused_on_the_command_line(ort_engine, target_dir, pair, tmp_path):
@@ -395,5 +394,5 @@ def test_tensorrt_engine_equals_eager(target_dir, drafter_dir, pair, tmp_path):
     build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4,), backend="tensorrt",
                                                                dtype="float32"), progress=False)
     prompts = [[5, 9, 33, 2, 7], [100]]
-    cuda_pair = EagerRunner(*(m.to("cuda") for m in pair))
-    assert _greedy(open_runner(output, torch.device("cuda")), prompts, 4) == _greedy(cuda_pair, prompts, 4)
+    cuda_pair = single(*(m.to("cuda") for m in pair))
+    assert _greedy(opened(output, torch.device("cuda")), prompts, 4) == _greedy(cuda_pair, prompts, 4)

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from helpers import ar_of, generate, opened, single
 from helpers import (assert_one_line_error, random_drafter, save_drafter, save_hf_target, trtspec,
                      trtspec_in_process)
 
@@ -19,9 +20,8 @@ from trtspec.build import BuildConfig, build_engine
 from trtspec.errors import CheckpointError
 from trtspec.models import LlamaConfig, Qwen3MoeConfig, load_target, target_config_from_dict
 from trtspec.models.layers import MLP, SparseMoE
-from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.runners.compiled import open_runner
-from trtspec.runtime.runners.eager import EagerRunner
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import BlockChoice
 
 FAMILIES = ("llama", "qwen3_moe")
 LAYER_IDS = (0, 2)  # the random drafters read layers 0 and 2 of the 4-layer targets
@@ -96,7 +96,7 @@ def family_pair(request, tmp_path_factory):
 
 
 def _greedy(runner, prompts, block_size, tokens=20):
-    return [generate(runner, prompt, GenerationConfig(block_size=block_size, max_new_tokens=tokens)).tokens
+    return [generate(runner, prompt, GenerationConfig(block=BlockChoice(block_size), max_new_tokens=tokens)).tokens
             for prompt in prompts]
 
 
@@ -105,7 +105,7 @@ PROMPTS = [[5, 9, 33, 2, 7], [100], list(range(40, 70))]
 
 def test_greedy_speculative_equals_autoregressive_and_transformers(family_pair):
     _, target_dir, _, target, drafter = family_pair
-    ar = _greedy(EagerRunner(target), PROMPTS, 1)
+    ar = _greedy(single(target), PROMPTS, 1)
     hf = _oracle(target_dir)
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
@@ -114,7 +114,7 @@ def test_greedy_speculative_equals_autoregressive_and_transformers(family_pair):
                               pad_token_id=0)
             assert out[0, len(prompt):].tolist() == tokens
     for block_size in (4, 8, 16):
-        assert _greedy(EagerRunner(target, drafter), PROMPTS, block_size) == ar
+        assert _greedy(single(target, drafter), PROMPTS, block_size) == ar
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +130,10 @@ def family_engine(family_pair, tmp_path_factory):
 
 def test_onnxruntime_engine_equals_eager(family_pair, family_engine):
     _, _, _, target, drafter = family_pair
-    engine = open_runner(family_engine, torch.device("cpu"))
+    engine = opened(family_engine, torch.device("cpu"))
     for block_size in (4, 8):
-        assert _greedy(engine, PROMPTS, block_size) == _greedy(EagerRunner(target, drafter), PROMPTS, block_size)
-    assert _greedy(engine.without_drafter(), PROMPTS[:2], 1) == _greedy(EagerRunner(target), PROMPTS[:2], 1)
+        assert _greedy(engine, PROMPTS, block_size) == _greedy(single(target, drafter), PROMPTS, block_size)
+    assert _greedy(ar_of(engine), PROMPTS[:2], 1) == _greedy(single(target), PROMPTS[:2], 1)
 
 
 def test_cli_run_eager_and_engine_agree(family_pair, family_engine, tmp_path):
@@ -199,7 +199,7 @@ def test_generate_data_and_train_drafter_on_the_family(family_pair, tmp_path):
     assert trained.returncode == 0, trained.stderr.decode()
     from trtspec.models import load_drafter
     drafter = load_drafter(tmp_path / "d", target)
-    assert _greedy(EagerRunner(target, drafter), PROMPTS[:2], 4) == _greedy(EagerRunner(target), PROMPTS[:2], 1)
+    assert _greedy(single(target, drafter), PROMPTS[:2], 4) == _greedy(single(target), PROMPTS[:2], 1)
 
 
 @pytest.mark.slow
@@ -214,7 +214,7 @@ def test_sampling_at_t1_follows_each_familys_target(config):
     target = DecoderTarget(config).eval()
     with torch.no_grad():  # logits far from uniform, so a wrong distribution would show
         target.lm_head.weight.mul_(4.0)
-    runner = EagerRunner(target, random_drafter(target, layer_ids=(0, 1), block_size=4, mask_token_id=1))
-    samples = sample_three_tokens(runner, 3_000)
+    samples = sample_three_tokens((target, random_drafter(target, layer_ids=(0, 1), block_size=4, mask_token_id=1)),
+                                  3_000)
     results = pvalues(samples, exact_distribution(target, 3))
     assert min(results.values()) > 1e-3, results

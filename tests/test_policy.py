@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
-from helpers import assert_one_line_error, trtspec
+from helpers import assert_one_line_error, generate, single, trtspec
 
 from trtspec.errors import TrtspecError
 from trtspec.blockpilot.policy import load_policy, summarize_prefill
 from trtspec.blockpilot.training import expected_regret, train_policy
-from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.schedule import AUTO, BlockChoice
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import AR, AUTO, BlockChoice
 
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n", "import os\nimport sys\n",
            "Speculative decoding drafts", "def f(x):\n    return"]
@@ -62,13 +62,12 @@ def test_policy_learns_a_feature_dependent_choice_and_round_trips(tmp_path):
 
 
 def test_auto_without_a_policy_is_refused(target_dir, drafter_dir):
-    from trtspec.runtime.runners.eager import EagerRunner
     from trtspec.models import load_drafter, load_target
 
     target = load_target(target_dir)
-    engine = EagerRunner(target, load_drafter(drafter_dir, target))
+    engine = single(target, load_drafter(drafter_dir, target))
     with pytest.raises(TrtspecError, match="needs a BlockPilot policy"):
-        generate(engine, [3, 4], GenerationConfig(block_size=AUTO))
+        generate(engine, [3, 4], GenerationConfig(block=AUTO))
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +134,9 @@ def test_auto_picks_a_candidate_and_stays_lossless(trained, target_dir, drafter_
     assert pipeline.default_block_size == AUTO
     baseline = pipeline.autoregressive()
     for prompt in PROMPTS:
-        auto = pipeline.generate(prompt, GenerationConfig(block_size=AUTO, max_new_tokens=20))
+        auto = pipeline.generate(prompt, GenerationConfig(block=AUTO, max_new_tokens=20))
         assert auto.generation.stats.auto and auto.generation.stats.schedule in ("4", "8", "4:8")
-        assert auto.tokens == baseline.generate(prompt, GenerationConfig(block_size=1, max_new_tokens=20)).tokens
+        assert auto.tokens == baseline.generate(prompt, GenerationConfig(block=AR, max_new_tokens=20)).tokens
 
 
 def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, drafter_dir):
@@ -175,9 +174,9 @@ def test_a_policy_may_choose_not_to_speculate(target_dir, drafter_dir, tmp_path)
     directory = policy.save(tmp_path / "ar-policy")
     assert load_policy(directory, available_block_sizes=(4,)).block_sizes == (4,)
     pipeline = Pipeline(target_dir, drafter_dir, policy=directory)
-    result = pipeline.generate(PROMPTS[0], GenerationConfig(block_size=AUTO, max_new_tokens=12))
+    result = pipeline.generate(PROMPTS[0], GenerationConfig(block=AUTO, max_new_tokens=12))
     assert result.generation.stats.auto and result.generation.stats.block_size == 1
-    assert result.tokens == pipeline.autoregressive().generate(PROMPTS[0], GenerationConfig(block_size=1,
+    assert result.tokens == pipeline.autoregressive().generate(PROMPTS[0], GenerationConfig(block=AR,
                                                                                             max_new_tokens=12)).tokens
 
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from transformers import Qwen3Config as HFConfig, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from helpers import predictable_pair
-from trtspec.runtime.runners.eager import EagerRunner
-from trtspec.runtime.decode import GenerationConfig, generate
+from helpers import generate, predictable_pair, single
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import BlockChoice
 
 MAX_NEW_TOKENS = 48
 
@@ -130,13 +130,13 @@ def test_acceptance_histogram_matches_independent_reference(block_size):
     assert drafter.config.target_layer_ids[-1] == target.config.num_hidden_layers - 1  # taps the last layer
     hf = _hf_target(target)
     reference = ReferenceDrafter(drafter, hf)
-    engine = EagerRunner(target, drafter)
+    engine = single(target, drafter)
     gen = torch.Generator().manual_seed(block_size)
     totals = [0] * block_size
     with torch.no_grad():
         for _ in range(6):
             prompt = torch.randint(2, target.config.vocab_size, (12,), generator=gen).tolist()
-            ours = generate(engine, prompt, GenerationConfig(block_size=block_size, max_new_tokens=MAX_NEW_TOKENS))
+            ours = generate(engine, prompt, GenerationConfig(block=BlockChoice(block_size), max_new_tokens=MAX_NEW_TOKENS))
             theirs = reference_histogram(hf, reference, prompt, block_size)
             assert ours.stats.histogram == theirs, prompt
             totals = [a + b for a, b in zip(totals, theirs)]

@@ -18,22 +18,22 @@ import torch
 from scipy.stats import binomtest, chisquare
 
 from trtspec.runtime import reference as oracle
-from helpers import predictable_pair
-from trtspec.runtime.runners.eager import EagerRunner
-from trtspec.runtime.decode import GenerationConfig, generate
-from trtspec.runtime.engine import Engine, EngineConfig
-from trtspec.runtime.runners.batched import BatchRunner
+from helpers import generate, predictable_pair, single
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.engine import EngineConfig, EngineCore
+from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.reference import PythonController, accepted_length
 from trtspec.runtime.sampling import Sampler, SamplingConfig
+from trtspec.runtime.schedule import BlockChoice
 
 VOCAB, PROMPT, SAMPLES, ALPHA = 8, [2, 3, 4, 5], 30_000, 1e-3
 BATCH = 64  # requests the engine decodes together
 
 
 @pytest.fixture(scope="module")
-def engine():
+def pair():
     # the drafter mostly proposes token 7, which the target samples with probability ~0.14
-    return EagerRunner(*predictable_pair(vocab_size=VOCAB, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1))
+    return predictable_pair(vocab_size=VOCAB, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1)
 
 
 def exact_distribution(target, length: int = 3) -> np.ndarray:
@@ -54,19 +54,18 @@ def exact_three_token_distribution(target) -> np.ndarray:
     return exact_distribution(target, 3)
 
 
-def sample_three_tokens(engine, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
+def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
                         tokens: int = 3, batched: bool = True) -> np.ndarray:
     """First `tokens` tokens of `count` seeded requests, through the native core or `controller`:
-    decoded 64 at a time by the continuous-batching engine, or one by one (`batched=False`)."""
+    decoded 64 at a time by the engine, or one by one by a one-slot engine (`batched=False`)."""
     options = {"controller": controller} if controller is not None else {}
-    configs = [GenerationConfig(block_size=block_size, grow_to=grow_to, max_new_tokens=tokens,
+    configs = [GenerationConfig(block=BlockChoice(block_size, grow_to), max_new_tokens=tokens,
                                 sampling=SamplingConfig(temperature=1.0, seed=seed)) for seed in range(count)]
     if not batched:
-        return np.array([generate(engine, PROMPT, config, **options).tokens for config in configs])
-    runner = BatchRunner.eager(engine.target, engine.drafter, slots=BATCH)
-    with Engine(runner, config=EngineConfig(max_running=BATCH, max_queued=count), **options) as batch:
-        requests = [batch.submit(PROMPT, config) for config in configs]
-        return np.array([request.result(timeout=600).tokens for request in requests])
+        one = single(*pair, **options)
+        return np.array([generate(one, PROMPT, config).tokens for config in configs])
+    core = EngineCore(BatchRunner.eager(*pair, slots=BATCH), config=EngineConfig(max_running=BATCH), **options)
+    return np.array([g.tokens for g in core.generate([PROMPT] * count, configs)])
 
 
 def fit_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
@@ -95,29 +94,29 @@ def pvalues(samples: np.ndarray, joint: np.ndarray) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_speculative_sampling_matches_the_target(engine):
-    joint = exact_three_token_distribution(engine.target)
-    samples = sample_three_tokens(engine, SAMPLES)
+def test_speculative_sampling_matches_the_target(pair):
+    joint = exact_three_token_distribution(pair[0])
+    samples = sample_three_tokens(pair, SAMPLES)
     accepted_first = np.mean(samples[:, 1] == 7)
     assert 0.1 < accepted_first < 0.5  # the drafter's proposal is sometimes, not always, right
     results = pvalues(samples, joint)
     assert min(results.values()) > ALPHA, results
 
 
-def test_the_single_request_loop_samples_from_the_target(engine):
-    """The same check through `generate` one request at a time (what `trtspec run` decodes with)."""
-    joint = exact_three_token_distribution(engine.target)
-    results = pvalues(sample_three_tokens(engine, 4_000, batched=False), joint)
+def test_one_request_at_a_time_samples_from_the_target(pair):
+    """The same check through a one-slot engine, one request at a time (what `trtspec run` decodes with)."""
+    joint = exact_three_token_distribution(pair[0])
+    results = pvalues(sample_three_tokens(pair, 4_000, batched=False), joint)
     assert min(results.values()) > ALPHA, results
 
 
 @pytest.mark.slow
-def test_a_growing_block_samples_from_the_target(engine):
+def test_a_growing_block_samples_from_the_target(pair):
     """B=2 growing to 4: after prefill's t1, a cycle at 2 that accepts its draft commits t2, t3 and
     makes the next cycle, which commits t4 onwards, run at 4. The first four tokens must follow the
     target's own distribution (each marginal beyond t1, and jointly)."""
-    joint = exact_distribution(engine.target, 4)
-    samples = sample_three_tokens(engine, 20_000, block_size=2, grow_to=4, tokens=4)
+    joint = exact_distribution(pair[0], 4)
+    samples = sample_three_tokens(pair, 20_000, block_size=2, grow_to=4, tokens=4)
     assert 0.1 < np.mean(samples[:, 1] == 7) < 0.5  # so about that share of requests grew
     results = four_token_pvalues(samples, joint)
     assert min(results.values()) > ALPHA, results
@@ -130,8 +129,8 @@ def four_token_pvalues(samples: np.ndarray, joint: np.ndarray) -> dict[str, floa
 
 
 @pytest.mark.slow
-def test_a_one_percent_break_of_the_acceptance_rule_is_detected(engine, monkeypatch):
-    joint = exact_three_token_distribution(engine.target)
+def test_a_one_percent_break_of_the_acceptance_rule_is_detected(pair, monkeypatch):
+    joint = exact_three_token_distribution(pair[0])
     # The drafter proposes token 7 almost everywhere, so first drafts are rejected with probability
     # about 1 - p(7); wrongly accepting this share of them moves about 1% of the next token's mass.
     break_rate = 0.01 / (1 - joint.sum(axis=(0, 2))[7])
@@ -144,20 +143,20 @@ def test_a_one_percent_break_of_the_acceptance_rule_is_detected(engine, monkeypa
         return accepted
 
     monkeypatch.setattr(oracle, "accepted_length", sloppy_accepted_length)
-    results = pvalues(sample_three_tokens(engine, SAMPLES, controller=PythonController), joint)
+    results = pvalues(sample_three_tokens(pair, SAMPLES, controller=PythonController), joint)
     assert min(results.values()) < ALPHA, results
 
 
-def test_an_off_by_one_acceptance_rule_is_detected(engine, monkeypatch):
+def test_an_off_by_one_acceptance_rule_is_detected(pair, monkeypatch):
     monkeypatch.setattr(oracle, "accepted_length",
                         lambda drafts, posterior: (drafts == posterior[1:]).long().cumprod(-1).sum(-1))
-    joint = exact_three_token_distribution(engine.target)
-    results = pvalues(sample_three_tokens(engine, 3_000, controller=PythonController, batched=False), joint)
+    joint = exact_three_token_distribution(pair[0])
+    results = pvalues(sample_three_tokens(pair, 3_000, controller=PythonController, batched=False), joint)
     assert min(results.values()) < ALPHA, results
 
 
 @pytest.mark.slow
-def test_an_off_by_one_rule_in_grown_cycles_only_is_detected(engine, monkeypatch):
+def test_an_off_by_one_rule_in_grown_cycles_only_is_detected(pair, monkeypatch):
     """The four-token check of growing blocks has the power to see a rule broken only in the
     cycles that run at the grown size (three drafts at 2:4; about one request in seven grows)."""
     def grown_off_by_one(drafts, posterior):
@@ -166,8 +165,8 @@ def test_an_off_by_one_rule_in_grown_cycles_only_is_detected(engine, monkeypatch
         return accepted_length(drafts, posterior)
 
     monkeypatch.setattr(oracle, "accepted_length", grown_off_by_one)
-    joint = exact_distribution(engine.target, 4)
-    samples = sample_three_tokens(engine, 8_000, block_size=2, grow_to=4, tokens=4, controller=PythonController)
+    joint = exact_distribution(pair[0], 4)
+    samples = sample_three_tokens(pair, 8_000, block_size=2, grow_to=4, tokens=4, controller=PythonController)
     results = four_token_pvalues(samples, joint)
     assert min(results.values()) < ALPHA, results
 
@@ -189,9 +188,10 @@ def test_top_k_and_top_p_filter_the_distribution():
     assert set(draws.tolist()) == {0, 1}
 
 
-def test_seeded_sampling_is_reproducible(engine):
-    config = GenerationConfig(block_size=4, max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=7))
-    assert generate(engine, PROMPT, config).tokens == generate(engine, PROMPT, config).tokens
+def test_seeded_sampling_is_reproducible(pair):
+    config = GenerationConfig(block=BlockChoice(4), max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=7))
+    one = single(*pair)
+    assert generate(one, PROMPT, config).tokens == generate(one, PROMPT, config).tokens
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1e-50, seed=3),
@@ -206,8 +206,8 @@ def test_a_temperature_or_top_p_below_float32_resolution_decodes_greedy(sampling
 
     pipeline = Pipeline(resolve_target(None), resolve_drafter(None, None))
     prompt = "def fibonacci(n):"
-    greedy = pipeline.generate(prompt, GenerationConfig(block_size=8, max_new_tokens=24)).tokens
-    tiny = GenerationConfig(block_size=8, max_new_tokens=24, sampling=sampling)
+    greedy = pipeline.generate(prompt, GenerationConfig(block=BlockChoice(8), max_new_tokens=24)).tokens
+    tiny = GenerationConfig(block=BlockChoice(8), max_new_tokens=24, sampling=sampling)
     assert len(set(greedy)) > 3  # a real continuation, not one token repeated
     assert pipeline.generate(prompt, tiny).tokens == greedy
     assert [r.tokens for r in pipeline.generate_batch([prompt, prompt], [tiny, tiny], max_running=2)] == [greedy, greedy]

@@ -7,16 +7,16 @@ import sys
 import pytest
 import torch
 
-from helpers import random_drafter
+from helpers import generate, random_drafter, single
 from trtspec.api import Pipeline
-from trtspec.runtime.runners.eager import EagerRunner
 from trtspec.errors import TrtspecError
 from trtspec.models import load_drafter, load_target
-from trtspec.runtime.decode import GenerationConfig, generate
+from trtspec.runtime.request import GenerationConfig
 from trtspec.training import trainer as trainer_module
 from trtspec.training.blocks import IGNORE, pack, position_weights
 from trtspec.training.data import generate_data, read_training_data
 from trtspec.training.trainer import TrainConfig, new_drafter, train_drafter
+from trtspec.runtime.schedule import AR, BlockChoice
 
 WORDS = ["def", "return", "x", "y", "for", "in", "range", "(", ")", ":", "print", "if", "else", "=", "+", "1"]
 
@@ -92,14 +92,14 @@ def tiny_data(target_dir, tmp_path_factory):
     gen = torch.Generator().manual_seed(0)
     prompts = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (6,), generator=gen).tolist())
                for _ in range(112)]
-    path = generate_data(pipeline, [{"prompt": p} for p in prompts[:96]], GenerationConfig(block_size=1, max_new_tokens=64),
+    path = generate_data(pipeline, [{"prompt": p} for p in prompts[:96]], GenerationConfig(block=AR, max_new_tokens=64),
                          tmp_path_factory.mktemp("data") / "train.jsonl", progress=False)
     return pipeline, read_training_data(path, pipeline.codec), prompts[96:]
 
 
 def _mean_tau(target, drafter, codec, prompts):
-    engine = EagerRunner(target, drafter)
-    taus = [generate(engine, codec.encode(p), GenerationConfig(block_size=8, max_new_tokens=48)).stats.tau
+    engine = single(target, drafter)
+    taus = [generate(engine, codec.encode(p), GenerationConfig(block=BlockChoice(8), max_new_tokens=48)).stats.tau
             for p in prompts]
     return sum(taus) / len(taus)
 
@@ -183,11 +183,11 @@ def test_batched_continuations_equal_single_request_decoding(target_dir):
     pipeline = Pipeline(target_dir)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15], [5, 6, 7, 8]]
     stop = pipeline.codec.stop_ids
-    config = GenerationConfig(block_size=1, max_new_tokens=20, stop_ids=stop)
+    config = GenerationConfig(block=AR, max_new_tokens=20, stop_ids=stop)
     from trtspec.training.data import continue_prompts
-    batched = continue_prompts(pipeline.target, prompts, config, batch_size=3, progress=False)
+    batched = continue_prompts(pipeline, prompts, config, batch_size=3, progress=False)
     for prompt, row in zip(prompts, batched):
-        assert row == generate(pipeline.runner, prompt, config).tokens
+        assert row == pipeline.generate(pipeline.codec.decode(prompt), config).tokens
 
 
 def test_train_drafter_runs_under_torchrun_with_ddp(target_dir, tmp_path):
