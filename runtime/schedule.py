@@ -31,7 +31,8 @@ class BlockChoice:
                 raise TrtspecError("with block size auto the BlockPilot policy chooses the growth too; drop the :G")
             return
         if isinstance(self.size, bool) or not isinstance(self.size, int) or not 1 <= self.size <= MAX_BLOCK_SIZE:
-            raise TrtspecError(f"block size must be AR (1), an integer in [2, {MAX_BLOCK_SIZE}] or auto; got {self.size!r}")
+            raise TrtspecError(f"block size must be an integer in [2, {MAX_BLOCK_SIZE}], got {self.size!r} "
+                               "(or 1 for AR, or auto)")
         if self.grow_to and not (2 <= self.size < self.grow_to <= MAX_BLOCK_SIZE):
             raise TrtspecError(f"a block grows from B >= 2 to a larger size up to {MAX_BLOCK_SIZE}; "
                                f"got {self.size}:{self.grow_to}")

@@ -110,8 +110,8 @@ def test_statistics(predictable):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: BlockChoice(-1), r"block size must be AR \(1\), an integer in \[2, 64\] or auto; got -1"),
-    (lambda: BlockChoice(65), r"block size must be AR \(1\), an integer in \[2, 64\] or auto; got 65"),
+    (lambda: BlockChoice(-1), r"block size must be an integer in \[2, 64\], got -1"),
+    (lambda: BlockChoice(65), r"block size must be an integer in \[2, 64\], got 65"),
     (lambda: BlockChoice(4, 65), r"grows from B >= 2 to a larger size up to 64"),
     (lambda: GenerationConfig(max_new_tokens=0), "max new tokens"),
     (lambda: BlockChoice(8, 8), "grows from B >= 2 to a larger size"),

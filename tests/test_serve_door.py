@@ -74,6 +74,60 @@ def test_text_stream_holds_back_in_linear_time(codec):
     assert time.perf_counter() - began < 1.0
 
 
+# -- frontend.Reply: what serve and the Triton model both answer ----------------------------------------
+
+class _Handle:
+    """The engine's Request as a Reply sees it."""
+
+    def __init__(self, prompt, tokens=(), stats=None):
+        self.prompt, self.tokens, self.stats, self.cancelled = list(prompt), list(tokens), stats, False
+
+    def cancel(self):
+        self.cancelled = True
+
+    def result(self, timeout=None):
+        from trtspec.runtime.decode import Generation
+
+        return Generation(self.tokens, self.stats)
+
+
+def test_reply_cut_at_a_stop_withdraws_the_request_and_finishes_it_for_stop(codec):
+    from trtspec.runtime.stats import DecodeStats
+    from trtspec.serving.frontend import Reply
+
+    ids = codec.encode("def add(a, b):\n    return a + b\n")
+    reply = Reply(codec, ("return",))
+    reply.request = _Handle([1, 2, 3])  # not reported yet: stats None
+    text = "".join(reply.push([token]) for token in ids if not reply.stopped)
+    assert text == "def add(a, b):\n    " and reply.request.cancelled
+    rest, generation = reply.end()
+    assert rest == "" and not reply.reported and generation.stats.finish_reason == "stop"
+    assert generation.stats.cycles == 0 and generation.stats.prompt_tokens == 3
+    assert generation.tokens == ids[:len(generation.tokens)] and generation.stats.new_tokens == len(generation.tokens)
+    reported = Reply(codec, ("return",))
+    reported.request = _Handle([1, 2, 3], stats=DecodeStats(block_size=4, histogram=[1, 2, 0, 1],
+                                                             finish_reason="cancelled"))
+    for token in ids:
+        reported.push([token])
+    _, generation = reported.end()
+    assert reported.reported and generation.stats.finish_reason == "stop" and generation.stats.cycles == 4
+
+
+def test_reply_of_a_finished_request_is_its_whole_text_and_finish_reason(codec):
+    from trtspec.runtime.stats import DecodeStats
+    from trtspec.serving.frontend import Reply
+
+    ids = codec.encode("print('héllo')\n")
+    streamed, unstreamed = Reply(codec), Reply(codec)  # pushed every cycle, or only answered at the end
+    for reply in (streamed, unstreamed):
+        reply.request = _Handle([1], ids, DecodeStats(block_size=1, finish_reason="length"))
+    pieces = [streamed.push([token]) for token in ids]
+    rest, generation = streamed.end()
+    assert "".join(pieces) + rest == streamed.text == codec.decode(ids)
+    assert generation.tokens == ids and generation.stats.finish_reason == "length" and streamed.reported
+    assert unstreamed.end()[0] == unstreamed.text == codec.decode(ids)
+
+
 # -- the real server --------------------------------------------------------------------------------
 
 if __name__ != "__main__":

@@ -1,1 +1,5 @@
-"""Serving: trtspec inside Triton Inference Server (python backend)."""
+"""Serving: the front ends over the batched engine, `trtspec serve` (openai_server: OpenAI's HTTP
+API) and the Triton model (triton_model; triton: its model repository and server), and what they
+share: frontend (a request's GenerationConfig, the engine-to-front-end bridge, text cut at stop
+strings, finish reasons, metrics and TTFT), metrics (the Prometheus families; triton_metrics
+mirrors them into Triton's) and door (serve's admission defaults)."""

@@ -2,9 +2,9 @@
 
 A front end only translates and streams: a request body is checked field by field at the door
 (`parse_request`), becomes prompt ids and a `GenerationConfig`, and is submitted to the engine;
-the engine's thread hands each cycle's committed tokens to the event loop (`_Bridge`), where they
-are detokenized, cut at stop strings (`trtspec.tokenizer.TextStream`) and sent as one response or as server-sent
-events in OpenAI's chunk format. Every response carries a `trtspec` object (block size and
+the engine's thread hands each cycle's committed tokens to the event loop (`frontend.LoopBridge`),
+where they are detokenized and cut at stop strings (`frontend.Reply`) and sent as one response or as
+server-sent events in OpenAI's chunk format. Every response carries a `trtspec` object (block size and
 whether BlockPilot chose it, tau, histogram, ceiling fraction). `/metrics` is
 `trtspec.serving.metrics` in Prometheus' text format.
 
@@ -42,13 +42,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from trtspec import limits
 from trtspec.errors import Cancelled, TrtspecError
-from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.engine import Busy
-from trtspec.tokenizer import TextStream, check_text
-from trtspec.runtime.sampling import SamplingConfig
+from trtspec.tokenizer import check_text
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
 from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
+from trtspec.serving.frontend import FINISH, LoopBridge, Reply, generation_config, observe_finished
 from trtspec.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 DOOR_THREADS = 2            # requests decoded, checked and tokenized at once, off the event loop
@@ -282,11 +281,7 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     temperature = _number(body, "temperature", limits.TEMPERATURE, 0.0)
     top_p = _number(body, "top_p", limits.TOP_P, 1.0)
     top_k = _number(body, "top_k", limits.TOP_K, 0) if body.get("top_k") != -1 else 0  # -1: vLLM's "off"
-    try:
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
-                                  seed=_number(body, "seed", limits.SEED, None))
-    except TrtspecError as exc:
-        raise _bad(str(exc)) from None
+    seed = _number(body, "seed", limits.SEED, None)
     block = _block_choice(body, default_block)
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
@@ -297,8 +292,9 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
         raise _bad("stream_options is an object {\"include_usage\": true or false}, and only with stream: true",
                    "stream_options")
     texts, stop_ids = _stops(body, codec)
-    try:
-        config = GenerationConfig(block=block, max_new_tokens=max_tokens, stop_ids=stop_ids, sampling=sampling)
+    try:  # the sampling fields passed their checks above: what is left to refuse is the block's
+        config = generation_config(block, max_tokens, stop_ids, temperature=temperature,
+                                   top_p=top_p, top_k=top_k, seed=seed)
     except TrtspecError as exc:
         raise _bad(str(exc), "block_size") from None
     ids = _chat_ids(body, codec, max_context) if chat else _prompt_ids(body, codec, max_context)
@@ -365,25 +361,6 @@ def _refuse_lone_surrogates(body) -> None:
                 check_text(value, named or "a string")
             except TrtspecError as exc:
                 raise _bad(str(exc), named) from None
-
-
-class _Bridge:
-    """Carries a request's committed tokens from the engine thread to the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
-
-    def _put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: the server is gone
-            pass
-
-    def on_commit(self, tokens: list[int]) -> None:
-        self._put(list(tokens))
-
-    def on_finish(self, request) -> None:
-        self._put(None)
 
 
 @dataclass
@@ -576,9 +553,9 @@ class OpenAIServer:
             raise ApiError(503, "the server is shutting down", "service_unavailable") from None
         if self.closing or self.engine is None:
             raise ApiError(503, "the server is shutting down", "service_unavailable")
-        bridge = _Bridge(asyncio.get_running_loop())
+        bridge, reply = LoopBridge(asyncio.get_running_loop()), Reply(self.codec, parsed.stops)
         try:
-            handle = self.engine.submit(parsed.prompt_ids, parsed.config, bridge.on_commit, bridge.on_finish)
+            reply.request = self.engine.submit(parsed.prompt_ids, parsed.config, bridge.on_commit, bridge.on_finish)
         except TrtspecError as exc:
             if isinstance(exc, Busy):
                 self.metrics.observe_failed("rejected")
@@ -586,38 +563,31 @@ class OpenAIServer:
             raise _bad(str(exc)) from None
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if parsed.stream:
-            return StreamingResponse(self._stream(http, parsed, handle, bridge, ident),
+            return StreamingResponse(self._stream(http, parsed, reply, bridge, ident),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._complete(http, parsed, handle, bridge, ident)
+        return await self._complete(http, parsed, reply, bridge, ident)
 
-    async def _events(self, parsed: ParsedRequest, handle, bridge: _Bridge, outcome: _Outcome):
-        """Text pieces as the engine commits tokens; `outcome` is filled in at the end. Cancels the
-        request when it stops at a stop string, or when the consumer goes away."""
-        stops = TextStream(self.codec, parsed.stops)
+    async def _events(self, reply: Reply, bridge: LoopBridge, outcome: _Outcome):
+        """Text pieces as the engine commits tokens; `outcome` is filled in at the end. The request
+        is cancelled when it stops at a stop string (by `reply`), or when the consumer goes away."""
         finished = False
         try:
             while True:
-                tokens = await bridge.queue.get()
-                if tokens is None:
+                kind, tokens = await bridge.queue.get()
+                if kind == FINISH:
                     break
-                piece = stops.push(tokens)
+                piece = reply.push(tokens)
                 if piece:
                     yield piece
-                if stops.stopped:
-                    handle.cancel()  # a stop string: the rest is not wanted
+                if reply.stopped:
                     break
             finished = True
         finally:
             if not finished:
-                handle.cancel()
+                reply.request.cancel()
                 self.metrics.observe_failed("cancelled")
-        if stops.stopped:
-            outcome.finish_reason, outcome.stats = "stop", handle.stats
-            outcome.completion_tokens = len(stops.tokens)
-            self._observe(handle, outcome, parsed)
-            return
         try:
-            generation = handle.result(timeout=0)  # done: on_finish came last
+            piece, generation = reply.end()  # done: a stop string, or on_finish came last
         except Cancelled:
             self.metrics.observe_failed("cancelled")
             raise ApiError(503, "the request was cancelled (the server is shutting down)", "service_unavailable")
@@ -627,37 +597,24 @@ class OpenAIServer:
         except Exception:
             self.metrics.observe_failed("error")
             raise
-        piece = stops.finish(generation.tokens)
         if piece:
             yield piece
-        outcome.stats = generation.stats
-        outcome.finish_reason = "stop" if stops.stopped else (generation.stats.finish_reason or "stop")
-        outcome.completion_tokens = len(stops.tokens)
-        self._observe(handle, outcome, parsed)
-
-    def _observe(self, handle, outcome: _Outcome, parsed: ParsedRequest) -> None:
-        stats = outcome.stats
-        if stats is None:  # cut at a stop string before the engine reported: count the request, no cycles
-            stats = DecodeStats(block_size=1, prompt_tokens=len(parsed.prompt_ids),
-                                new_tokens=outcome.completion_tokens)
-        now = time.perf_counter()
-        ttft = handle.first_token_at - handle.submitted if handle.first_token_at is not None else None
-        if outcome.finish_reason != stats.finish_reason:
-            from dataclasses import replace
-            stats = replace(stats, finish_reason=outcome.finish_reason)
-        self.metrics.observe_finished(stats, latency_s=now - handle.submitted, ttft_s=ttft,
-                                      queue_s=getattr(stats, "queue_s", None))
+        outcome.stats = generation.stats if reply.reported else None  # none to show: cut before a cycle reported
+        outcome.finish_reason = generation.stats.finish_reason or "stop"
+        outcome.completion_tokens = len(generation.tokens)
+        observe_finished(self.metrics, reply.request, generation.stats)
 
     def _usage(self, parsed: ParsedRequest, outcome: _Outcome) -> dict:
         prompt = len(parsed.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": outcome.completion_tokens,
                 "total_tokens": prompt + outcome.completion_tokens}
 
-    async def _complete(self, http: HttpRequest, parsed: ParsedRequest, handle, bridge: _Bridge, ident: str):
+    async def _complete(self, http: HttpRequest, parsed: ParsedRequest, reply: Reply, bridge: LoopBridge,
+                        ident: str):
         outcome = _Outcome()
 
         async def collect():
-            async for piece in self._events(parsed, handle, bridge, outcome):
+            async for piece in self._events(reply, bridge, outcome):
                 outcome.text_parts.append(piece)
 
         async def disconnected():
@@ -682,7 +639,7 @@ class OpenAIServer:
                 "created": int(time.time()), "model": self.model_name, "choices": [choice],
                 "usage": self._usage(parsed, outcome), "trtspec": trtspec_extension(outcome.stats)}
 
-    async def _stream(self, http: HttpRequest, parsed: ParsedRequest, handle, bridge: _Bridge, ident: str):
+    async def _stream(self, http: HttpRequest, parsed: ParsedRequest, reply: Reply, bridge: LoopBridge, ident: str):
         created, outcome = int(time.time()), _Outcome()
         kind = "chat.completion.chunk" if parsed.chat else "text_completion"
 
@@ -703,7 +660,7 @@ class OpenAIServer:
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             yield f"data: {json.dumps(first)}\n\n"
         try:
-            async for piece in self._events(parsed, handle, bridge, outcome):
+            async for piece in self._events(reply, bridge, outcome):
                 yield chunk(piece)
         except ApiError as exc:  # the status line is sent: report the error as an event, as OpenAI does
             yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind, 'code': exc.code}})}\n\n"

@@ -21,8 +21,9 @@ response goes back through the request's response sender:
 * NAME is not decoupled (Triton's HTTP and unary gRPC endpoints refuse decoupled models), but
   it answers the same way: one response per request, sent when the request finishes.
 
-The engine thread's callbacks only queue events; one *outbox* thread per instance turns them
-into text and responses and sends them, and every CANCEL_POLL_S asks Triton which requests the
+The engine thread's callbacks only queue events (`trtspec.serving.frontend.Bridge`); one *outbox*
+thread per instance turns them into text (`frontend.Reply`, as `trtspec serve` does) and
+responses and sends them, and every CANCEL_POLL_S asks Triton which requests the
 client has cancelled (a closed stream, a dropped call) and withdraws them from the engine, which
 frees their slots before its next cycle. A bad request gets its own error response (HTTP 400; a
 full queue: 503) and the others keep decoding.
@@ -47,8 +48,8 @@ from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import STOP_CHARS, STOPS
 from trtspec.runtime.request import Generation
 from trtspec.runtime.engine import Busy
-from trtspec.runtime.stats import DecodeStats
-from trtspec.tokenizer import TextStream
+from trtspec.runtime.schedule import BlockChoice
+from trtspec.serving.frontend import COMMIT, FINISH, Bridge, Reply, generation_config, observe_finished
 from trtspec.serving.triton import ENGINE_PARAMETERS
 
 DEFAULT_MAX_TOKENS = 256
@@ -130,36 +131,35 @@ def _response(text: str, stats: dict | None):
 
 
 class _Call:
-    """One Triton request in flight: its response sender, the engine's handle and, when it
-    streams or has stop strings, its text so far. Only the outbox thread touches it after
-    submission."""
+    """One Triton request in flight: its response sender and its reply (its text so far and the
+    engine's handle, once prepared). Only the outbox thread touches it after submission."""
 
     def __init__(self, sender):
         self.sender = sender
-        self.stream: TextStream | None = None  # when the call streams or has stop strings
+        self.reply: Reply | None = None
         self.sends = False   # whether it sends each cycle's text (a decoupled stream)
-        self.request = None  # the engine's Request, once submitted
         self.finished = False
 
     def cut(self) -> bool:
         """Whether the text reached a stop string (the rest of the request is not wanted)."""
-        return self.stream is not None and self.stream.stopped
+        return self.reply is not None and self.reply.stopped
 
 
 class _Outbox:
     """The instance's sending thread: events from the engine thread and from execute() become
     responses, in order; between events it polls the live calls for cancellation."""
 
-    COMMIT, FINISH, LIVE, REFUSED, STOP = range(5)
+    COMMIT, FINISH = COMMIT, FINISH  # a request's Bridge delivers these
+    LIVE, REFUSED, STOP = "live", "refused", "stop"
 
-    def __init__(self, codec, decoupled: bool, engine, metrics=None):
-        self.codec, self.decoupled, self.engine, self.metrics = codec, decoupled, engine, metrics
+    def __init__(self, decoupled: bool, engine, metrics=None):
+        self.decoupled, self.engine, self.metrics = decoupled, engine, metrics
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.live: set[_Call] = set()
         self.thread = threading.Thread(target=self._run, name="trtspec-outbox", daemon=True)
         self.thread.start()
 
-    def put(self, kind: int, call: _Call | None = None, payload=None) -> None:
+    def put(self, kind: str, call: _Call | None = None, payload=None) -> None:
         self.events.put((kind, call, payload))
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -188,22 +188,20 @@ class _Outbox:
             except Exception as exc:  # noqa: BLE001 - one failed send must not stop the others
                 _log_error(f"trtspec: sending a response failed: {exc!r}")
 
-    def _handle(self, kind: int, call: _Call, payload) -> None:
+    def _handle(self, kind: str, call: _Call, payload) -> None:
         if kind == self.LIVE:
             if not call.finished:  # a request may finish before it is registered
                 self.live.add(call)
-                if call.cut():
-                    call.request.cancel()
+                if call.cut():  # reached before its handle was known
+                    call.reply.request.cancel()
         elif kind == self.COMMIT:
-            piece = call.stream.push(payload)
+            piece = call.reply.push(payload)  # a stop string withdraws the request: FINISH follows
             if piece and call.sends:
                 call.sender.send(_response(piece, None))
-            if call.cut() and call.request is not None:
-                call.request.cancel()  # a stop string: the engine frees its slot, FINISH follows
         elif kind == self.FINISH:
             call.finished = True
             self.live.discard(call)
-            self._finish(call, payload)
+            self._finish(call)
         elif kind == self.REFUSED:
             call.finished = True
             code = ("UNAVAILABLE" if isinstance(payload, Busy) else "INVALID_ARG" if isinstance(payload, TrtspecError)
@@ -212,14 +210,11 @@ class _Outbox:
                 self._failed("rejected" if code == "UNAVAILABLE" else "error")
             call.sender.send(_error(payload, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _finish(self, call: _Call, request) -> None:
+    def _finish(self, call: _Call) -> None:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            generation = request.result(timeout=0)
+            rest, generation = call.reply.end()  # one withdrawn by its own stop string is finished
         except Cancelled as exc:
-            if call.cut():  # withdrawn by its own stop string: a finished request
-                self._done(call, request, _cut_at_stop(call, request))
-                return
             self._failed("cancelled")
             if self.decoupled:
                 call.sender.send(flags=final)  # nobody reads a response any more; only close the stream
@@ -235,24 +230,16 @@ class _Outbox:
             _log_error(f"trtspec: request failed: {exc!r}")
             call.sender.send(_error(exc, "INTERNAL"), flags=final)
             return
-        self._done(call, request, _cut_at_stop(call, request) if call.cut() else generation)
+        self._done(call, rest, generation)
 
-    def _done(self, call: _Call, request, generation: Generation) -> None:
-        """The final response(s) of a finished request: its text (the rest of it, when it streams)
-        and its statistics."""
+    def _done(self, call: _Call, rest: str, generation: Generation) -> None:
+        """The final response(s) of a finished request: its text (the rest of it, `rest`, when it
+        streams) and its statistics."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        if self.metrics is not None:
-            first = request.first_token_at
-            self.metrics.observe_finished(generation.stats, latency_s=time.perf_counter() - request.submitted,
-                                          ttft_s=None if first is None else first - request.submitted,
-                                          queue_s=generation.stats.queue_s)
+        observe_finished(self.metrics, call.reply.request, generation.stats)
         stats = generation.stats.to_dict()
-        if call.stream is None:
-            call.sender.send(_response(self.codec.decode(generation.tokens), stats), flags=final)
-            return
-        rest = call.stream.finish(generation.tokens)  # bytes held back (an unfinished UTF-8 sequence)
         if not call.sends:
-            call.sender.send(_response(call.stream.text, stats), flags=final)
+            call.sender.send(_response(call.reply.text, stats), flags=final)
             return
         if rest:
             call.sender.send(_response(rest, None))
@@ -266,18 +253,8 @@ class _Outbox:
         for call in list(self.live):
             is_cancelled = getattr(call.sender, "is_cancelled", None)  # absent before request cancellation
             if is_cancelled is not None and is_cancelled():
-                call.request.cancel()  # the engine frees its slot and finishes it with Cancelled
+                call.reply.request.cancel()  # the engine frees its slot and finishes it with Cancelled
                 self.live.discard(call)
-
-
-def _cut_at_stop(call: _Call, request) -> Generation:
-    """A request whose text reached a stop string: the tokens through the one that completed it,
-    finished for reason "stop" (the statistics count what was decoded until it was withdrawn)."""
-    tokens = list(call.stream.tokens)
-    stats = request.stats
-    if stats is None:  # cut before the engine reported any cycle
-        stats = DecodeStats(block_size=1, prompt_tokens=len(request.prompt), new_tokens=len(tokens))
-    return Generation(tokens, replace(stats, finish_reason="stop"))
 
 
 class _Preparer:
@@ -339,7 +316,6 @@ class TritonPythonModel:
 
         from trtspec.api import Pipeline
         from trtspec.runtime.engine import EngineConfig
-        from trtspec.runtime.sampling import SamplingConfig
 
         config = json.loads(args["model_config"])
         parameters = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -348,31 +324,13 @@ class TritonPythonModel:
             torch.set_num_threads(threads)
         self.pipeline = Pipeline(engine=parameters["engine_dir"], device=parameters.get("device", "auto"))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self._sampling = SamplingConfig
         self.engine = self.pipeline.engine(EngineConfig(**{key: int(parameters[key]) for key in ENGINE_PARAMETERS
                                                            if key in parameters}))
-        self.outbox = _Outbox(self.pipeline.codec, self.decoupled, self.engine,
+        self.outbox = _Outbox(self.decoupled, self.engine,
                               _metrics(args["model_name"], args["model_instance_name"]))
         self.context = self.pipeline.runner.max_context
         self.prompt_cap = self.pipeline.codec.text_bytes_cap(self.context)
         self.preparer = _Preparer(self._submit, self.outbox)
-
-    def _config(self, scalars: dict, stop_ids: tuple[int, ...]):
-        """The request's fields as a GenerationConfig, whose checks (trtspec.limits, shared with the
-        CLI) refuse out-of-range values: temperature >= 0 and finite, seed in [0, 2**63-1],
-        max_tokens in [1, 2**31-1], block_size 0 (auto) or in [2, 64], grow_to 0 or above it."""
-        from dataclasses import replace
-
-        from trtspec.runtime.request import GenerationConfig
-        from trtspec.runtime.schedule import BlockChoice
-
-        sampling = self._sampling(temperature=scalars["temperature"], seed=scalars["seed"])
-        size, grow_to = scalars["block_size"], scalars["grow_to"]
-        if size is None:  # the model's default, perhaps growing
-            block = replace(self.pipeline.default_block, grow_to=grow_to) if grow_to else self.pipeline.default_block
-        else:  # on the wire, 0 is auto
-            block = BlockChoice(size or None, grow_to)
-        return GenerationConfig(block=block, stop_ids=stop_ids, max_new_tokens=scalars["max_tokens"], sampling=sampling)
 
     def execute(self, requests):
         """Copy each request's inputs (refusing oversized ones) for the preparing thread, and return
@@ -387,22 +345,31 @@ class TritonPythonModel:
                 self.preparer.put(call, inputs)
         return None
 
+    def _block(self, size: int | None, grow_to: int) -> BlockChoice:
+        """The request's block_size and grow_to inputs (none: the model's default; on the wire 0 is
+        auto) as a BlockChoice, which refuses a size out of range or a growth that does not grow."""
+        if size is None:
+            default = self.pipeline.default_block
+            return replace(default, grow_to=grow_to) if grow_to else default
+        return BlockChoice(size or None, grow_to)
+
     def _submit(self, call: _Call, inputs: _Inputs) -> None:
         """Tokenize, prepare the stops and submit (on the preparing thread)."""
         codec = self.pipeline.codec
         stops, single_token_stops = codec.stop_strings([_utf8(stop, "stop") for stop in inputs.stops], "stop")
         stop_ids = codec.stop_token_ids(inputs.stop_token_ids, "stop_token_ids") + single_token_stops
-        config = self._config(inputs.scalars, stop_ids)
+        scalars = inputs.scalars
+        config = generation_config(self._block(scalars["block_size"], scalars["grow_to"]), scalars["max_tokens"],
+                                   stop_ids, temperature=scalars["temperature"], seed=scalars["seed"])
         ids = codec.encode_unlocked(_utf8(inputs.text, "text_input"))
         if not ids:
             raise TrtspecError("the prompt is empty")
-        call.sends = self.decoupled and bool(inputs.scalars["stream"])
-        on_commit = None
-        if call.sends or stops:
-            call.stream = TextStream(codec, stops)
-            on_commit = lambda tokens: self.outbox.put(_Outbox.COMMIT, call, tokens)  # noqa: E731
-        call.request = self.engine.submit(ids, config, on_commit=on_commit,
-                                          on_finish=lambda request: self.outbox.put(_Outbox.FINISH, call, request))
+        call.sends = self.decoupled and bool(scalars["stream"])
+        call.reply = Reply(codec, stops)
+        bridge = Bridge(lambda kind, payload: self.outbox.put(kind, call, payload))
+        # a call that neither streams nor has stops is answered from its tokens at the end
+        call.reply.request = self.engine.submit(ids, config, bridge.on_commit if call.sends or stops else None,
+                                                bridge.on_finish)
 
     def finalize(self) -> None:
         """Unload: submit what is being prepared, withdraw what is left (its clients get their final
