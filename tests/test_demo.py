@@ -9,7 +9,7 @@ import pytest
 
 from trtspec.api import Pipeline
 from trtspec.assets import ASSETS, resolve_drafter, resolve_target
-from trtspec.bench import load_prompts
+from trtspec.perf.bench import load_prompts
 from trtspec.errors import TrtspecError
 from trtspec.runtime.decode import GenerationConfig
 from trtspec.runtime.schedule import AUTO

@@ -17,7 +17,7 @@ from test_sampling import PROMPT, exact_three_token_distribution, pvalues
 
 from trtspec.api import Pipeline
 from trtspec.assets import resolve_drafter, resolve_target
-from trtspec.bench import load_prompts
+from trtspec.perf.bench import load_prompts
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime import reference as oracle
 from trtspec.runtime.decode import GenerationConfig, generate

@@ -144,7 +144,7 @@ def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, dra
     """`bench --concurrency` with auto: the engine measured every (block size, batch) cell it may
     choose between (AR included) and the row says so; the output stays lossless."""
     from trtspec.api import Pipeline
-    from trtspec.concurrency import run_load
+    from trtspec.perf.concurrency import run_load
     from trtspec.runtime.sampling import SamplingConfig
 
     work, _, _ = trained

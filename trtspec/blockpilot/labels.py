@@ -1,4 +1,4 @@
-"""BlockPilot's labels: every prompt run at every candidate block size (trtspec.sweep).
+"""BlockPilot's labels: every prompt run at every candidate block size (trtspec.perf.sweep).
 
 A label set is `OUT.jsonl` (a header line with the settings and the per-cycle cost table, then
 one line per prompt with tau, cycles, tokens and raw decode time at AR and at every block size)
@@ -27,7 +27,7 @@ from trtspec.fileio import check_output_file, staged_file
 from trtspec.blockpilot.policy import FEATURE_KINDS, summarize_prefill
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.sweep import Sweep, pipeline_requests, run_sweep
+from trtspec.perf.sweep import Sweep, pipeline_requests, run_sweep
 
 LABELS_VERSION = 2  # 2: confidence features, vocab_size
 

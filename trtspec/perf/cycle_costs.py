@@ -30,14 +30,14 @@ from typing import Callable
 
 import torch
 
-from trtspec.bench import describe_machine
+from trtspec.perf.machine import describe_machine
 from trtspec.engines.capture import CudaGraphs
 from trtspec.engines.torch import TorchExecutor
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import graph_specs
 from trtspec.export.exporter import step_modules
 from trtspec.export.steps import DraftStep, TargetStep
-from trtspec.host_profile import ExecutorClock
+from trtspec.perf.host_profile import ExecutorClock
 from trtspec.engines.manifest import Manifest
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3Target, default_target_layer_ids
 from trtspec.models.checkpoint import build_empty
