@@ -28,7 +28,8 @@ import torch
 
 def cycle_timings(target, drafter, block_size: int, past: int) -> dict:
     """One draft(B) + verify(B) cycle of the step modules, eager and replayed as a CUDA graph."""
-    from trtspec.perf.cycle_costs import Timer, cycle_inputs, replayed_ms
+    from trtspec.perf.cycle_costs import cycle_inputs, replayed_ms
+    from trtspec.timing import Timer
     from trtspec.export.steps import DraftStep, TargetStep
 
     device = target.device

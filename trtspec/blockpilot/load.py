@@ -82,7 +82,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from trtspec.perf.cycle_costs import Timer
+from trtspec.timing import Timer
 from trtspec.runtime.schedule import BlockChoice
 
 BATCHES = (1, 2, 4, 8, 16)

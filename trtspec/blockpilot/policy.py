@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from trtspec import validate
 from trtspec.errors import TrtspecError
 from trtspec.fileio import POLICY, staged_directory
 from trtspec.runtime.schedule import BlockChoice
+from trtspec.timing import Timer
 
 FEATURE_KINDS = ("last", "mean", "length", "confidence")
 POLICY_CONFIG, POLICY_WEIGHTS = "policy.json", "policy.safetensors"
@@ -158,10 +158,5 @@ def load_policy(directory: str | Path, available_block_sizes: tuple[int, ...] | 
 
 def time_choice(policy: BlockPilot, features: torch.Tensor, logits: torch.Tensor, repeats: int = 200) -> float:
     """Median seconds for one `choose` call (the policy's whole per-request cost)."""
-    policy.choose(features, logits)
-    samples = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        policy.choose(features, logits)
-        samples.append(time.perf_counter() - began)
-    return sorted(samples)[len(samples) // 2]
+    timer = Timer(policy.net.mean.device, repeats=repeats, warmup=1)
+    return timer(lambda: policy.choose(features, logits)) / 1e3
