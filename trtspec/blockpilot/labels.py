@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from trtspec import validate
 from trtspec.errors import TrtspecError
 from trtspec.fileio import check_output_file, staged_file
 from trtspec.blockpilot.policy import FEATURE_KINDS, summarize_prefill
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
+from trtspec.validate import (NON_NEGATIVE, POSITIVE, POSITIVE_INT, Fields, InputError, jsonl_records,
+                              load_tensors)
 from trtspec.perf.sweep import Sweep, pipeline_requests, run_sweep
 
 LABELS_VERSION = 2  # 2: confidence features, vocab_size
@@ -126,13 +127,68 @@ class LabelSet:
 
 
 def read_labels(path: str | Path) -> LabelSet:
-    """A label set and its features, checked field by field (trtspec.validate) as they are read."""
+    """A label set and its features, checked field by field as they are read (below)."""
     path = Path(path)
-    header, records = validate.label_set(path, validate.jsonl_records(path), LABELS_VERSION)
+    header, records = check_label_set(path, jsonl_records(path))
     if not features_path(path).is_file():
         raise TrtspecError(f"{path}: its features file {features_path(path).name} is missing")
-    features = validate.label_features(features_path(path), len(records), FEATURE_KINDS)
+    features = check_label_features(features_path(path), len(records))
     return LabelSet(header, records, features)
+
+
+def check_label_set(path: Path, rows: list[tuple[str, dict]]) -> tuple[dict, list[dict]]:
+    """The header and records of a label set (`trtspec label-blocks`): every field the policy
+    training and evaluation read, with its type and range."""
+    (where, header), records = rows[0], rows[1:]
+    head = Fields(header, where)
+    if header.get("labels_version") != LABELS_VERSION:
+        raise InputError(f"{path} is not a label set from `trtspec label-blocks` (version {LABELS_VERSION})")
+    if not records:
+        raise InputError(f"{path} holds a header but no labelled prompts")
+    head.text("prompts")
+    head.text("backend")
+    head.number("temperature")
+    head.integer("vocab_size", POSITIVE_INT)
+    head.number("ar_token_s", POSITIVE)
+    columns = head.items("block_sizes", (str, int), "block sizes (B or \"B:G\")", nonempty=True)
+    try:
+        choices = [BlockChoice.parse(c, allow_auto=False) for c in columns]
+    except TrtspecError as exc:
+        head.fail("block_sizes", f"holds a bad block size ({exc})")
+    costs = head.obj("cycle_cost_s")
+    for size in sorted({s for c in choices for s in c.sizes} | {1}):
+        costs.number(str(size), POSITIVE)
+    keys = ["1"] + [c.name for c in choices]
+    for where, record in records:
+        fields = Fields(record, where)
+        fields.integer("prompt_tokens", POSITIVE_INT)
+        runs = fields.obj("runs")
+        for key in keys:
+            run = runs.obj(key)
+            run.number("tau", NON_NEGATIVE)
+            run.integer("cycles")
+            run.integer("new_tokens")
+            run.number("decode_s", NON_NEGATIVE)
+            if run.integer("grown_cycles", default=0) > run.data["cycles"]:
+                run.fail("grown_cycles", "exceeds cycles")
+    if sum(r["runs"]["1"]["decode_s"] for _, r in records) <= 0:
+        raise InputError(f"{path}: runs.1.decode_s (autoregressive) is 0 for every prompt")
+    return header, [record for _, record in records]
+
+
+def check_label_features(path: Path, count: int) -> dict:
+    """A label set's prefill summaries: one finite float tensor [count, D] per feature kind."""
+    tensors = load_tensors(path, "label features")
+    for kind in FEATURE_KINDS:
+        tensor = tensors.get(kind)
+        if tensor is None:
+            raise InputError(f"{path}: has no tensor {kind!r}")
+        if tensor.dim() != 2 or not tensor.is_floating_point() or tensor.shape[0] != count:
+            raise InputError(f"{path}: tensor {kind!r} must be a float [{count}, D] tensor (one row per prompt), "
+                             f"got {tensor.dtype} {list(tensor.shape)}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise InputError(f"{path}: tensor {kind!r} holds NaN or infinite values")
+    return tensors
 
 
 def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_name: str = "prompts",
