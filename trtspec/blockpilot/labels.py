@@ -1,4 +1,5 @@
-"""BlockPilot's labels: every prompt run at every candidate block size (trtspec.perf.sweep).
+"""BlockPilot's label sets: every prompt run at every candidate block size, as `trtspec label-blocks`
+measured it (trtspec.perf.labelling).
 
 A label set is `OUT.jsonl` (a header line with the settings and the per-cycle cost table, then
 one line per prompt with tau, cycles, tokens and raw decode time at AR and at every block size)
@@ -15,7 +16,7 @@ measured at the fixed sizes B and G, which must therefore be columns too.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,28 +24,12 @@ from safetensors.torch import save_file
 
 from trtspec.errors import TrtspecError
 from trtspec.fileio import check_output_file, staged_file
-from trtspec.blockpilot.policy import FEATURE_KINDS, summarize_prefill
-from trtspec.runtime.sampling import SamplingConfig
+from trtspec.blockpilot.policy import FEATURE_KINDS
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.validate import (NON_NEGATIVE, POSITIVE, POSITIVE_INT, Fields, InputError, jsonl_records,
                               load_tensors)
-from trtspec.perf.sweep import Sweep, pipeline_requests, run_sweep
 
 LABELS_VERSION = 2  # 2: confidence features, vocab_size
-
-
-@dataclass(frozen=True)
-class LabelConfig:
-    choices: tuple[BlockChoice, ...] = tuple(BlockChoice(b) for b in (12, 16, 20, 24))
-    max_new_tokens: int = 128
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-
-    def __post_init__(self) -> None:
-        fixed = {c.size for c in self.choices if not c.grow_to}
-        for choice in self.choices:
-            if not set(choice.sizes) <= fixed:
-                raise TrtspecError(f"the growing block {choice.name} is modelled from the cycle costs of B="
-                                   f"{choice.size} and B={choice.grow_to}; add both as fixed block sizes")
 
 
 def run_key(choice: BlockChoice) -> str:
@@ -189,47 +174,3 @@ def check_label_features(path: Path, count: int) -> dict:
         if not bool(torch.isfinite(tensor).all()):
             raise InputError(f"{path}: tensor {kind!r} holds NaN or infinite values")
     return tensors
-
-
-def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_name: str = "prompts",
-                 progress: bool = True) -> LabelSet:
-    """Run every prompt autoregressively and at every block size; summarise each prompt's prefill."""
-    if not pipeline.has_drafter:
-        raise TrtspecError("labelling block sizes needs a drafter")
-    seed = config.sampling.seed if config.sampling.seed is not None else 0
-    summaries, lengths = {k: [] for k in FEATURE_KINDS}, []
-    for prompt in prompts:  # the policy's inputs: a summary of each prompt's prefill
-        ids = pipeline.codec.encode(prompt)
-        lengths.append(len(ids))
-        pipeline.runner.reset(len(ids))
-        with torch.inference_mode():
-            prompt_logits, prefill_features = pipeline.runner.prefill(ids)
-        for kind in FEATURE_KINDS:
-            summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
-    sweep = Sweep(config.choices, config.max_new_tokens, config.sampling)
-    done = run_sweep([pipeline_requests(pipeline)], prompts, sweep, desc="label-blocks", progress=progress)
-    records = [{"index": index, "prompt_tokens": length, "runs": {}} for index, length in enumerate(lengths)]
-    for c, choice in enumerate(done.schedule):
-        for record, generation in zip(records, done.of(c)[0]):
-            stats = generation.stats
-            record["runs"][run_key(choice)] = {
-                "tau": stats.tau, "cycles": stats.cycles, "grown_cycles": stats.grown_cycles,
-                "new_tokens": stats.new_tokens, "decode_s": stats.decode_s}
-    costs = {}
-    for block_size in [c.size for c in done.schedule if not c.grow_to]:
-        seconds = sum(r["runs"][str(block_size)]["decode_s"] for r in records)
-        cycles = sum(r["runs"][str(block_size)]["cycles"] for r in records)
-        if cycles == 0:
-            raise TrtspecError("no decode cycles were run (every prompt stopped at its first token); "
-                               "use other prompts or a larger --max-new-tokens")
-        costs[str(block_size)] = seconds / cycles
-    header = {"labels_version": LABELS_VERSION, "prompts": prompts_name, "n_prompts": len(prompts),
-              "block_sizes": [c.name if c.grow_to else c.size for c in config.choices],
-              "max_new_tokens": config.max_new_tokens,
-              "temperature": config.sampling.temperature, "seed": seed, "backend": pipeline.backend,
-              "cycle_cost_s": costs, "ar_token_s": costs["1"],
-              "vocab_size": int(prompt_logits.shape[-1])}
-    label_set = LabelSet(header, records, {k: torch.stack(v) for k, v in summaries.items()})
-    for record, label in zip(records, label_set.labels()):
-        record["label"] = label.name
-    return label_set

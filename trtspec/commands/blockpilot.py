@@ -45,7 +45,8 @@ def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_siz
     measured cost of one cycle at that block size (stored in the header); raw times are kept.
     """
     from trtspec.perf.bench import load_prompts
-    from trtspec.blockpilot.labels import LabelConfig, check_labels_output, label_blocks as run_labels
+    from trtspec.blockpilot.labels import check_labels_output
+    from trtspec.perf.labelling import LabelConfig, label_blocks as run_labels
 
     check_labels_output(output, (prompts_spec, engine, target, drafter))
     config = LabelConfig(choices=block_sizes, max_new_tokens=max_new_tokens,
