@@ -61,7 +61,7 @@ decode cycles, after a prior of 1.25x the batch-1 break-even tau worth 64 cycles
 apart for greedy and sampled requests (demo pair, B = 12: tau 4.1 greedy, 2.3 at T = 0.7), so
 sampled requests learn on their own to fall back to AR. A smaller size s than the one a request
 ran at is estimated from its acceptance histogram, each cycle cut at s (min(a, s - 1) + 1): the
-drafter's first s - 1 proposals of a longer block stand for a block of s.
+drafter's first s - 1 proposals of a longer block stand for a block of s (trtspec.runtime.stats.cut_histogram).
 Until requests at the policy's choice (or a larger size) have shown PRIOR_CYCLES decode cycles,
 the choice is kept as it is: an engine that turned to AR on a guess would never see what
 speculation accepts (AR requests show no acceptance), so it explores first.
@@ -83,6 +83,7 @@ import numpy as np
 
 from trtspec.blockpilot.costs import CostTable, fit_host_work
 from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.stats import committed_tokens, cut_histogram, pool_histograms
 
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
 STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the size the batch is heading to
@@ -102,7 +103,7 @@ class LoadAwareChooser:
 
     costs: CostTable  # timed at start-up
     choices: tuple[BlockChoice, ...] = ()  # what the policy can answer (unknown: only AR settles without it)
-    _seen: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict)  # acceptance histograms
+    _seen: dict[tuple[int, bool], list[int]] = field(default_factory=dict)  # pooled acceptance histograms
     _cycles: dict[tuple[int, int], deque] = field(default_factory=dict)  # (size, batch) -> the engine's cycle ms
     _medians: dict[tuple[int, int], float] = field(default_factory=dict)  # of the shapes with MEASURED_MIN cycles
     _fit: tuple[float, float] = (1.0, 0.0)  # (slope, host ms): table -> measured, over those shapes
@@ -128,11 +129,9 @@ class LoadAwareChooser:
             for (ran, regime), histogram in self._seen.items():
                 if regime != sampled or ran < size:
                     continue
-                accepted = np.arange(len(histogram))
-                if ran > size:  # the same cycles, as if cut at `size`
-                    accepted = np.minimum(accepted, size - 1)
-                committed += float((accepted + 1) @ histogram)
-                cycles += float(histogram.sum())
+                cut = cut_histogram(histogram, size)  # the same cycles, as if cut at `size`
+                committed += float(committed_tokens(cut))
+                cycles += float(sum(cut))
         return committed, cycles
 
     def observe(self, choice: BlockChoice, histogram: list[int], sampled: bool = False) -> None:
@@ -142,14 +141,10 @@ class LoadAwareChooser:
         1.9 against 2.9 for 128-token ones, and the engine sent its next requests to AR). A growing
         block's grown cycles count as what its base size would have accepted (all of it)."""
         if choice.size > 1 and sum(histogram) >= OBSERVED_MIN:
-            new = np.asarray(histogram, float)
-            if len(new) > choice.size:
-                new = np.append(new[:choice.size - 1], new[choice.size - 1:].sum())
+            new = cut_histogram(histogram, choice.size)
             with self._lock:
-                seen = self._seen.get((choice.size, sampled), np.zeros(0))
-                width = max(len(seen), len(new))
-                pooled = np.pad(seen, (0, width - len(seen))) + np.pad(new, (0, width - len(new)))
-                self._seen[(choice.size, sampled)] = pooled
+                key = (choice.size, sampled)
+                self._seen[key] = pool_histograms([self._seen.get(key, []), new])
 
     def observe_cycle(self, size: int, batch: int, ms: float) -> None:
         """The engine ran one cycle of `batch` requests at `size` (1: AR) in `ms` milliseconds."""
