@@ -1,11 +1,17 @@
 """Decode statistics, the one place they are computed: acceptance length (tau), the acceptance
 histogram and its ceiling bin, and decode tokens per second, per request (DecodeStats) and pooled
-over many requests (the functions below, which bench, preflight, labels and the GPU check use)."""
+over many requests (the functions below, which bench, preflight, labels and the GPU check use).
+
+The formulas over an acceptance histogram (`histogram[a]`: cycles that accepted `a` drafts) are
+written here once: committed tokens and tau, tau as if the block had been smaller (`cut_histogram`),
+cycles that accepted at least k drafts, and pooling; BlockPilot's load-aware chooser, DBloom's
+analysis and the serving metrics call them."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Iterable, Sequence
 
 
@@ -104,10 +110,37 @@ class DecodeStats:
                 f"decode {self.decode_tokens_per_s:.1f} tok/s | finish: {self.finish_reason}")
 
 
+def committed_tokens(histogram: Sequence[int]) -> int:
+    """Tokens the cycles of an acceptance histogram committed: accepted drafts + one bonus each."""
+    return sum((a + 1) * n for a, n in enumerate(histogram))
+
+
 def histogram_tau(histogram: Sequence[int]) -> float:
     """Committed tokens per cycle (accepted drafts + the bonus) of an acceptance histogram."""
     cycles = sum(histogram)
-    return sum((a + 1) * n for a, n in enumerate(histogram)) / cycles if cycles else 0.0
+    return committed_tokens(histogram) / cycles if cycles else 0.0
+
+
+def cut_histogram(histogram: Sequence[int], block_size: int) -> list[int]:
+    """The same cycles as if the block had been `block_size`: the drafter's first B - 1 proposals of
+    a longer block stand for a block of B, so a cycle that accepted B - 1 drafts or more counts in
+    the ceiling bin B - 1 (min(a, B - 1) accepted). A histogram no wider than B is unchanged."""
+    if len(histogram) <= block_size:
+        return list(histogram)
+    return [*histogram[:block_size - 1], sum(histogram[block_size - 1:])]
+
+
+def accepted_at_least(histogram: Sequence[int]) -> list[int]:
+    """`[k]`: cycles that accepted at least k drafts, k = 0 .. len - 1 (`[0]` counts every cycle)."""
+    return list(accumulate(reversed(histogram)))[::-1]
+
+
+def pool_histograms(histograms: Iterable[Sequence[int]]) -> list[int]:
+    """Cycles that accepted a drafts, summed over histograms (of different widths with auto or a
+    growing block: the shorter count as zeros beyond their end)."""
+    histograms = list(histograms)
+    width = max(map(len, histograms), default=0)
+    return [sum(h[a] for h in histograms if a < len(h)) for a in range(width)]
 
 
 def decode_tokens(new_tokens: int) -> int:
@@ -129,11 +162,8 @@ def mean_tau(stats: Iterable[DecodeStats]) -> float:
 
 
 def pooled_histogram(stats: Iterable[DecodeStats]) -> list[int]:
-    """Cycles that accepted a drafts, summed over requests (with auto or a growing block the
-    histograms differ in length; the shorter count as zeros beyond their end)."""
-    histograms = [s.histogram for s in stats]
-    width = max(map(len, histograms), default=0)
-    return [sum(h[a] for h in histograms if a < len(h)) for a in range(width)]
+    """The requests' acceptance histograms pooled (`pool_histograms`)."""
+    return pool_histograms(s.histogram for s in stats)
 
 
 def pooled_ceiling_fraction(stats: Iterable[DecodeStats]) -> float:

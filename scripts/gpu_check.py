@@ -28,7 +28,8 @@ import torch
 
 def cycle_timings(target, drafter, block_size: int, past: int) -> dict:
     """One draft(B) + verify(B) cycle of the step modules, eager and replayed as a CUDA graph."""
-    from trtspec.cycle_costs import Timer, cycle_inputs, replayed_ms
+    from trtspec.perf.cycle_costs import cycle_inputs, replayed_ms
+    from trtspec.timing import Timer
     from trtspec.export.steps import DraftStep, TargetStep
 
     device = target.device
@@ -81,7 +82,7 @@ def main() -> int:
 
     from trtspec.api import Pipeline
     from trtspec.assets import resolve_drafter, resolve_target
-    from trtspec.bench import load_prompts
+    from trtspec.perf.bench import load_prompts
     from trtspec.runtime.schedule import parse_block_sizes
     from trtspec.build import BuildConfig, build_engine
     from trtspec.engines import onnxruntime as ort_engine
@@ -90,7 +91,7 @@ def main() -> int:
     from trtspec.fileio import atomic_write_text
     from trtspec.runtime.schedule import BlockChoice
     from trtspec.runtime.stats import decode_tokens_per_s
-    from trtspec.sweep import Sweep, pipeline_requests, run_sweep
+    from trtspec.perf.sweep import Sweep, pipeline_requests, run_sweep
 
     block_sizes = parse_block_sizes(args.block_sizes)
     out = Path(args.out)

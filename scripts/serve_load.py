@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("server_args", nargs="*", help="Arguments for trtspec serve (after --).")
     args = parser.parse_args()
 
-    from trtspec.bench import load_prompts
+    from trtspec.perf.bench import load_prompts
 
     prompts = load_prompts("humaneval", args.prompts)[1]
     extra = {"temperature": args.temperature, **({"block_size": args.block_size} if args.block_size else {})}

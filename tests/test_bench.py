@@ -6,7 +6,7 @@ import statistics
 import pytest
 from helpers import assert_one_line_error, trtspec
 
-from trtspec.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, run_bench,
+from trtspec.perf.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, run_bench,
                            speedups)
 from trtspec.errors import TrtspecError
 from trtspec.runtime.request import Generation
@@ -191,7 +191,7 @@ def test_the_interval_of_a_ratio_resamples_repeats_in_pairs():
     """A host that drifts 3x over a run, and a row always 5% behind the other in the same repeat:
     paired, the interval is exactly 0.95 (resampled apart it would span the drift). Noise widens it
     around the ratio of the medians."""
-    from trtspec.concurrency import paired_interval
+    from trtspec.perf.concurrency import paired_interval
 
     host = [100.0, 300.0, 150.0, 250.0, 120.0, 280.0, 200.0, 180.0]
     assert paired_interval([0.95 * x for x in host], host) == pytest.approx([0.95, 0.95])
@@ -203,7 +203,7 @@ def test_the_interval_of_a_ratio_resamples_repeats_in_pairs():
 def test_the_closed_loop_counts_the_steady_state_apart_from_the_drain(pipeline):
     """Throughput at c clients counts what was committed while all c had a request in flight: up to
     the moment the first client finds the prompt set empty. The rest of the run is the drain."""
-    from trtspec.concurrency import LoadRun, closed_loop
+    from trtspec.perf.concurrency import LoadRun, closed_loop
     from trtspec.runtime.request import GenerationConfig
     from trtspec.runtime.engine import EngineConfig
 

@@ -1,4 +1,4 @@
-"""Cycle costs (trtspec.cycle_costs, scripts/gpu/cycle_costs.py) at the tiny shape on the CPU: the
+"""Cycle costs (trtspec.perf.cycle_costs, scripts/gpu/cycle_costs.py) at the tiny shape on the CPU: the
 random pair is what it claims, the runtime engine it times decodes exactly like eager PyTorch
 (run by run and over the static bindings that CUDA-graph replay uses), and a measurement fills
 every row of its report."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import ar_of, core_of, generate, single
-from trtspec.cycle_costs import (QWEN3_4B, TINY, CycleCostConfig, drafter_config, measure, random_pair,
+from trtspec.perf.cycle_costs import (QWEN3_4B, TINY, CycleCostConfig, drafter_config, measure, random_pair,
                                  runtime_engine, tiny)
 from trtspec.errors import TrtspecError
 from trtspec.models import load_drafter, load_target

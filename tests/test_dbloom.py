@@ -28,6 +28,22 @@ def test_per_position_acceptance_and_the_stranded_estimate():
     assert not low["expand"] and low["to"] is None
 
 
+
+def test_the_histogram_formulas_that_blockpilot_dbloom_and_the_metrics_share():
+    from trtspec.runtime.stats import (accepted_at_least, committed_tokens, cut_histogram, histogram_tau,
+                                       pool_histograms)
+
+    histogram = [10, 20, 30, 40]  # cycles at B=4 that accepted 0..3 drafts
+    assert committed_tokens(histogram) == 10 * 1 + 20 * 2 + 30 * 3 + 40 * 4
+    assert histogram_tau(histogram) == pytest.approx(3.0) and histogram_tau([0, 0]) == 0.0
+    assert accepted_at_least(histogram) == [100, 90, 70, 40] and accepted_at_least([]) == []
+    # as if the block had been 3: the cycles that accepted 2 or 3 drafts accepted 2 (min(a, B - 1))
+    assert cut_histogram(histogram, 3) == [10, 20, 70]
+    assert histogram_tau(cut_histogram(histogram, 3)) == pytest.approx(sum(min(a, 2) + 1 for a, n in
+                                                                        enumerate(histogram) for _ in range(n)) / 100)
+    assert cut_histogram(histogram, 4) == histogram and cut_histogram(histogram, 8) == histogram
+    assert pool_histograms([histogram, [1, 2], []]) == [11, 22, 30, 40] and pool_histograms([]) == []
+
 def test_expand_block_weights_and_plan():
     plain, shifted = position_weights(24, 10.0), position_weights(24, 10.0, emphasis_from=16)
     assert plain[0] == shifted[0] == 0 and torch.equal(plain[:16], shifted[:16])

@@ -9,7 +9,7 @@ import pytest
 
 from trtspec.api import Pipeline
 from trtspec.assets import ASSETS, resolve_drafter, resolve_target
-from trtspec.bench import load_prompts
+from trtspec.perf.bench import load_prompts
 from trtspec.errors import TrtspecError
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.schedule import AR, AUTO, BlockChoice
@@ -97,7 +97,7 @@ def test_demo_engine_built_with_defaults_reproduces_eager(demo, tmp_path):
     assert "B=12 (target profile 3, draft profile 1)" in result.stdout.decode()
     engine = Pipeline(resolve_target(None), resolve_drafter(None, None), engine=tmp_path / "engine")
     assert engine.backend == "onnxruntime" and engine.runner.block_sizes == (8, 12, 16, 20, 24)
-    assert engine.policy is not None and engine.default_block_size == AUTO  # the demo policy, embedded
+    assert engine.policy is not None and engine.default_block == AUTO  # the demo policy, embedded
     _, prompts = load_prompts("humaneval", limit=6)
     for prompt in prompts:
         for block_size in (12, 24):

@@ -17,7 +17,7 @@ from test_sampling import PROMPT, exact_three_token_distribution, pvalues
 
 from trtspec.api import Pipeline
 from trtspec.assets import resolve_drafter, resolve_target
-from trtspec.bench import load_prompts
+from trtspec.perf.bench import load_prompts
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime import reference as oracle
 from trtspec.runtime.request import GenerationConfig
@@ -227,7 +227,8 @@ def _cycles(size: int, accepted: dict[int, int]) -> list[int]:
 
 
 def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
-    from trtspec.blockpilot.load import CostTable, LoadAwareChooser
+    from trtspec.blockpilot.costs import CostTable
+    from trtspec.blockpilot.load import LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
 
@@ -261,7 +262,8 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
 def test_load_aware_blockpilot_asks_the_policy_only_when_speculation_has_a_chance():
     """The policy's forward costs the engine thread ~5 ms per request, in which no request decodes:
     where the load settles the size whatever it answers, the chooser decides without it."""
-    from trtspec.blockpilot.load import CostTable, LoadAwareChooser
+    from trtspec.blockpilot.costs import CostTable
+    from trtspec.blockpilot.load import LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
 
@@ -292,7 +294,8 @@ def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it(
     """Evidence at B = 12 also tells what B = 8 would accept (each cycle cut at 8); the batch is
     judged as if all of it ran at the candidate size, so it moves to 8 as it grows even while
     its first requests still decode at 12, and a burst is judged as the batch it becomes."""
-    from trtspec.blockpilot.load import PRIOR_CYCLES, CostTable, LoadAwareChooser
+    from trtspec.blockpilot.costs import CostTable
+    from trtspec.blockpilot.load import PRIOR_CYCLES, LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
 
@@ -325,7 +328,8 @@ def test_load_aware_blockpilot_explores_before_it_judges():
     """With no finished request at the policy's size the choice is kept even where the prior would
     say AR: AR requests show no acceptance, so an engine that never speculated would never learn.
     A request of a few cycles (its last one cut by its token limit) is no evidence."""
-    from trtspec.blockpilot.load import OBSERVED_MIN, PRIOR_CYCLES, CostTable, LoadAwareChooser
+    from trtspec.blockpilot.costs import CostTable
+    from trtspec.blockpilot.load import OBSERVED_MIN, PRIOR_CYCLES, LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
 
@@ -345,7 +349,8 @@ def test_load_aware_blockpilot_explores_before_it_judges():
 def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():
     """The start-up table times bare calls at a fixed context; the engine's own cycles (host work
     included) replace it for the shapes the engine ran, and are fitted to it for the others."""
-    from trtspec.blockpilot.load import MEASURED_MIN, WINDOW, CostTable, LoadAwareChooser
+    from trtspec.blockpilot.costs import CostTable
+    from trtspec.blockpilot.load import MEASURED_MIN, WINDOW, LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
 
@@ -375,7 +380,8 @@ def test_load_aware_blockpilot_adds_the_host_work_the_table_lacks():
     that work would be spread over the table's costs and AR, the cheapest call, would look cheaper
     than it runs (the demo pair at 4 clients: the figures below; AR put at 8.2 ms a cycle, where the
     engine then measured 12.1 ms). A line through the measured shapes keeps it per cycle."""
-    from trtspec.blockpilot.load import MEASURED_MIN, CostTable, LoadAwareChooser, fit_host_work
+    from trtspec.blockpilot.costs import CostTable, fit_host_work
+    from trtspec.blockpilot.load import MEASURED_MIN, LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
 
@@ -405,7 +411,8 @@ def test_load_aware_blockpilot_follows_the_batch_where_it_is_heading():
     better size then finishes within one request's life. Joining the majority held a batch on the
     worse of two close sizes and let each admission that found the margin open a second group for
     its whole life (the demo pair at 4 clients, AR 4% ahead of B = 8: 0.94x of AR, bench run 15)."""
-    from trtspec.blockpilot.load import MEASURED_MIN, WINDOW, CostTable, LoadAwareChooser
+    from trtspec.blockpilot.costs import CostTable
+    from trtspec.blockpilot.load import MEASURED_MIN, WINDOW, LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
 
@@ -427,7 +434,8 @@ def test_the_engine_learns_acceptance_from_every_speculative_request():
     """tau is a property of the drafter on the engine's traffic, not of `auto` requests alone: an
     engine that served fixed sizes already knows what `auto` would accept. A growing block's grown
     cycles count as full acceptance at its base size; AR requests show nothing."""
-    from trtspec.blockpilot.load import CostTable, LoadAwareChooser
+    from trtspec.blockpilot.costs import CostTable
+    from trtspec.blockpilot.load import LoadAwareChooser
 
     chooser = LoadAwareChooser(CostTable((1, 2), {1: [1.0, 1.5], 4: [2.0, 3.0], 8: [3.0, 5.0]}))
     configs = [GenerationConfig(block=BlockChoice(8), max_new_tokens=60),
@@ -468,7 +476,8 @@ def test_static_buffers_for_graph_replay_decode_the_same(tiny):
 def test_load_aware_blockpilot_forgets_a_shape_it_has_not_run_lately():
     """A median from minutes ago set against one from now judges the host's drift, not the sizes:
     a shape not run for STALE_S is measured afresh (and AR, close to the best again, explored)."""
-    from trtspec.blockpilot.load import MEASURED_MIN, STALE_S, CostTable, LoadAwareChooser
+    from trtspec.blockpilot.costs import CostTable
+    from trtspec.blockpilot.load import MEASURED_MIN, STALE_S, LoadAwareChooser
     from trtspec.runtime.engine import Load
     from trtspec.runtime.schedule import BlockChoice
 

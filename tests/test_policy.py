@@ -131,7 +131,7 @@ def test_auto_picks_a_candidate_and_stays_lossless(trained, target_dir, drafter_
 
     work, _, _ = trained
     pipeline = Pipeline(target_dir, drafter_dir, policy=work / "policy")
-    assert pipeline.default_block_size == AUTO
+    assert pipeline.default_block == AUTO
     baseline = pipeline.autoregressive()
     for prompt in PROMPTS:
         auto = pipeline.generate(prompt, GenerationConfig(block=AUTO, max_new_tokens=20))
@@ -143,7 +143,7 @@ def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, dra
     """`bench --concurrency` with auto: the engine measured every (block size, batch) cell it may
     choose between (AR included) and the row says so; the output stays lossless."""
     from trtspec.api import Pipeline
-    from trtspec.concurrency import run_load
+    from trtspec.perf.concurrency import run_load
     from trtspec.runtime.sampling import SamplingConfig
 
     work, _, _ = trained

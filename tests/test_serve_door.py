@@ -86,7 +86,7 @@ class _Handle:
         self.cancelled = True
 
     def result(self, timeout=None):
-        from trtspec.runtime.decode import Generation
+        from trtspec.runtime.request import Generation
 
         return Generation(self.tokens, self.stats)
 

@@ -150,7 +150,8 @@ class Pipeline:
         runner = self._runner(config.max_running)
         chooser = None
         if self.policy is not None and load_aware:
-            from trtspec.blockpilot.load import LoadAwareChooser, measure_costs
+            from trtspec.blockpilot.costs import measure_costs
+            from trtspec.blockpilot.load import LoadAwareChooser
 
             chooser = LoadAwareChooser(measure_costs(runner, self.policy.block_sizes), self.policy.choices)
         return EngineCore(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)

@@ -1,12 +1,13 @@
 """What trtspec reads from disk, checked where it enters: field by field, naming file and field.
 
 Every reader of a user's file (model and drafter `config.json`, safetensors indexes, tokenizer
-settings, label sets and their feature files, BlockPilot policies, training checkpoints, JSONL
-prompt and training sets) goes through these checks, so a string where a number belongs, a list
-where an object belongs, a non-positive size or a truncated file is one line,
-`FILE: FIELD must be ..., got ...`, and the code behind the door trusts what it gets. Numeric
-ranges come from `trtspec.limits` (shared with flags and requests). The engine manifest has its
-own checks in `trtspec.engines.manifest`.
+settings, training checkpoints, JSONL prompt and training sets) goes through these checks, so a
+string where a number belongs, a list where an object belongs, a non-positive size or a truncated
+file is one line, `FILE: FIELD must be ..., got ...`, and the code behind the door trusts what it
+gets. Numeric ranges come from `trtspec.limits` (shared with flags and requests). Files with a
+schema of their own are checked beside their reader, with these fields: the engine manifest in
+`trtspec.engines.manifest`, BlockPilot's label sets and policies in `trtspec.blockpilot.labels`
+and `trtspec.blockpilot.policy`.
 """
 
 from __future__ import annotations
@@ -239,89 +240,6 @@ def load_tensors(path: Path, what: str) -> dict:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise InputError(f"{what}: cannot read {path} ({str(exc).splitlines()[0] if str(exc) else 'damaged'})") from None
-
-
-def label_set(path: Path, rows: list[tuple[str, dict]], version: int) -> tuple[dict, list[dict]]:
-    """The header and records of a label set (`trtspec label-blocks`): every field the policy
-    training and evaluation read, with its type and range."""
-    from trtspec.runtime.schedule import BlockChoice
-
-    (where, header), records = rows[0], rows[1:]
-    head = Fields(header, where)
-    if header.get("labels_version") != version:
-        raise InputError(f"{path} is not a label set from `trtspec label-blocks` (version {version})")
-    if not records:
-        raise InputError(f"{path} holds a header but no labelled prompts")
-    head.text("prompts")
-    head.text("backend")
-    head.number("temperature")
-    head.integer("vocab_size", POSITIVE_INT)
-    head.number("ar_token_s", POSITIVE)
-    columns = head.items("block_sizes", (str, int), "block sizes (B or \"B:G\")", nonempty=True)
-    try:
-        choices = [BlockChoice.parse(c, allow_auto=False) for c in columns]
-    except TrtspecError as exc:
-        head.fail("block_sizes", f"holds a bad block size ({exc})")
-    costs = head.obj("cycle_cost_s")
-    for size in sorted({s for c in choices for s in c.sizes} | {1}):
-        costs.number(str(size), POSITIVE)
-    keys = ["1"] + [c.name for c in choices]
-    for where, record in records:
-        fields = Fields(record, where)
-        fields.integer("prompt_tokens", POSITIVE_INT)
-        runs = fields.obj("runs")
-        for key in keys:
-            run = runs.obj(key)
-            run.number("tau", NON_NEGATIVE)
-            run.integer("cycles")
-            run.integer("new_tokens")
-            run.number("decode_s", NON_NEGATIVE)
-            if run.integer("grown_cycles", default=0) > run.data["cycles"]:
-                run.fail("grown_cycles", "exceeds cycles")
-    if sum(r["runs"]["1"]["decode_s"] for _, r in records) <= 0:
-        raise InputError(f"{path}: runs.1.decode_s (autoregressive) is 0 for every prompt")
-    return header, [record for _, record in records]
-
-
-def label_features(path: Path, count: int, kinds: tuple[str, ...]) -> dict:
-    """A label set's prefill summaries: one finite float tensor [count, D] per feature kind."""
-    import torch
-
-    tensors = load_tensors(path, "label features")
-    for kind in kinds:
-        tensor = tensors.get(kind)
-        if tensor is None:
-            raise InputError(f"{path}: has no tensor {kind!r}")
-        if tensor.dim() != 2 or not tensor.is_floating_point() or tensor.shape[0] != count:
-            raise InputError(f"{path}: tensor {kind!r} must be a float [{count}, D] tensor (one row per prompt), "
-                             f"got {tensor.dtype} {list(tensor.shape)}")
-        if not bool(torch.isfinite(tensor).all()):
-            raise InputError(f"{path}: tensor {kind!r} holds NaN or infinite values")
-    return tensors
-
-
-def policy_config(path: Path, feature_kinds: tuple[str, ...]) -> dict:
-    """policy.json of a BlockPilot policy: "choices" (block sizes, B:G or AR), "features" (known
-    kinds), "inputs" and "hidden" (positive sizes); returns the parsed values and the rest as info."""
-    from trtspec.runtime.schedule import BlockChoice
-
-    data = read_json_object(path, "BlockPilot policy")
-    fields = Fields(data, path)
-    key = "choices" if "choices" in data else "block_sizes"  # "block_sizes": before growing blocks
-    raw = fields.items(key, (str, int), "block sizes (B, \"B:G\" or \"AR\")", nonempty=True)
-    try:
-        choices = tuple(BlockChoice.parse(c, allow_auto=False, allow_ar=True) for c in raw)
-    except TrtspecError as exc:
-        fields.fail(key, f"holds a bad block size ({exc})")
-    kinds = tuple(fields.strings("features", nonempty=True))
-    unknown = [k for k in kinds if k not in feature_kinds]
-    if unknown:
-        fields.fail("features", f"holds unknown kinds {unknown} (known: {', '.join(feature_kinds)})")
-    parsed = {"choices": choices, "features": kinds, "inputs": fields.integer("inputs", POSITIVE_INT),
-              "hidden": fields.integer("hidden", POSITIVE_INT)}
-    parsed["info"] = {k: v for k, v in data.items() if k not in ("choices", "block_sizes", "features", "inputs",
-                                                                   "hidden")}
-    return parsed
 
 
 def training_checkpoint(path: Path, keys: tuple[str, ...]) -> dict:

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from trtspec.dbloom.histogram import per_position_acceptance
+from trtspec.runtime.stats import accepted_at_least
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay_schedules import replay  # noqa: E402
@@ -44,8 +45,7 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 def at_least_counts(report: dict) -> np.ndarray:
     """[prompts, POSITIONS + 1]: per prompt, how many cycles accepted at least k drafts (k = 0..15)."""
-    histograms = np.array([request["histogram"] for request in report["requests"]], dtype=np.float64)
-    at_least = histograms[:, ::-1].cumsum(axis=1)[:, ::-1]
+    at_least = np.array([accepted_at_least(request["histogram"]) for request in report["requests"]], dtype=np.float64)
     return at_least[:, :POSITIONS + 1]
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from trtspec.bench import load_prompts
+from trtspec.perf.bench import load_prompts
 from trtspec.fileio import atomic_write_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,5 +1,5 @@
 """Time draft(B), verify(B) and the AR step of a random Qwen3-4B-shaped target with a 5-layer DFlash
-drafter, eager and replayed from CUDA graphs, and the host share of a decode cycle (trtspec.cycle_costs).
+drafter, eager and replayed from CUDA graphs, and the host share of a decode cycle (trtspec.perf.cycle_costs).
 
     python scripts/gpu/cycle_costs.py --out OUT_DIR                         # a CUDA GPU, bf16
     python scripts/gpu/cycle_costs.py --device cpu --shape tiny --out OUT_DIR   # the same code on a CPU
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from trtspec.runtime.schedule import parse_block_sizes
-from trtspec.cycle_costs import CycleCostConfig, CycleCosts, measure, tiny
+from trtspec.perf.cycle_costs import CycleCostConfig, CycleCosts, measure, tiny
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
 

@@ -1,4 +1,5 @@
-"""BlockPilot's labels: every prompt run at every candidate block size (trtspec.sweep).
+"""BlockPilot's label sets: every prompt run at every candidate block size, as `trtspec label-blocks`
+measured it (trtspec.perf.labelling).
 
 A label set is `OUT.jsonl` (a header line with the settings and the per-cycle cost table, then
 one line per prompt with tau, cycles, tokens and raw decode time at AR and at every block size)
@@ -15,35 +16,20 @@ measured at the fixed sizes B and G, which must therefore be columns too.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from trtspec import validate
 from trtspec.errors import TrtspecError
 from trtspec.fileio import check_output_file, staged_file
-from trtspec.blockpilot.policy import FEATURE_KINDS, summarize_prefill
-from trtspec.runtime.sampling import SamplingConfig
+from trtspec.blockpilot.policy import FEATURE_KINDS
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.sweep import Sweep, pipeline_requests, run_sweep
+from trtspec.validate import (NON_NEGATIVE, POSITIVE, POSITIVE_INT, Fields, InputError, jsonl_records,
+                              load_tensors)
 
 LABELS_VERSION = 2  # 2: confidence features, vocab_size
-
-
-@dataclass(frozen=True)
-class LabelConfig:
-    choices: tuple[BlockChoice, ...] = tuple(BlockChoice(b) for b in (12, 16, 20, 24))
-    max_new_tokens: int = 128
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-
-    def __post_init__(self) -> None:
-        fixed = {c.size for c in self.choices if not c.grow_to}
-        for choice in self.choices:
-            if not set(choice.sizes) <= fixed:
-                raise TrtspecError(f"the growing block {choice.name} is modelled from the cycle costs of B="
-                                   f"{choice.size} and B={choice.grow_to}; add both as fixed block sizes")
 
 
 def run_key(choice: BlockChoice) -> str:
@@ -126,52 +112,65 @@ class LabelSet:
 
 
 def read_labels(path: str | Path) -> LabelSet:
-    """A label set and its features, checked field by field (trtspec.validate) as they are read."""
+    """A label set and its features, checked field by field as they are read (below)."""
     path = Path(path)
-    header, records = validate.label_set(path, validate.jsonl_records(path), LABELS_VERSION)
+    header, records = check_label_set(path, jsonl_records(path))
     if not features_path(path).is_file():
         raise TrtspecError(f"{path}: its features file {features_path(path).name} is missing")
-    features = validate.label_features(features_path(path), len(records), FEATURE_KINDS)
+    features = check_label_features(features_path(path), len(records))
     return LabelSet(header, records, features)
 
 
-def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_name: str = "prompts",
-                 progress: bool = True) -> LabelSet:
-    """Run every prompt autoregressively and at every block size; summarise each prompt's prefill."""
-    if not pipeline.has_drafter:
-        raise TrtspecError("labelling block sizes needs a drafter")
-    seed = config.sampling.seed if config.sampling.seed is not None else 0
-    summaries, lengths = {k: [] for k in FEATURE_KINDS}, []
-    for prompt in prompts:  # the policy's inputs: a summary of each prompt's prefill
-        ids = pipeline.codec.encode(prompt)
-        lengths.append(len(ids))
-        prompt_logits, prefill_features = pipeline.prefill(ids)
-        for kind in FEATURE_KINDS:
-            summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
-    sweep = Sweep(config.choices, config.max_new_tokens, config.sampling)
-    done = run_sweep([pipeline_requests(pipeline)], prompts, sweep, desc="label-blocks", progress=progress)
-    records = [{"index": index, "prompt_tokens": length, "runs": {}} for index, length in enumerate(lengths)]
-    for c, choice in enumerate(done.schedule):
-        for record, generation in zip(records, done.of(c)[0]):
-            stats = generation.stats
-            record["runs"][run_key(choice)] = {
-                "tau": stats.tau, "cycles": stats.cycles, "grown_cycles": stats.grown_cycles,
-                "new_tokens": stats.new_tokens, "decode_s": stats.decode_s}
-    costs = {}
-    for block_size in [c.size for c in done.schedule if not c.grow_to]:
-        seconds = sum(r["runs"][str(block_size)]["decode_s"] for r in records)
-        cycles = sum(r["runs"][str(block_size)]["cycles"] for r in records)
-        if cycles == 0:
-            raise TrtspecError("no decode cycles were run (every prompt stopped at its first token); "
-                               "use other prompts or a larger --max-new-tokens")
-        costs[str(block_size)] = seconds / cycles
-    header = {"labels_version": LABELS_VERSION, "prompts": prompts_name, "n_prompts": len(prompts),
-              "block_sizes": [c.name if c.grow_to else c.size for c in config.choices],
-              "max_new_tokens": config.max_new_tokens,
-              "temperature": config.sampling.temperature, "seed": seed, "backend": pipeline.backend,
-              "cycle_cost_s": costs, "ar_token_s": costs["1"],
-              "vocab_size": int(prompt_logits.shape[-1])}
-    label_set = LabelSet(header, records, {k: torch.stack(v) for k, v in summaries.items()})
-    for record, label in zip(records, label_set.labels()):
-        record["label"] = label.name
-    return label_set
+def check_label_set(path: Path, rows: list[tuple[str, dict]]) -> tuple[dict, list[dict]]:
+    """The header and records of a label set (`trtspec label-blocks`): every field the policy
+    training and evaluation read, with its type and range."""
+    (where, header), records = rows[0], rows[1:]
+    head = Fields(header, where)
+    if header.get("labels_version") != LABELS_VERSION:
+        raise InputError(f"{path} is not a label set from `trtspec label-blocks` (version {LABELS_VERSION})")
+    if not records:
+        raise InputError(f"{path} holds a header but no labelled prompts")
+    head.text("prompts")
+    head.text("backend")
+    head.number("temperature")
+    head.integer("vocab_size", POSITIVE_INT)
+    head.number("ar_token_s", POSITIVE)
+    columns = head.items("block_sizes", (str, int), "block sizes (B or \"B:G\")", nonempty=True)
+    try:
+        choices = [BlockChoice.parse(c, allow_auto=False) for c in columns]
+    except TrtspecError as exc:
+        head.fail("block_sizes", f"holds a bad block size ({exc})")
+    costs = head.obj("cycle_cost_s")
+    for size in sorted({s for c in choices for s in c.sizes} | {1}):
+        costs.number(str(size), POSITIVE)
+    keys = ["1"] + [c.name for c in choices]
+    for where, record in records:
+        fields = Fields(record, where)
+        fields.integer("prompt_tokens", POSITIVE_INT)
+        runs = fields.obj("runs")
+        for key in keys:
+            run = runs.obj(key)
+            run.number("tau", NON_NEGATIVE)
+            run.integer("cycles")
+            run.integer("new_tokens")
+            run.number("decode_s", NON_NEGATIVE)
+            if run.integer("grown_cycles", default=0) > run.data["cycles"]:
+                run.fail("grown_cycles", "exceeds cycles")
+    if sum(r["runs"]["1"]["decode_s"] for _, r in records) <= 0:
+        raise InputError(f"{path}: runs.1.decode_s (autoregressive) is 0 for every prompt")
+    return header, [record for _, record in records]
+
+
+def check_label_features(path: Path, count: int) -> dict:
+    """A label set's prefill summaries: one finite float tensor [count, D] per feature kind."""
+    tensors = load_tensors(path, "label features")
+    for kind in FEATURE_KINDS:
+        tensor = tensors.get(kind)
+        if tensor is None:
+            raise InputError(f"{path}: has no tensor {kind!r}")
+        if tensor.dim() != 2 or not tensor.is_floating_point() or tensor.shape[0] != count:
+            raise InputError(f"{path}: tensor {kind!r} must be a float [{count}, D] tensor (one row per prompt), "
+                             f"got {tensor.dtype} {list(tensor.shape)}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise InputError(f"{path}: tensor {kind!r} holds NaN or infinite values")
+    return tensors

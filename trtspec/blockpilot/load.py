@@ -12,8 +12,8 @@ also choose, and AR commits the most tokens per second for a batch of the size i
 with n the size of the batch the request joins (below) and cost(s, n)
 the time of one cycle at s for n requests: what the engine measured for its own cycles of that
 shape lately (draft + verify + the rows' host work, median of the last WINDOW), else the cost table
-timed when the engine started (bare draft(s) + verify(s) calls at a fixed context) fitted to what
-the engine measures: measured = slope x table + host, a line through the measured shapes (every
+timed when the engine started (bare draft(s) + verify(s) calls at a fixed context; trtspec.blockpilot.costs)
+fitted to what the engine measures: measured = slope x table + host, a line through the measured shapes (every
 real cycle carries the engine's host work, which the table's bare calls lack; a plain ratio
 spread it over the table's costs and so made AR, the cheapest call, look cheaper still: on the
 demo pair at 4 clients it put AR at 8.2 ms a cycle and sent the first requests there, where the
@@ -61,7 +61,7 @@ decode cycles, after a prior of 1.25x the batch-1 break-even tau worth 64 cycles
 apart for greedy and sampled requests (demo pair, B = 12: tau 4.1 greedy, 2.3 at T = 0.7), so
 sampled requests learn on their own to fall back to AR. A smaller size s than the one a request
 ran at is estimated from its acceptance histogram, each cycle cut at s (min(a, s - 1) + 1): the
-drafter's first s - 1 proposals of a longer block stand for a block of s.
+drafter's first s - 1 proposals of a longer block stand for a block of s (trtspec.runtime.stats.cut_histogram).
 Until requests at the policy's choice (or a larger size) have shown PRIOR_CYCLES decode cycles,
 the choice is kept as it is: an engine that turned to AR on a guess would never see what
 speculation accepts (AR requests show no acceptance), so it explores first.
@@ -80,12 +80,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import torch
 
-from trtspec.cycle_costs import Timer
+from trtspec.blockpilot.costs import CostTable, fit_host_work
 from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.stats import committed_tokens, cut_histogram, pool_histograms
 
-BATCHES = (1, 2, 4, 8, 16)
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
 STAY_MARGIN = 0.1       # a size within this fraction of the best rate keeps the size the batch is heading to
 AR_MARGIN = 0.03        # AR must beat speculation by this much: at equal throughput, speculation serves sooner
@@ -98,72 +97,13 @@ PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (t
 
 
 @dataclass
-class CostTable:
-    """Milliseconds per decode cycle (draft + verify; AR: verify(1)) by block size and batch."""
-
-    batches: tuple[int, ...]
-    cycle_ms: dict[int, list[float]]  # block size -> one figure per batch
-
-    def cost(self, block_size: int, batch: int) -> float:
-        """Interpolated over the measured batches (held flat beyond them)."""
-        return float(np.interp(batch, self.batches, self.cycle_ms[block_size]))
-
-    def to_dict(self) -> dict:
-        return {"batches": list(self.batches), "cycle_ms": {str(b): ms for b, ms in self.cycle_ms.items()}}
-
-
-def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...] = BATCHES, context: int = 256,
-                  rounds: int = 9) -> CostTable:
-    """Time draft(B) + verify(B) on the runner itself, for every block size and batch (1 = AR), at
-    `context` cached positions (what the caches hold is irrelevant to the timing). Each round times
-    every cell once and a cell's figure is its median over the rounds: a host's speed drifts over
-    seconds, and timing the cells one after another would hand that drift to whichever size came
-    first (the choice between AR and B = 8 at 4 clients turns on a few percent)."""
-    batches = tuple(b for b in batches if b <= runner.slots) or (1,)
-    context = min(context, runner.max_context - max(block_sizes) - 1)
-    width = runner.specs["target"].outputs[1].shape({"batch": 1, "tokens": 1})[-1]  # the drafter's feature width
-    sizes, generator, cells = sorted(set(block_sizes) | {1}), torch.Generator().manual_seed(0), {}
-    for size in sizes:
-        for batch in batches:
-            slots, starts = list(range(batch)), [context] * batch
-            blocks = torch.randint(2, 100, (batch, size), generator=generator)
-            contexts = [torch.zeros(size, width, dtype=runner.dtype, device=runner.device)] * batch
-
-            def cycle(size=size, slots=slots, starts=starts, blocks=blocks, contexts=contexts) -> None:
-                if size > 1:
-                    runner.draft(slots, contexts, blocks, [s + size for s in starts])
-                runner.verify(slots, blocks, starts)
-
-            cells[size, batch] = cycle
-    once, times = Timer(runner.device, repeats=1, warmup=0), {cell: [] for cell in cells}
-    with torch.inference_mode():
-        for cycle in cells.values():  # warm-up
-            cycle()
-        for _ in range(rounds):
-            for cell, cycle in cells.items():
-                times[cell].append(once(cycle))
-    return CostTable(batches, {size: [float(np.median(times[size, b])) for b in batches] for size in sizes})
-
-
-def fit_host_work(table: np.ndarray, measured: np.ndarray) -> tuple[float, float]:
-    """(slope, host ms) with measured ~ slope x table + host over the shapes the engine ran: the
-    table times bare calls, real cycles add the engine's host work per cycle. Where the shapes
-    are too alike to fit a line, or the line finds no host work, the median ratio (host 0)."""
-    if len(table) >= 2 and table.max() >= 1.5 * table.min():
-        slope, host = np.polyfit(table, measured, 1)
-        if slope > 0 and host >= 0:
-            return float(slope), float(host)
-    return (float(np.median(measured / table)), 0.0) if len(table) else (1.0, 0.0)
-
-
-@dataclass
 class LoadAwareChooser:
     """(the policy's choice, the engine's load, sampled?) -> the choice to run; learns tau per block
     size, for greedy and sampled requests apart."""
 
     costs: CostTable  # timed at start-up
     choices: tuple[BlockChoice, ...] = ()  # what the policy can answer (unknown: only AR settles without it)
-    _seen: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict)  # acceptance histograms
+    _seen: dict[tuple[int, bool], list[int]] = field(default_factory=dict)  # pooled acceptance histograms
     _cycles: dict[tuple[int, int], deque] = field(default_factory=dict)  # (size, batch) -> the engine's cycle ms
     _medians: dict[tuple[int, int], float] = field(default_factory=dict)  # of the shapes with MEASURED_MIN cycles
     _fit: tuple[float, float] = (1.0, 0.0)  # (slope, host ms): table -> measured, over those shapes
@@ -189,11 +129,9 @@ class LoadAwareChooser:
             for (ran, regime), histogram in self._seen.items():
                 if regime != sampled or ran < size:
                     continue
-                accepted = np.arange(len(histogram))
-                if ran > size:  # the same cycles, as if cut at `size`
-                    accepted = np.minimum(accepted, size - 1)
-                committed += float((accepted + 1) @ histogram)
-                cycles += float(histogram.sum())
+                cut = cut_histogram(histogram, size)  # the same cycles, as if cut at `size`
+                committed += float(committed_tokens(cut))
+                cycles += float(sum(cut))
         return committed, cycles
 
     def observe(self, choice: BlockChoice, histogram: list[int], sampled: bool = False) -> None:
@@ -203,14 +141,10 @@ class LoadAwareChooser:
         1.9 against 2.9 for 128-token ones, and the engine sent its next requests to AR). A growing
         block's grown cycles count as what its base size would have accepted (all of it)."""
         if choice.size > 1 and sum(histogram) >= OBSERVED_MIN:
-            new = np.asarray(histogram, float)
-            if len(new) > choice.size:
-                new = np.append(new[:choice.size - 1], new[choice.size - 1:].sum())
+            new = cut_histogram(histogram, choice.size)
             with self._lock:
-                seen = self._seen.get((choice.size, sampled), np.zeros(0))
-                width = max(len(seen), len(new))
-                pooled = np.pad(seen, (0, width - len(seen))) + np.pad(new, (0, width - len(new)))
-                self._seen[(choice.size, sampled)] = pooled
+                key = (choice.size, sampled)
+                self._seen[key] = pool_histograms([self._seen.get(key, []), new])
 
     def observe_cycle(self, size: int, batch: int, ms: float) -> None:
         """The engine ran one cycle of `batch` requests at `size` (1: AR) in `ms` milliseconds."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +30,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from trtspec import validate
 from trtspec.errors import TrtspecError
 from trtspec.fileio import POLICY, staged_directory
 from trtspec.runtime.schedule import BlockChoice
+from trtspec.timing import Timer
+from trtspec.validate import POSITIVE_INT, Fields, load_tensors, read_json_object
 
 FEATURE_KINDS = ("last", "mean", "length", "confidence")
 POLICY_CONFIG, POLICY_WEIGHTS = "policy.json", "policy.safetensors"
@@ -128,6 +128,28 @@ class BlockPilot:
         return Path(directory)
 
 
+def read_policy_config(path: Path) -> dict:
+    """policy.json of a BlockPilot policy: "choices" (block sizes, B:G or AR), "features" (known
+    kinds), "inputs" and "hidden" (positive sizes); returns the parsed values and the rest as info."""
+    data = read_json_object(path, "BlockPilot policy")
+    fields = Fields(data, path)
+    key = "choices" if "choices" in data else "block_sizes"  # "block_sizes": before growing blocks
+    raw = fields.items(key, (str, int), "block sizes (B, \"B:G\" or \"AR\")", nonempty=True)
+    try:
+        choices = tuple(BlockChoice.parse(c, allow_auto=False, allow_ar=True) for c in raw)
+    except TrtspecError as exc:
+        fields.fail(key, f"holds a bad block size ({exc})")
+    kinds = tuple(fields.strings("features", nonempty=True))
+    unknown = [k for k in kinds if k not in FEATURE_KINDS]
+    if unknown:
+        fields.fail("features", f"holds unknown kinds {unknown} (known: {', '.join(FEATURE_KINDS)})")
+    parsed = {"choices": choices, "features": kinds, "inputs": fields.integer("inputs", POSITIVE_INT),
+              "hidden": fields.integer("hidden", POSITIVE_INT)}
+    parsed["info"] = {k: v for k, v in data.items() if k not in ("choices", "block_sizes", "features", "inputs",
+                                                                   "hidden")}
+    return parsed
+
+
 def load_policy(directory: str | Path, available_block_sizes: tuple[int, ...] | None = None) -> BlockPilot:
     """Load a policy directory; refuse one that may choose a block size the engine lacks."""
     directory = Path(directory)
@@ -135,11 +157,11 @@ def load_policy(directory: str | Path, available_block_sizes: tuple[int, ...] | 
     if not config_path.is_file() or not weights_path.is_file():
         raise TrtspecError(f"{directory} is not a BlockPilot policy (needs {POLICY_CONFIG} and {POLICY_WEIGHTS}; "
                            "make one with `trtspec train-policy`)")
-    config = validate.policy_config(config_path, FEATURE_KINDS)
+    config = read_policy_config(config_path)
     choices, kinds = config["choices"], config["features"]
     net = PolicyNet(config["inputs"], config["hidden"], len(choices))
     try:
-        net.load_state_dict(validate.load_tensors(weights_path, "BlockPilot policy"))
+        net.load_state_dict(load_tensors(weights_path, "BlockPilot policy"))
     except RuntimeError as exc:  # missing, unexpected or misshaped tensors
         reason = " ".join(str(exc).split())[:200]
         raise TrtspecError(f"{weights_path} does not fit {config_path.name} ({reason})") from None
@@ -158,10 +180,5 @@ def load_policy(directory: str | Path, available_block_sizes: tuple[int, ...] | 
 
 def time_choice(policy: BlockPilot, features: torch.Tensor, logits: torch.Tensor, repeats: int = 200) -> float:
     """Median seconds for one `choose` call (the policy's whole per-request cost)."""
-    policy.choose(features, logits)
-    samples = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        policy.choose(features, logits)
-        samples.append(time.perf_counter() - began)
-    return sorted(samples)[len(samples) // 2]
+    timer = Timer(policy.net.mean.device, repeats=repeats, warmup=1)
+    return timer(lambda: policy.choose(features, logits)) / 1e3

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from trtspec.bench import BenchConfig, load_prompts, run_bench, write_json
+from trtspec.perf.bench import BenchConfig, load_prompts, run_bench, write_json
 from trtspec import limits
 from trtspec.commands.options import (BlockSizesType, Ranged, backend_option, draft_vocab_options, engine_sizes,
                                       limit_option, load_pipeline, max_new_tokens_option, model_options,
@@ -96,8 +96,8 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
         raise TrtspecError("--profile times a compiled engine's graph runs, and this run is eager; give --engine DIR "
                            "or --backend onnxruntime")
     if concurrency:
-        from trtspec.bench import machine_info
-        from trtspec.concurrency import format_table, run_load
+        from trtspec.perf.machine import machine_info
+        from trtspec.perf.concurrency import format_table, run_load
 
         clients = _concurrencies(concurrency)
         rows = run_load(pipeline, prompts, config.block_sizes, clients, max_new_tokens, config.sampling, repeats,
@@ -112,7 +112,7 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
             click.echo(f"wrote {write_json(report, json_path)}", err=True)
         return
     if profile:
-        from trtspec.host_profile import run_host_profile
+        from trtspec.perf.host_profile import run_host_profile
 
         report = run_host_profile(pipeline, prompts, config, prompts_name=name)
         click.echo(report.format_table())

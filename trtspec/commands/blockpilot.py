@@ -44,8 +44,9 @@ def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_siz
     The label is the block size with the highest modelled decode speed, tau over the backend's
     measured cost of one cycle at that block size (stored in the header); raw times are kept.
     """
-    from trtspec.bench import load_prompts
-    from trtspec.blockpilot.labels import LabelConfig, check_labels_output, label_blocks as run_labels
+    from trtspec.perf.bench import load_prompts
+    from trtspec.blockpilot.labels import check_labels_output
+    from trtspec.perf.labelling import LabelConfig, label_blocks as run_labels
 
     check_labels_output(output, (prompts_spec, engine, target, drafter))
     config = LabelConfig(choices=block_sizes, max_new_tokens=max_new_tokens,
@@ -122,7 +123,7 @@ Example:
 @click.option("--json", "json_path", metavar="OUT", help="Also write the report as JSON.")
 def eval_policy(policy_dir, labels_path, fixed_block_size, json_path) -> None:
     """Compare every fixed block size, BlockPilot and the per-prompt oracle on held-out labels."""
-    from trtspec.bench import write_json
+    from trtspec.perf.bench import write_json
     from trtspec.fileio import check_output_file
     from trtspec.blockpilot.evaluation import evaluate_policy, format_evaluation
     from trtspec.blockpilot.labels import features_path, read_labels

@@ -31,7 +31,7 @@ Examples:
 def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, temperature, top_k, top_p, seed,
               max_new_tokens, limit, json_path, plot_path, teacher_forced) -> None:
     """Acceptance histogram, per-position acceptance and stranded speed-up, with a recommendation."""
-    from trtspec.bench import load_prompts, write_json
+    from trtspec.perf.bench import load_prompts, write_json
     from trtspec.fileio import check_distinct_outputs, check_output_file
     from trtspec.dbloom.preflight import PLOT_SUFFIX, plot, run_preflight, run_teacher_forced
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from trtspec.export.bindings import MAX_BLOCK_SIZE
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.runtime.stats import DecodeStats
+from trtspec.runtime.stats import DecodeStats, accepted_at_least
 
 CEILING_THRESHOLD = 0.10   # a ceiling bin above this is worth a look
 MIN_STRANDED_GAIN = 0.25   # tokens per cycle an expansion must promise to be recommended
@@ -28,7 +28,7 @@ CAPTURE = 0.9              # recommend a block that captures this much of the ex
 def per_position_acceptance(histogram: list[int]) -> list[float | None]:
     """Rate at which draft k (k = 1..B-1) is accepted given drafts 1..k-1 were: cycles accepting
     at least k over cycles accepting at least k-1 (None where no cycle got that far)."""
-    at_least = [sum(histogram[a:]) for a in range(len(histogram))]
+    at_least = accepted_at_least(histogram)
     return [at_least[k] / at_least[k - 1] if at_least[k - 1] else None for k in range(1, len(histogram))]
 
 

@@ -15,7 +15,7 @@ from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.schedule import AR
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats, mean_tau, pooled_histogram
-from trtspec.sweep import Sweep, pipeline_requests, run_sweep
+from trtspec.perf.sweep import Sweep, pipeline_requests, run_sweep
 
 PLOT_SUFFIX = ".png"
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from trtspec.runtime.stats import DecodeStats, decode_tokens
+from trtspec.runtime.stats import (DecodeStats, accepted_at_least, committed_tokens, cut_histogram, decode_tokens,
+                                   histogram_tau, pool_histograms)
 
 PREFIX = "trtspec_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -88,7 +89,7 @@ def draft_tokens(stats: DecodeStats) -> int:
 
 def accepted_per_position(histogram: list[int]) -> list[int]:
     """Cycles that accepted the draft at position p (at least p+1 drafts), p = 0 .. len-2."""
-    return [sum(histogram[p + 1:]) for p in range(len(histogram) - 1)]
+    return accepted_at_least(histogram)[1:]
 
 
 class ServingMetrics:
@@ -130,7 +131,7 @@ class ServingMetrics:
                 m["blockpilot_choices"].labels(schedule).inc()
             if stats.block_size <= 1 or not stats.cycles:
                 return
-            accepted = sum(a * n for a, n in enumerate(stats.histogram))
+            accepted = committed_tokens(stats.histogram) - stats.cycles  # the bonus tokens are not drafts
             m["spec_decode_num_drafts"].inc(stats.cycles)
             m["spec_decode_num_draft_tokens"].inc(draft_tokens(stats))
             m["spec_decode_num_accepted_tokens"].inc(accepted)
@@ -143,11 +144,9 @@ class ServingMetrics:
 
     def _update_tau(self, block_size: int, histogram: list[int]) -> None:
         from trtspec.dbloom.histogram import Preflight
-        from trtspec.runtime.stats import histogram_tau
 
-        pooled = self._pooled.setdefault(block_size, [0] * block_size)
-        for a, n in enumerate(histogram[:block_size]):
-            pooled[a] += n
+        pooled = self._pooled[block_size] = pool_histograms([self._pooled.get(block_size, []),
+                                                             cut_histogram(histogram, block_size)])
         tau = histogram_tau(pooled)
         self.families["spec_decode_tau"].labels(str(block_size)).set(tau)
         estimate = Preflight(block_size, list(pooled), tau).stranded_tau_estimate

@@ -43,6 +43,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from trtspec import limits
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.engine import Busy
+from trtspec.runtime.request import GenerationConfig
 from trtspec.tokenizer import check_text
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trtspec.bench import BenchConfig, check_prompts, machine_info, speedups
+from trtspec.perf.bench import BenchConfig, check_prompts, speedups
+from trtspec.perf.machine import machine_info
 from trtspec.engines.executor import PREFILL
 from trtspec.export.bindings import DRAFT, TARGET
 from trtspec.errors import TrtspecError
@@ -26,7 +27,7 @@ from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.reference import PythonController
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import decode_tokens
-from trtspec.sweep import run_sweep
+from trtspec.perf.sweep import run_sweep
 
 CONTROLLERS = ("python", "native")
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 import gzip
 import importlib.resources
 import json
-import os
-import platform
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from trtspec import __version__
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text
 from trtspec.limits import LIMIT, check_block_size
@@ -28,7 +25,8 @@ from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import (DecodeStats, decode_tokens_per_s, mean_tau, pooled_ceiling_fraction,
                                    pooled_histogram)
-from trtspec.sweep import Sweep, pipeline_requests, run_sweep
+from trtspec.perf.machine import machine_info
+from trtspec.perf.sweep import Sweep, pipeline_requests, run_sweep
 from trtspec.training.data import read_prompt_set
 
 HUMANEVAL = "humaneval"
@@ -253,29 +251,6 @@ class BenchReport:
                 lines.append(f"{run.name:>5}  {statistics.median(ratios):>6.2f}x  "
                              f"identical {agree['identical']}/{agree['requests']}")
         return "\n".join(lines)
-
-
-def machine_info(pipeline) -> dict:
-    return describe_machine(pipeline.runner.device, pipeline.dtype, pipeline.backend)
-
-
-def describe_machine(device: torch.device, dtype: torch.dtype, backend: str) -> dict:
-    """What a measurement ran on: recorded beside every timing so figures from two runs can be compared."""
-    info = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "backend": backend,
-        "python": platform.python_version(),
-        "trtspec": __version__,
-    }
-    if device.type == "cuda":
-        info["gpu"], info["cuda"] = torch.cuda.get_device_name(device), torch.version.cuda
-    return info
 
 
 def check_prompts(pipeline, prompts: list[str]) -> None:

@@ -24,20 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
 
-from trtspec.bench import describe_machine
+from trtspec.perf.machine import describe_machine
+from trtspec.timing import Timer
 from trtspec.engines.capture import CudaGraphs
 from trtspec.engines.torch import TorchExecutor
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import graph_specs
 from trtspec.export.exporter import step_modules
 from trtspec.export.steps import DraftStep, TargetStep
-from trtspec.host_profile import ExecutorClock
+from trtspec.perf.host_profile import ExecutorClock
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3Target, default_target_layer_ids
 from trtspec.models.checkpoint import build_empty
 from trtspec.runtime.engine import EngineConfig, EngineCore
@@ -107,37 +107,6 @@ def cycle_inputs(target: Qwen3Target, drafter: DFlashDrafter, block_size: int, p
                 cache(d.num_hidden_layers, d.num_key_value_heads, d.head_dim),
                 cache(d.num_hidden_layers, d.num_key_value_heads, d.head_dim))
     return target_in, draft_in
-
-
-@dataclass(frozen=True)
-class Timer:
-    """Median milliseconds of a call after warm-ups: CUDA events on a GPU (launches are
-    asynchronous, so the host clock would time the launch), the host clock on the CPU."""
-
-    device: torch.device
-    repeats: int = 30
-    warmup: int = 3
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        for _ in range(self.warmup):
-            fn()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        times = []
-        for _ in range(self.repeats):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                began = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - began) * 1e3)
-        return statistics.median(times)
 
 
 def replayed_ms(fn: Callable[[], object], timer: Timer) -> float | None:

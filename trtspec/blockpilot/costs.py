@@ -1,0 +1,74 @@
+"""BlockPilot's cost table: milliseconds per decode cycle by block size and batch, timed on the
+engine's runner when the engine starts (`measure_costs`), and the line that fits it to the cycles
+the engine then measures (`fit_host_work`). The load-aware chooser (trtspec.blockpilot.load) judges
+by them; `bench --concurrency --json` reports the table beside the cycles the engine measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trtspec.timing import Timer
+
+BATCHES = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class CostTable:
+    """Milliseconds per decode cycle (draft + verify; AR: verify(1)) by block size and batch."""
+
+    batches: tuple[int, ...]
+    cycle_ms: dict[int, list[float]]  # block size -> one figure per batch
+
+    def cost(self, block_size: int, batch: int) -> float:
+        """Interpolated over the measured batches (held flat beyond them)."""
+        return float(np.interp(batch, self.batches, self.cycle_ms[block_size]))
+
+    def to_dict(self) -> dict:
+        return {"batches": list(self.batches), "cycle_ms": {str(b): ms for b, ms in self.cycle_ms.items()}}
+
+
+def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...] = BATCHES, context: int = 256,
+                  rounds: int = 9) -> CostTable:
+    """Time draft(B) + verify(B) on the runner itself, for every block size and batch (1 = AR), at
+    `context` cached positions (what the caches hold is irrelevant to the timing). Each round times
+    every cell once and a cell's figure is its median over the rounds: a host's speed drifts over
+    seconds, and timing the cells one after another would hand that drift to whichever size came
+    first (the choice between AR and B = 8 at 4 clients turns on a few percent)."""
+    batches = tuple(b for b in batches if b <= runner.slots) or (1,)
+    context = min(context, runner.max_context - max(block_sizes) - 1)
+    width = runner.specs["target"].outputs[1].shape({"batch": 1, "tokens": 1})[-1]  # the drafter's feature width
+    sizes, generator, cells = sorted(set(block_sizes) | {1}), torch.Generator().manual_seed(0), {}
+    for size in sizes:
+        for batch in batches:
+            slots, starts = list(range(batch)), [context] * batch
+            blocks = torch.randint(2, 100, (batch, size), generator=generator)
+            contexts = [torch.zeros(size, width, dtype=runner.dtype, device=runner.device)] * batch
+
+            def cycle(size=size, slots=slots, starts=starts, blocks=blocks, contexts=contexts) -> None:
+                if size > 1:
+                    runner.draft(slots, contexts, blocks, [s + size for s in starts])
+                runner.verify(slots, blocks, starts)
+
+            cells[size, batch] = cycle
+    once, times = Timer(runner.device, repeats=1, warmup=0), {cell: [] for cell in cells}
+    with torch.inference_mode():
+        for cycle in cells.values():  # warm-up
+            cycle()
+        for _ in range(rounds):
+            for cell, cycle in cells.items():
+                times[cell].append(once(cycle))
+    return CostTable(batches, {size: [float(np.median(times[size, b])) for b in batches] for size in sizes})
+
+
+def fit_host_work(table: np.ndarray, measured: np.ndarray) -> tuple[float, float]:
+    """(slope, host ms) with measured ~ slope x table + host over the shapes the engine ran: the
+    table times bare calls, real cycles add the engine's host work per cycle. Where the shapes
+    are too alike to fit a line, or the line finds no host work, the median ratio (host 0)."""
+    if len(table) >= 2 and table.max() >= 1.5 * table.min():
+        slope, host = np.polyfit(table, measured, 1)
+        if slope > 0 and host >= 0:
+            return float(slope), float(host)
+    return (float(np.median(measured / table)), 0.0) if len(table) else (1.0, 0.0)
