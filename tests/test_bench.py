@@ -59,7 +59,7 @@ def test_block_sizes_are_parsed_and_checked():
         with pytest.raises(TrtspecError, match=message):
             parse_block_sizes(bad)
     assert parse_block_choices("6, 6:16,auto,6", allow_auto=True) == (BlockChoice(6), BlockChoice(6, 16),
-                                                                      BlockChoice(AUTO))
+                                                                      AUTO)
     assert [c.name for c in parse_block_choices("6,6:16")] == ["6", "6:16"]
     for bad, message in [("auto", "an integer B or B:G"), ("6:6", "to a larger size"), ("6:x", "an integer B or B:G"),
                          ("6:65", "up to 64")]:

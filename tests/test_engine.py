@@ -28,7 +28,7 @@ from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AR, AUTO, BlockChoice
 
 # (block size, grow_to): AR, fixed, growing and BlockPilot's choice, cycled over the prompts.
-SCHEDULES = [(1, 0), (4, 0), (8, 0), (16, 0), (6, 16), (AUTO, 0)]
+SCHEDULES = [(1, 0), (4, 0), (8, 0), (16, 0), (6, 16), (None, 0)]  # None: auto
 LIMITS = [24, 37, 50, 61]  # token limits that land mid-block for most block sizes
 
 
@@ -161,7 +161,7 @@ def test_a_full_queue_answers_busy(tiny):
     first ones yet (requests can arrive faster than cycles end); the next one is refused."""
     with tiny.engine(EngineConfig(max_running=2, max_queued=1)) as engine:
         config = GenerationConfig(block=BlockChoice(4), max_new_tokens=200)
-        with engine._wake:  # the loop cannot admit anything meanwhile: the worst case for arrivals
+        with engine.core.lock:  # the loop cannot admit anything meanwhile: the worst case for arrivals
             held = [engine.submit([5, 9, 33], config) for _ in range(3)]
             with pytest.raises(Busy, match="busy"):
                 engine.submit([5, 9, 33], config)

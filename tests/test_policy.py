@@ -148,7 +148,7 @@ def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, dra
 
     work, _, _ = trained
     pipeline = Pipeline(target_dir, drafter_dir, policy=work / "policy")
-    rows = run_load(pipeline, PROMPTS, (BlockChoice(AUTO),), (3,), max_new_tokens=32, sampling=SamplingConfig())
+    rows = run_load(pipeline, PROMPTS, (AUTO,), (3,), max_new_tokens=32, sampling=SamplingConfig())
     auto = rows[-1]
     assert auto["block_size"] == "auto" and auto["identical_to_serial"] == auto["greedy_requests"] == len(PROMPTS)
     costs = auto["cycle_costs_ms"]

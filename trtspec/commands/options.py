@@ -164,7 +164,7 @@ def _choose_threads(weights: list[Path]) -> None:
 
 def engine_sizes(choices) -> tuple[int, ...]:
     """The block sizes a set of BlockChoices may run (B and G; not AR or auto): what an engine must hold."""
-    return tuple(sorted({n for c in choices for n in (c.size, c.grow_to) if n > 1}))
+    return tuple(sorted({n for c in choices for n in c.sizes if n > 1}))
 
 
 def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: str, *,
