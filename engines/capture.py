@@ -1,10 +1,10 @@
 """CUDA-graph capture and replay of an executor's runs, keyed by their bindings.
 
 A run whose graph, profile, tensor shapes and tensor addresses all equal an earlier run's launches
-the same kernels on the same memory, so it is captured once and replayed from then on. The
-protocol is fixed: warm up on a side stream (which also settles lazy initialisation and
-TensorRT's deferred shape updates), synchronise, capture, replay. CompiledRunner's static mode keeps
-every binding of a decode cycle at a fixed address, so each block size's draft and verify are
+the same kernels on the same memory, so it is captured once and replayed from then on. The protocol
+is fixed: warm up on a side stream (which also settles lazy initialisation and TensorRT's deferred
+shape updates), synchronise, capture, replay. BatchRunner's static mode (trtspec.runtime.runner)
+keeps every binding of a decode cycle at a fixed address, so each block size's draft and verify are
 captured once and replayed every cycle. Needs a CUDA device; nothing here runs on the CPU.
 """
 

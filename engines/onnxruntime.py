@@ -50,8 +50,8 @@ class OnnxRuntimeExecutor:
         options.intra_op_num_threads = threads or torch.get_num_threads()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # Idle pool threads sleep rather than spin: between graph runs the decode loop's host work
-        # (controller, torch ops) needs those cores. On the 2-core CPU machine, 2 threads with
-        # spinning decoded speculatively ~40% slower than 1 thread; without it, ~15% faster.
+        # (controller, torch ops) needs those cores, and spinning threads take them (how much:
+        # docs/benchmarks.md, "A new user's bench").
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if device.type == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():

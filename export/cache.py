@@ -1,16 +1,15 @@
 """Exported step graphs kept for the next build of the same pair.
 
-Exporting a graph (torch.export's trace, its decompositions, the ONNX translation and check) is
-most of a CPU build of a small model: about 20 s a graph for the demo pair, against a second for
-the rest. The graphs do not depend on the engine's block sizes, batch limit or policy (every axis
-is dynamic), so a rebuild with other options, or the cached `--backend auto` engine of another
-block-size set, exports exactly what an earlier build did. Graphs are kept in the cache
-directory (`$TRTSPEC_CACHE/graphs`) under a hash of everything that determines them: both
-checkpoints' contents, the draft vocabulary, the graph's interface, the context length, dtype and
-device, the versions of torch and the ONNX exporter, and the source of the export and model code.
-A graph over `MAX_CACHED_BYTES` (a large model, whose export is no longer the slow part and whose
-copy would cost gigabytes) is not kept. The build's self-check against eager PyTorch runs on a
-cached graph as on a fresh one.
+Exporting a graph (torch.export's trace, its decompositions, the ONNX translation and check) is most
+of a CPU build of a small model (docs/benchmarks.md, "Exported-graph cache"). The graphs do not
+depend on the engine's block sizes, batch limit or policy (every axis is dynamic), so a rebuild with
+other options, or the cached `--backend auto` engine of another block-size set, exports exactly what
+an earlier build did. Graphs are kept in the cache directory (`$TRTSPEC_CACHE/graphs`) under a hash
+of everything that determines them: both checkpoints' contents, the draft vocabulary, the graph's
+interface, the context length, dtype and device, the versions of torch and the ONNX exporter, and
+the source of the export and model code. A graph over `MAX_CACHED_BYTES` (a large model, whose
+export is no longer the slow part and whose copy would cost gigabytes) is not kept. The build's
+self-check against eager PyTorch runs on a cached graph as on a fresh one.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ def _layer_past(past: torch.Tensor, slots: torch.Tensor, layer: int) -> torch.Te
     One gather of head_dim-long rows straight into attention's layout, by the flat index of each
     (row, kv head, position): ONNX Runtime copies on every gather, transpose and split, and the
     cache is most of what a decode step reads (gathering (slot, layer) pairs, then transposing them
-    to [b, kv, P, D], copied it twice: 10-20% of a batched AR step of 8-16 rows on the demo pair)."""
+    to [b, kv, P, D], would copy it twice; what that cost: docs/benchmarks.md)."""
     positions, slot_count, layers, kv_heads, head_dim = past.shape
     position = torch.arange(positions, device=past.device)[None, None, :]
     head = torch.arange(kv_heads, device=past.device)[None, :, None]

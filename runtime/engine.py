@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -133,6 +133,7 @@ class _Active:
     stepper: Stepper | None = None
     context: torch.Tensor | None = None  # features the drafter cache lacks, [n, F]
     rows: dict = field(default_factory=dict)  # block size -> the controller's buffers as [1, B] tensors
+    tokens: Any = None  # the controller's committed-token row (a numpy view, taken once)
     stats: DecodeStats | None = None
     began: float = field(default_factory=time.perf_counter)  # admission
     prefill_s: float = 0.0
@@ -195,13 +196,24 @@ class EngineCore:
         `on_finish` sees each request end (a progress bar)."""
         if len(prompts) != len(configs):
             raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
-        requests = []
+        for prompt, config in zip(prompts, configs):  # a bad request is refused before any work
+            check_request(self.runner, prompt, config, self.policy)
+        requests: list[Request] = []
+        left = [len(prompts)]
+
+        def finished(request: Request) -> None:
+            left[0] -= 1
+            if on_finish is not None:
+                on_finish(request)
         try:
-            for index, (prompt, config) in enumerate(zip(prompts, configs)):
-                stream = None if on_commit is None else functools.partial(on_commit, index)
-                requests.append(self.submit(prompt, config, stream, on_finish, queue_limit=False))
-            while not all(r.done for r in requests):
-                self.step()
+            with torch.inference_mode():
+                while left[0]:
+                    # keep the queue just full enough for the free slots: the scheduler scans it every step
+                    while len(requests) < len(prompts) and len(self._queue) < self.config.max_running:
+                        index = len(requests)
+                        stream = None if on_commit is None else functools.partial(on_commit, index)
+                        requests.append(self.submit(prompts[index], configs[index], stream, finished, queue_limit=False))
+                    self.step()
         except BaseException:  # KeyboardInterrupt included: leave the engine empty for its next caller
             for request in requests:
                 request.cancel()
@@ -233,8 +245,11 @@ class EngineCore:
             return
         running = len(self._active)
         try:
-            with torch.inference_mode():
+            if torch.is_inference_mode_enabled():  # generate() enters it once for all its steps
                 self._iteration()
+            else:
+                with torch.inference_mode():
+                    self._iteration()
         except Exception as error:
             for active in list(self._active):
                 self._retire(active, error)
@@ -266,6 +281,18 @@ class EngineCore:
     def _iteration(self) -> None:
         if any(a.core is None for a in self._active):
             self._prefill()
+        if len(self._active) == 1 and self._active[0].core is not None:  # one request: no grouping
+            active = self._active[0]
+            if active.core.running:
+                size = active.core.block_size(0)
+                began = time.perf_counter() if self._timed else 0.0
+                if size > 1:
+                    self._draft(size, [active])
+                self._verify(size, [active])
+                if self._timed:
+                    self.chooser.observe_cycle(size, 1, (time.perf_counter() - began) * 1e3)
+            self._emit(active)
+            return
         groups: dict[int, list[_Active]] = {}
         for active in self._active:
             if active.core is not None and active.core.running:
@@ -356,29 +383,36 @@ class EngineCore:
             active.context = None
 
     def _verify(self, size: int, members: list[_Active]) -> None:
-        if len(members) == 1:
-            blocks = self._rows(members[0], size)[0]
-        else:
-            blocks = torch.cat([self._rows(a, size)[0] for a in members])
-        logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
         drafting = self.runner.mask_token_id is not None and size > 1  # an AR request never drafts
-        alone = len(members) == 1
+        if len(members) == 1:
+            active = members[0]
+            logits, features = self.runner.verify([active.slot], self._rows(active, size)[0], [active.core.start(0)])
+            # greedy, it steps on the whole output buffer (the same tensor every cycle, so the stepper's
+            # numpy view of it is made once); sampled, it samples its [B, V] rows
+            active.stepper(logits if active.stepper.posterior_of is None else logits[0])
+            active.calls += 1
+            active.shared += 1
+            if drafting:
+                context = features[0, :active.core.accepted(0) + 1]
+                active.context = context if self._exclusive else context.clone()
+            return
+        blocks = torch.cat([self._rows(a, size)[0] for a in members])
+        logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
         for row, active in enumerate(members):
-            # a greedy request alone steps on the whole output buffer (the same tensor every cycle, so
-            # the stepper's numpy view of it is made once); a sampled one samples its [B, V] rows
-            active.stepper(logits if alone and active.stepper.posterior_of is None else logits[row])
+            active.stepper(logits[row])
             active.calls += 1
             active.shared += len(members)
             if drafting:
-                context = features[row, :active.core.accepted(0) + 1]
-                active.context = context if self._exclusive else context.clone()
+                active.context = features[row, :active.core.accepted(0) + 1].clone()
 
     def _emit(self, active: _Active) -> None:
         """Hand newly committed tokens to the request; retire it when it has finished."""
         core, request = active.core, active.request
         count = core.count(0)
         if count > active.emitted:
-            fresh = core.tokens[0, active.emitted:count].tolist()
+            if active.tokens is None:
+                active.tokens = core.tokens[0]
+            fresh = active.tokens[active.emitted:count].tolist()
             active.emitted = count
             request.tokens.extend(fresh)
             if request.first_token_at is None:

@@ -69,13 +69,22 @@ class PythonController:
         self.accepted_lengths = [0] * requests
         self.kept: list[list[int]] = [[] for _ in range(requests)]
         self.begun = [False] * requests
+        # committed tokens, also as one buffer that callers may hold a view of (as the native core's)
+        self._tokens = np.zeros((requests, max(self.limits)), dtype=np.int64)
+
+    def _commit(self, request: int, tokens: list[int]) -> list[int]:
+        output = self.outputs[request]
+        first = len(output.tokens)
+        kept = output.commit(tokens)
+        self._tokens[request, first:first + len(kept)] = kept
+        return kept
 
     def begin(self, request: int, token: int, start: int) -> None:
         self.outputs[request] = Output(self.limits[request], tuple(self.outputs[request].stop_ids))
         self.stats[request] = DecodeStats(block_size=self.block_sizes[request], grow_to=self.grow_to[request])
         self.active[request] = self.block_sizes[request]
         self.grown[request] = self.ceiling_cycles[request] = 0
-        self.kept[request] = self.outputs[request].commit([token])
+        self.kept[request] = self._commit(request, [token])
         self.starts[request], self.accepted_lengths[request] = start, 0
         self.verify_blocks[request, 0] = self.draft_blocks[request, 0] = token
         self.begun[request] = True
@@ -99,7 +108,7 @@ class PythonController:
             accepted = int(accepted_length(drafts, row)) if b > 1 else 0
             bonus = int(row[accepted])
             self.stats[r].record_cycle(accepted)
-            self.kept[r] = self.outputs[r].commit(drafts[:accepted].tolist() + [bonus])
+            self.kept[r] = self._commit(r, drafts[:accepted].tolist() + [bonus])
             self.starts[r] += accepted + 1
             self.accepted_lengths[r] = accepted
             # A growing block: a cycle that filled a base block makes the next one run grown.
@@ -114,10 +123,7 @@ class PythonController:
 
     @property
     def tokens(self) -> np.ndarray:
-        out = np.zeros((len(self.outputs), max(self.limits)), dtype=np.int64)
-        for r, output in enumerate(self.outputs):
-            out[r, :len(output.tokens)] = output.tokens
-        return out
+        return self._tokens
 
     @property
     def histograms(self) -> np.ndarray:

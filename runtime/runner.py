@@ -49,7 +49,13 @@ class BatchRunner:
         self._caches = {graph: [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2)]
                         for graph, shape in shapes.items()}
         self._outputs: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._bound: dict[tuple, dict[str, torch.Tensor]] = {}
         self._indices: dict[tuple[str, int], tuple[torch.Tensor, np.ndarray | None]] = {}
+        self._cpu = self.device.type == "cpu"
+        # A single-slot runner lets the graphs write their new keys/values straight into the cache:
+        # [positions, 1, ...] seen as the graphs' [1, positions, ...] (same memory).
+        self._rows = {graph: tuple(c.view(1, c.shape[0], *c.shape[2:]) for c in caches)
+                      for graph, caches in self._caches.items()} if slots == 1 else {}
 
     # ---- making one --------------------------------------------------------------------------------
 
@@ -108,9 +114,10 @@ class BatchRunner:
     # ---- running a graph ---------------------------------------------------------------------------
 
     def _run(self, graph: str, profile: ProfileKey, sizes: dict[str, int], past: int, inputs: dict[str, torch.Tensor],
-             new_at: int | None = None, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+             new_at: int | None = None, into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Run `graph` over the first `past` cache positions. `new_at`: a single-slot runner's new
-        keys/values go straight to that position of its cache; `into`: output tensors of the caller's."""
+        keys/values go straight to that position of its cache; `into`: the caller's tensor for the
+        proposals (drafts)."""
         cache_k, cache_v = self._caches[graph]
         key = (graph, profile, sizes["batch"], sizes.get("context", 0))
         outputs = self._outputs.get(key)
@@ -127,14 +134,19 @@ class BatchRunner:
                 bound[name].copy_(tensor, non_blocking=True)
             inputs, past, new_at = bound, cache_k.shape[0], None
         inputs["past_k"], inputs["past_v"] = cache_k[:past], cache_v[:past]
-        if new_at is not None or into:
-            outputs = dict(outputs)
-            if into:
-                outputs.update(into)
+        if new_at is not None or into is not None:
+            bound = self._bound.get(key) if profile != PREFILL else None
+            if bound is None:  # this shape's outputs, some of them pointed elsewhere per call
+                bound = dict(outputs)
+                if profile != PREFILL:
+                    self._bound[key] = bound
+            if "drafts" in outputs:
+                bound["drafts"] = outputs["drafts"] if into is None else into
             if new_at is not None:
                 count = outputs["new_k"].shape[1]
-                outputs["new_k"] = _as_row(cache_k[new_at:new_at + count])
-                outputs["new_v"] = _as_row(cache_v[new_at:new_at + count])
+                rows_k, rows_v = self._rows[graph]
+                bound["new_k"], bound["new_v"] = rows_k[:, new_at:new_at + count], rows_v[:, new_at:new_at + count]
+            outputs = bound
         self.executor.run(graph, profile, inputs, outputs)
         return outputs
 
@@ -156,8 +168,9 @@ class BatchRunner:
         cache_k[positions, rows] = new_k
         cache_v[positions, rows] = new_v
 
-    def _direct(self, slots: list[int]) -> bool:
-        """Whether new keys can be written by the graph itself: one slot, not replayed."""
+    @property
+    def _direct(self) -> bool:
+        """New keys/values written by the graph itself: one slot, not replayed (static mode stages them)."""
         return self.slots == 1 and not self.static
 
     def _long(self, name: str, values: list[int]) -> torch.Tensor:
@@ -166,10 +179,13 @@ class BatchRunner:
         known = self._indices.get((name, len(values)))
         if known is None:
             tensor = torch.zeros(len(values), dtype=torch.long, device=self.device)
-            known = self._indices[name, len(values)] = tensor, tensor.numpy() if self.device.type == "cpu" else None
+            known = self._indices[name, len(values)] = tensor, tensor.numpy() if self._cpu else None
         tensor, host = known
         if host is not None:
-            host[:] = values
+            if len(values) == 1:
+                host[0] = values[0]
+            else:
+                host[:] = values
         else:
             tensor.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
         return tensor
@@ -181,22 +197,20 @@ class BatchRunner:
         cached): logits [b, T, V] and drafter features [b, T, F]."""
         tokens = torch.tensor(chunks, dtype=torch.long, device=self.device)
         batch, count = tokens.shape
-        direct = self._direct(slots)
         out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots}, max(starts),
                         {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
-                        new_at=starts[0] if direct else None)
-        if not direct:
+                        new_at=starts[0] if self._direct else None)
+        if not self._direct:
             self._store(TARGET, starts, count, slots, out)
         return out["logits"], out["features"]
 
     def verify(self, slots: list[int], blocks: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [b, B, V] and drafter features [b, B, F] of each row's block at its start (B = 1: AR steps)."""
         batch, size = blocks.shape
-        direct = self._direct(slots)
         out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots}, max(starts),
-                        {"tokens": blocks.to(self.device), "starts": self._long("starts", starts),
-                         "slots": self._long("slots", slots)}, new_at=starts[0] if direct else None)
-        if not direct:
+                        {"tokens": blocks if self._cpu else blocks.to(self.device), "starts": self._long("starts", starts),
+                         "slots": self._long("slots", slots)}, new_at=starts[0] if self._direct else None)
+        if not self._direct:
             self._store(TARGET, starts, size, slots, out)
         return out["logits"], out["features"]
 
@@ -205,9 +219,11 @@ class BatchRunner:
         """Greedy proposals [b, B-1]. Row r's context [n_r, F] holds the features of the n_r positions
         before its start that its drafter cache lacks (a first cycle: the whole prompt). With `out`
         ([b, B-1] int64) the proposals are written there (by the graph itself when it can)."""
-        counts = [len(c) for c in contexts]
+        if len(contexts) == 1:
+            return self._draft(slots, contexts, blocks, starts, out)
+        counts = [c.shape[0] for c in contexts]
         short = [r for r, n in enumerate(counts) if n <= SHORT_CONTEXT]
-        if len(short) == len(counts) or len(counts) == 1:
+        if len(short) == len(counts):
             return self._draft(slots, contexts, blocks, starts, out)
         drafts = out if out is not None else \
             torch.empty(blocks.shape[0], blocks.shape[1] - 1, dtype=torch.long, device=self.device)
@@ -220,25 +236,25 @@ class BatchRunner:
     def _draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: torch.Tensor, starts: list[int],
                out: torch.Tensor | None = None) -> torch.Tensor:
         batch, size = blocks.shape
-        counts = [len(c) for c in contexts]
+        counts = [c.shape[0] for c in contexts]
         width = max(counts)
         if batch == 1:
-            padded = contexts[0][None]
+            padded = contexts[0].unsqueeze(0)
         else:
             padded = contexts[0].new_zeros(batch, width, contexts[0].shape[-1])
             for row, context in enumerate(contexts):
                 padded[row, width - len(context):] = context
         sizes = {"batch": batch, "context": width, "block": size, "proposals": size - 1, "slots": self.slots}
         first = [s - n for s, n in zip(starts, counts)]  # where each row's new context begins
-        direct = self._direct(slots)
         # the graph writes the proposals into `out` itself when it is a contiguous buffer on the device
-        into = {"drafts": out} if out is not None and not self.static and out.device == self.device \
-            and out.is_contiguous() else None
+        into = out if out is not None and not self.static and out.is_cuda != self._cpu and out.is_contiguous() \
+            else None
         result = self._run(DRAFT, size, sizes, max(first),
-                           {"context": padded, "counts": self._long("counts", counts), "block": blocks.to(self.device),
+                           {"context": padded, "counts": self._long("counts", counts),
+                            "block": blocks if self._cpu else blocks.to(self.device),
                             "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
-                           new_at=first[0] if direct else None, into=into)
-        if not direct:
+                           new_at=first[0] if self._direct else None, into=into)
+        if not self._direct:
             keep = None
             if batch > 1:
                 offsets = torch.arange(width, device=self.device)
@@ -250,7 +266,3 @@ class BatchRunner:
             return out
         return drafts
 
-
-def _as_row(positions: torch.Tensor) -> torch.Tensor:
-    """Cache positions [T, 1, ...] of a single-slot cache as the graphs' new keys/values [1, T, ...] (same memory)."""
-    return positions.view(1, positions.shape[0], *positions.shape[2:])

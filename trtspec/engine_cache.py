@@ -1,14 +1,14 @@
 """Engines built on first use: `--backend auto` for run, bench and serve without --engine.
 
-On a CPU the demo pair decodes faster through an ONNX Runtime engine than in eager PyTorch, and
-only there does speculation beat autoregressive decoding, but building an engine is a separate
-step a new user does not know about. So `auto` builds one the first time a (target, drafter,
-options) combination runs, into the cache directory under a key made of the checkpoints' content
-hashes, the draft-vocabulary counts, the build options, the trtspec version and the code the graphs
-are exported from, and reuses it from then on. Nothing stale can be picked up: a changed checkpoint
-or graph code is a new key, and the engine's own manifest checks every file it loads. An entry
-that fails that check (a damaged or partly deleted file) is rebuilt with a message, and a cache
-that cannot be written makes `auto` decode eagerly, saying why (`onnxruntime` refuses in one line).
+On a CPU a small model decodes faster through an ONNX Runtime engine than in eager PyTorch
+(docs/benchmarks.md), but building an engine is a separate step a new user does not know about. So
+`auto` builds one the first time a (target, drafter, options) combination runs, into the cache
+directory under a key made of the checkpoints' content hashes, the draft-vocabulary counts, the
+build options, the trtspec version and the code the graphs are exported from, and reuses it from
+then on. Nothing stale can be picked up: a changed checkpoint or graph code is a new key, and the
+engine's own manifest checks every file it loads. An entry that fails that check (a damaged or
+partly deleted file) is rebuilt with a message, and a cache that cannot be written makes `auto`
+decode eagerly, saying why (`onnxruntime` refuses in one line).
 
 `auto` stays eager on CUDA: a TensorRT build takes minutes and is tuned per GPU, so it is an
 explicit `trtspec build --backend tensorrt`, then `--engine DIR`.

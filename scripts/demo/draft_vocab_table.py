@@ -1,5 +1,6 @@
-"""The draft-vocabulary table of issue 20: per engine (one per K) and block size, coverage of AR's
-tokens, tau, the draft and verify time per decode cycle, and the speed-up over AR.
+"""The draft-vocabulary table of docs/benchmarks.md (issue 20): per engine (one per K) and block
+size, coverage of AR's tokens, tau, the draft and verify time per decode cycle, and the speed-up
+over AR.
 
     python scripts/demo/draft_vocab_table.py build/dv/engine-full build/dv/engine-512 ...
 

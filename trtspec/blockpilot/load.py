@@ -1,74 +1,63 @@
 """BlockPilot under load: the policy's choice, or a smaller block, or AR, whichever the batch pays for.
 
-The policy was trained on per-request labels measured one request at a time, where a cycle at
-block size B costs about as much as a few autoregressive steps. Batched, the picture changes: an
-autoregressive step for n requests costs little more than for one (the weights are read once), a
-verify of n blocks of B costs n*B tokens of compute. So when a request is admitted, the engine
-asks `LoadAwareChooser` which of the policy's choice c, a smaller block size the policy could
-also choose, and AR commits the most tokens per second for a batch of the size it joins:
+The policy was trained on labels measured one request at a time, where a cycle at block size B
+costs about as much as a few autoregressive steps. Batched, that changes: an autoregressive step
+for n requests costs little more than for one (the weights are read once), while a verify of n
+blocks of B computes n*B tokens. So when a request is admitted, the engine asks
+`LoadAwareChooser` which of the policy's choice c, a smaller block size the policy could also
+choose, and AR commits the most tokens per second for the batch it joins:
 
     rate(s) = sum over the batch's requests of tau_i(s)  /  cost(s, n)
 
-with n the size of the batch the request joins (below) and cost(s, n)
-the time of one cycle at s for n requests: what the engine measured for its own cycles of that
-shape lately (draft + verify + the rows' host work, median of the last WINDOW), else the cost table
-timed when the engine started (bare draft(s) + verify(s) calls at a fixed context; trtspec.blockpilot.costs)
-fitted to what the engine measures: measured = slope x table + host, a line through the measured shapes (every
-real cycle carries the engine's host work, which the table's bare calls lack; a plain ratio
-spread it over the table's costs and so made AR, the cheapest call, look cheaper still: on the
-demo pair at 4 clients it put AR at 8.2 ms a cycle and sent the first requests there, where the
-engine then measured 12.1 ms; the line through the B = 8, 12 and 16 shapes gives 10.9). The
-start-up table alone misjudged the demo pair at 4 clients: its B = 8 / AR ratio moved ~10% between
-engine starts, and the decision turns on ~7%; the engine's own cycles give medians over hundreds of
-cycles of the real traffic. The batch
-is judged as if every request in it ran at s, not at the sizes the others happen to run now:
-every admission applies the same rule, so the batch drifts to what pays at its size. (Judging
-only this request's effect, with the others fixed, locks a batch into whatever its first
-requests chose: joining a running group at 8 costs less than opening an AR call, though all-AR
-is faster; on the demo pair at 8 and 16 clients that ran 10-15% below AR.) Near a tie (within
-STAY_MARGIN) it joins the size the batch is heading to, that of the latest request admitted of those
-decoding: flipping between two close options splits the batch into two groups, and two calls per
-cycle cost more than either option (on the demo pair at 4 clients a margin of 4% let a few AR
-requests into a batch at B = 8: each held a second call in every cycle of its long life, and the
-cell ran 18% below B = 8 alone). The latest admission, not the majority: once an admission finds
-another size better by the margin, the ones after it follow, and the old group drains within one
-request's life. Joining the majority kept a batch on the worse of two close sizes, and every later
-admission that found the margin opened a second group for its own life, after which the batch fell
-back (an AR request of 128 tokens holds a second call for 128 cycles): on the demo pair at 4
-clients, where AR led B = 8 by 4%, a round whose first admissions took B = 8 stayed there (68 of
-512 requests), and the cell ran 0.94x of AR (bench run 15). AR must beat speculation by
-AR_MARGIN: where they tie on throughput, speculation serves each request sooner (demo pair, 4
-clients: p50 latency 0.66 s against 0.79 s). The margin is small because the demo pair's two
-sides are close: with the drain out of the throughput, AR leads B = 8 by 6-12% at 8 clients and
-trails it by ~5% at 4 (a margin of 10% kept 8-client batches at B = 8, 0.91x of AR).
-AR's cost at a batch size the engine has not run AR at is the fitted table's guess, which the demo
-pair's real AR cycles missed by up to a quarter either way (4 clients: fitted 8.0 ms, measured
-10.5; 8 clients: the table 17.4, measured 15.8). So where AR comes within AR_EXPLORE of the best and the
-request would open no second group (nothing decodes yet, or AR does), it runs AR, and the engine's
-own cycles settle the next decisions: on the demo pair at 8 clients the guess had kept the first
-three of ten rounds at B = 8, 0.94x of AR over the cell. A shape the engine has not run for
-STALE_S counts as never run: the host's speed drifts, and costs are only comparable when measured
-at about the same time.
-The batch a request joins counts the requests decoding, those still prefilling, those queued for
-the free slots, and the running count averaged over about a second (clients about to come back).
-On the demo pair on 2 CPU threads: alone, the policy's choice; at 4 clients, B = 8 and AR within a
-few percent of each other (B = 8 ahead by 6% before the one-copy step graphs, AR by 4% since);
-from 8 clients, AR.
+The rules, each with its reason (the measurements that set them are in docs/benchmarks.md, "The
+load-aware chooser: the evidence behind its rules"):
+
+* cost(s, n), one cycle at s for n requests, is what the engine measured for its own cycles of
+  that shape (draft + verify + the rows' host work: the median of the latest WINDOW, once the
+  shape has run MEASURED_MIN cycles), else the cost table timed at start-up
+  (trtspec.blockpilot.costs: bare draft(s) + verify(s) calls at a fixed context) fitted to the
+  measured shapes as a line, measured = slope x table + host. The engine's own cycles are the real
+  traffic's, and the start-up table alone moves between engine starts by more than a decision
+  turns on. A line, not a ratio: every real cycle carries host work that the table's bare calls
+  lack, and a ratio spreads it over the table's costs, pricing AR, the cheapest call, too low.
+* A shape the engine has not run for STALE_S counts as never run: the host's speed drifts, and
+  costs are only comparable when measured at about the same time.
+* The batch is judged as if every request in it ran at s, not at the sizes the others run now:
+  every admission applies the same rule, so the batch drifts to what pays at its size. Judging
+  only this request's effect, with the others fixed, locks a batch into whatever its first
+  requests chose (joining a running group costs less than opening a call of another size).
+* n counts the requests decoding, those still prefilling, those queued for the free slots, and
+  the running count averaged over about a second (clients about to come back).
+* Near a tie (within STAY_MARGIN) the request joins the size the batch is heading to, that of the
+  latest admission still decoding: two sizes in one batch cost two calls per cycle, more than
+  either size alone. The latest admission, not the majority: once an admission finds another size
+  better by the margin, the ones after it follow and the old group drains within one request's
+  life, where following the majority keeps a batch on the worse size and gives every later
+  admission that finds the margin a second group for its whole life.
+* AR must beat speculation by AR_MARGIN: at equal throughput, speculation serves each request
+  sooner. The margin is small because near the crossover the two are a few percent apart, and a
+  larger margin holds batches at a block size past it.
+* AR's cost at a batch size the engine has not run AR at is only the fitted table's guess, so
+  where AR comes within AR_EXPLORE of the best and the request would open no second group
+  (nothing decodes yet, or AR does), the request runs AR and the engine's own cycles settle the
+  next decisions.
 
 tau per block size is learnt online from every speculative request the engine finished (auto or a
-fixed size: the drafter and the traffic are the same) of at least OBSERVED_MIN cycles, pooled by
-decode cycles, after a prior of 1.25x the batch-1 break-even tau worth 64 cycles;
-apart for greedy and sampled requests (demo pair, B = 12: tau 4.1 greedy, 2.3 at T = 0.7), so
+fixed size: the drafter and the traffic are the same) of at least OBSERVED_MIN decode cycles,
+pooled by decode cycles, after a prior of PRIOR_BREAK_EVEN x the batch-1 break-even tau worth
+PRIOR_CYCLES cycles. It is kept apart for greedy and sampled requests, which accept far less, so
 sampled requests learn on their own to fall back to AR. A smaller size s than the one a request
 ran at is estimated from its acceptance histogram, each cycle cut at s (min(a, s - 1) + 1): the
-drafter's first s - 1 proposals of a longer block stand for a block of s (trtspec.runtime.stats.cut_histogram).
-Until requests at the policy's choice (or a larger size) have shown PRIOR_CYCLES decode cycles,
-the choice is kept as it is: an engine that turned to AR on a guess would never see what
-speculation accepts (AR requests show no acceptance), so it explores first.
-The choice is still made once per request, at admission, as in the research.
-Where the load settles the size whatever the policy answers (AR, or a size no larger than any of
-the policy's choices), the policy is not asked: its forward (mostly the prompt's confidence over
-the prefill's tail logits) costs the engine thread ~1 ms per request, in which no request decodes.
+drafter's first s - 1 proposals of a longer block stand for a block of s
+(trtspec.runtime.stats.cut_histogram). Until requests at the policy's choice (or a larger size)
+have shown PRIOR_CYCLES decode cycles, the choice is kept as it is: an engine that turned to AR on
+a guess would never see what speculation accepts (AR requests show no acceptance), so it explores
+first.
+
+The choice is still made once per request, at admission, as in the research. Where the load
+settles the size whatever the policy answers (AR, or a size no larger than any of the policy's
+choices), the policy is not asked: its forward (mostly the prompt's confidence over the prefill's
+tail logits) runs on the engine thread, and no request decodes meanwhile.
 """
 
 from __future__ import annotations
@@ -137,9 +126,9 @@ class LoadAwareChooser:
     def observe(self, choice: BlockChoice, histogram: list[int], sampled: bool = False) -> None:
         """A request that ran at `choice` finished with this acceptance histogram (cycles by accepted
         drafts). A request of fewer than OBSERVED_MIN cycles is left out: its last cycle, cut by its
-        token limit, is a large part of it (the bench's 8-token warm-up requests at B = 8 showed tau
-        1.9 against 2.9 for 128-token ones, and the engine sent its next requests to AR). A growing
-        block's grown cycles count as what its base size would have accepted (all of it)."""
+        token limit, is a large part of it, so it understates tau (and would turn the next requests
+        to AR). A growing block's grown cycles count as what its base size would have accepted (all
+        of it)."""
         if choice.size > 1 and sum(histogram) >= OBSERVED_MIN:
             new = cut_histogram(histogram, choice.size)
             with self._lock:
@@ -162,11 +151,9 @@ class LoadAwareChooser:
     def _update_medians(self) -> None:
         """Medians of the shapes with new cycles, when a cost is asked for (at admissions), not at
         every cycle: the engine thread pays for it. A shape the engine has not run for STALE_S is
-        forgotten, its cycles too, so it is measured afresh before it counts again: the demo pair's
-        host ran AR at 8 clients half as fast again in one run as in the one before, and a median
-        from minutes ago set against one from now judged the drift, not the sizes (bench run 11: AR
-        at 4 clients measured at 6.9 ms a cycle in the first round and never again, while AR's row
-        ran at 672 tok/s, under 6 ms a cycle; `auto` stayed at B = 8, 0.92x of AR). Under the lock."""
+        forgotten, its cycles too, so it is measured afresh before it counts again: the host's speed
+        drifts, and a median from minutes ago set against one from now judges the drift, not the
+        sizes. Under the lock."""
         now = self.clock()
         old = [cell for cell, at in self._last_run.items() if now - at > STALE_S]
         for cell in old:
@@ -197,8 +184,8 @@ class LoadAwareChooser:
 
     def __call__(self, choice: BlockChoice | Callable[[], BlockChoice], load, sampled: bool = False) -> BlockChoice:
         """The size to run for a request the policy gave `choice` (or a function that gives it: it is
-        only asked when its answer can change the outcome, since the policy's forward costs the
-        engine thread ~1 ms per request, in which no request decodes)."""
+        only asked when its answer can change the outcome: the policy's forward runs on the engine
+        thread, and no request decodes meanwhile)."""
         rates, expected = self._rates(load, sampled)  # judged once, whichever sizes are then compared
         if callable(choice):
             widest = max(self.costs.cycle_ms)  # the policy's largest size: every candidate is judged

@@ -74,8 +74,8 @@ def prompt_confidence(logits: torch.Tensor) -> torch.Tensor:
 
     One pass of exp over the [T, V] logits: with w = exp(l - max) and Z = sum(w), the entropy is
     max + log Z - (w . l) / Z and the top-1 probability 1 / Z. `auto` runs this on the engine
-    thread for every request, where nothing else decodes; on the demo pair's 64 x 8192 tail there
-    (2 CPU threads) log_softmax, exp and max in turn took 1.5 ms, this 1.0 ms."""
+    thread for every request, where nothing else decodes, so it takes one pass rather than
+    log_softmax, exp and max in turn (timings: docs/benchmarks.md)."""
     logits = logits.float()
     top = logits.max(dim=-1, keepdim=True).values
     weights = (logits - top).exp_()

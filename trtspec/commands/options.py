@@ -152,8 +152,8 @@ SMALL_MODEL_BYTES = 256 << 20
 def _choose_threads(weights: list[Path]) -> None:
     """Without --threads, run a small model in eager PyTorch on one CPU thread: its matrix products
     are too small to split, and torch's spinning threads only contend with the loop's host work
-    (demo pair, 2 cores: B = 8 decoded ~15% faster on one thread). ONNX Runtime engines keep every
-    core: their idle threads sleep (engines/onnxruntime.py)."""
+    (measured: docs/benchmarks.md). ONNX Runtime engines keep every core: their idle threads sleep
+    (engines/onnxruntime.py)."""
     context = click.get_current_context(silent=True)
     if context is None or context.meta.get(THREADS) is not None:
         return

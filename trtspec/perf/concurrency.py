@@ -95,8 +95,8 @@ def paired_interval(ours: list[float], theirs: list[float], resamples: int = 400
                     seed: int = 0) -> list[float]:
     """95% bootstrap interval of median(ours) / median(theirs): the repeats are resampled in pairs,
     since a repeat's rows ran back to back and the host's drift moved both sides of a pair alike.
-    On the demo pair's 2-core host single repeats of one row spread by +-20%, so a ratio of 0.96
-    over 8 repeats can be a tie; the interval says whether it is. It does not count that the best
+    On a noisy host single repeats of one row spread widely, so a ratio a few percent under 1 over
+    a few repeats can be a tie; the interval says whether it is. It does not count that the best
     row was picked as the largest of several noisy medians (which favours it)."""
     a, b = np.asarray(ours, float), np.asarray(theirs, float)
     picks = np.random.default_rng(seed).integers(0, len(a), (resamples, len(a)))
