@@ -70,9 +70,10 @@ def _requests(pipeline, count):
 @pytest.mark.parametrize("backend", ["eager", "onnxruntime"])
 def test_batched_greedy_equals_each_request_alone(backend, request):
     pipeline = request.getfixturevalue("demo_eager" if backend == "eager" else "demo_ort")
-    requests = _requests(pipeline, 32)
-    # Six slots for 32 requests: requests join as others leave; prompts prefill in chunks of 48.
-    with pipeline.engine(EngineConfig(max_running=6, max_queued=32, prefill_chunk=48)) as engine:
+    # 18 requests hold every (schedule, limit, stop) combination of _requests (a period of 12) and six
+    # more; six slots for them: requests join as others leave; prompts prefill in chunks of 48.
+    requests = _requests(pipeline, 18)
+    with pipeline.engine(EngineConfig(max_running=6, max_queued=18, prefill_chunk=48)) as engine:
         handles = [engine.submit(ids, config) for ids, config in requests]
         batched = [h.result(timeout=600) for h in handles]
     for (ids, config), generation in zip(requests, batched):

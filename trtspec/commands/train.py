@@ -49,7 +49,7 @@ Example:
 @click.option("-o", "--output", required=True, metavar="FILE", help="JSONL to write (atomically).")
 @max_new_tokens_option(256)
 @limit_option
-@click.option("--batch-size", type=Ranged(limits.COUNT), default=16, show_default=True, help="Equal-length prompts decoded together.")
+@click.option("--batch-size", type=Ranged(limits.COUNT), default=16, show_default=True, help="Prompts the engine decodes at once (any lengths; each request keeps its own seed).")
 @sampling_options
 @device_options
 def generate_data(target, prompts_file, output, max_new_tokens, limit, batch_size, temperature, top_k, top_p,
