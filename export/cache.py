@@ -5,8 +5,9 @@ of a CPU build of a small model (docs/benchmarks.md, "Exported-graph cache"). Th
 depend on the engine's block sizes, batch limit or policy (every axis is dynamic), so a rebuild with
 other options, or the cached `--backend auto` engine of another block-size set, exports exactly what
 an earlier build did. Graphs are kept in the cache directory (`$TRTSPEC_CACHE/graphs`) under a hash
-of everything that determines them: both checkpoints' contents, the draft vocabulary, the graph's
-interface, the context length, dtype and device, the versions of torch and the ONNX exporter, and
+of everything that determines them: the checkpoints it is made of (the target's graph: the target
+and which of its layers feed the drafter, so a new drafter or draft vocabulary for the same target
+reuses it; the draft graph: both checkpoints and the draft vocabulary), the graph's interface, the context length, dtype and device, the versions of torch and the ONNX exporter, and
 the source of the export and model code. A graph over `MAX_CACHED_BYTES` (a large model, whose
 export is no longer the slow part and whose copy would cost gigabytes) is not kept. The build's
 self-check against eager PyTorch runs on a cached graph as on a fresh one.
@@ -36,9 +37,10 @@ MAX_CACHED_BYTES = 1 << 30
 SOURCES = ("export", "models")  # trtspec subpackages whose code decides what a graph computes
 
 
-def graph_key(name: str, suffix: str, spec: GraphSpec, *, sources: dict[str, str | None], max_context: int,
+def graph_key(name: str, suffix: str, spec: GraphSpec, *, sources: dict[str, object], max_context: int,
               dtype: torch.dtype, device: torch.device) -> str:
-    """The cache entry's name; `sources`: content hashes of the checkpoints and the draft vocabulary."""
+    """The cache entry's name; `sources`: content hashes of what the graph is made of (checkpoints,
+    draft vocabulary, the target layers that feed the drafter)."""
     key = {"graph": name, "format": suffix, "spec": spec.to_dict(), "sources": sources, "max_context": max_context,
            "dtype": str(dtype), "device": device.type, "trtspec": __version__, "code": code_sha256(),
            "versions": {package: _version(package) for package in ("torch", "onnx", "onnxscript")}}

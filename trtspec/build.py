@@ -22,7 +22,7 @@ from trtspec.engines import onnxruntime as ort_engine
 from trtspec.engines import tensorrt as trt_engine
 from trtspec.device import MODEL_DTYPES, resolve_device, resolve_dtype
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import MAX_BATCH, MAX_BLOCK_SIZE, graph_specs
+from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, graph_specs
 from trtspec.export.cache import export_cached, graph_key
 from trtspec.export.exporter import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
 from trtspec.fileio import ENGINE, check_output_dir, staged_directory
@@ -107,7 +107,12 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     modules = step_modules(target, drafter)
     specs = graph_specs(target.config, drafter.config)
     sources = {"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir)}
-    graph_sources = {**sources, "draft_vocab": ids_sha256(chosen[0]) if chosen is not None else None}
+    # What each graph is made of: the target's graph reads only the target and which of its layers
+    # feed the drafter, so a new drafter or draft vocabulary for the same target reuses it; the
+    # draft graph also holds the target's embedding and head.
+    graph_sources = {
+        TARGET: {"target": sources["target"], "feature_layers": list(drafter.config.target_layer_ids)},
+        DRAFT: {**sources, "draft_vocab": ids_sha256(chosen[0]) if chosen is not None else None}}
     # The TensorRT optimization profiles of these graphs; recorded for every backend (a TensorRT
     # build uses exactly this table), so it can be inspected and checked on any machine.
     table = trt_engine.profile_table(specs, block_sizes, max_context, config.max_batch)
@@ -122,7 +127,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             if stage == "export":  # from the graph cache when an earlier build exported the same graph
                 suffix = ".pt2" if backend == "torch" else ".onnx"
                 files[name] = f"{name}{suffix}"
-                key = graph_key(name, suffix, specs[name], sources=graph_sources, max_context=max_context,
+                key = graph_key(name, suffix, specs[name], sources=graph_sources[name], max_context=max_context,
                                 dtype=target.dtype, device=export_device)
                 export_cached(staging / files[name], key, functools.partial(
                     _export, modules[name], specs[name], max_context, target.dtype, export_device))
