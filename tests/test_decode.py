@@ -6,6 +6,7 @@ import torch
 from helpers import core_of, generate, predictable_pair, random_drafter, single, tiny_config
 from trtspec.errors import TrtspecError
 from trtspec.models import Qwen3Target
+from trtspec.runtime.engine import EngineConfig, EngineCore
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.schedule import AR, BlockChoice
 
@@ -39,19 +40,22 @@ def _mid_block_cut(stats) -> bool:
 
 @pytest.mark.parametrize("engine_name", ["predictable", "unhelpful"])
 def test_greedy_speculative_equals_autoregressive(engine_name, request):
+    """AR one request at a time (the engine's batch-1 path); every speculative schedule of a prompt
+    decoded together, one slot each (its batched path: test_engine.py checks that each request
+    decodes there exactly as alone)."""
     engine = request.getfixturevalue(engine_name)
+    schedules = [(b, 0) for b in BLOCK_SIZES] + list(GROWING)
+    together = EngineCore(engine.runner.with_slots(len(schedules)), config=EngineConfig(max_running=len(schedules)))
+    configs = [GenerationConfig(block=BlockChoice(b, g), max_new_tokens=70) for b, g in schedules]
     totals, grown = {b: [0] * b for b in BLOCK_SIZES}, 0
     for prompt in _prompts(8, 64):
         expected = generate(engine, prompt, GenerationConfig(block=AR, max_new_tokens=70)).tokens
-        for block_size in BLOCK_SIZES:
-            result = generate(engine, prompt, GenerationConfig(block=BlockChoice(block_size), max_new_tokens=70))
-            assert result.tokens == expected, f"B={block_size} prompt={prompt}"
-            totals[block_size] = [x + y for x, y in zip(totals[block_size], result.stats.histogram)]
-        for block_size, grow_to in GROWING:
-            result = generate(engine, prompt, GenerationConfig(block=BlockChoice(block_size, grow_to),
-                                                               max_new_tokens=70))
+        for (block_size, grow_to), result in zip(schedules, together.generate([prompt] * len(configs), configs)):
             assert result.tokens == expected, f"B={block_size}:{grow_to} prompt={prompt}"
-            grown += result.stats.grown_cycles
+            if grow_to:
+                grown += result.stats.grown_cycles
+            else:
+                totals[block_size] = [x + y for x, y in zip(totals[block_size], result.stats.histogram)]
     if engine_name == "predictable":
         # the drafter exercises every kind of cycle: none, part of the block, the whole block
         for block_size in (4, 8, 12):
