@@ -281,22 +281,15 @@ class EngineCore:
     def _iteration(self) -> None:
         if any(a.core is None for a in self._active):
             self._prefill()
-        if len(self._active) == 1 and self._active[0].core is not None:  # one request: no grouping
-            active = self._active[0]
-            if active.core.running:
-                size = active.core.block_size(0)
-                began = time.perf_counter() if self._timed else 0.0
-                if size > 1:
-                    self._draft(size, [active])
-                self._verify(size, [active])
-                if self._timed:
-                    self.chooser.observe_cycle(size, 1, (time.perf_counter() - began) * 1e3)
-            self._emit(active)
-            return
         groups: dict[int, list[_Active]] = {}
-        for active in self._active:
-            if active.core is not None and active.core.running:
-                groups.setdefault(active.core.block_size(0), []).append(active)
+        if len(self._active) == 1:  # one request (`trtspec run`): its own group, without the scan
+            only = self._active[0]
+            if only.core is not None and only.core.running:
+                groups[only.core.block_size(0)] = [only]
+        else:
+            for active in self._active:
+                if active.core is not None and active.core.running:
+                    groups.setdefault(active.core.block_size(0), []).append(active)
         timed = self._timed
         for size, members in sorted(groups.items()):
             began = time.perf_counter() if timed else 0.0
