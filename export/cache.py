@@ -16,6 +16,7 @@ self-check against eager PyTorch runs on a cached graph as on a fresh one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib
@@ -23,7 +24,7 @@ import json
 import shutil
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -50,19 +51,35 @@ def graph_key(name: str, suffix: str, spec: GraphSpec, *, sources: dict[str, obj
 def export_cached(destination: Path, key: str, export: Callable[[Path], None]) -> None:
     """Write the graph to `destination`: a copy of the cached one, or `export(destination)` and keep
     a copy. An entry whose bytes no longer match the SHA-256 kept beside it is exported afresh; a
-    cache that cannot be read or written is skipped."""
+    cache that cannot be read or written is skipped. Builds of the same graph at the same time (two
+    terminals, a server starting while a build runs) take turns, so the graph is exported once."""
     cached = cache_root() / GRAPHS_DIR / key
     digest = cached.with_name(cached.name + ".sha256")
-    with contextlib.suppress(OSError):
-        if cached.is_file() and digest.is_file() and file_sha256(cached) == digest.read_text().strip():
-            shutil.copyfile(cached, destination)
-            return
-    export(destination)
-    if destination.stat().st_size <= MAX_CACHED_BYTES:
-        with contextlib.suppress(OSError, TrtspecError):
-            with staged_file(cached) as temporary:
-                shutil.copyfile(destination, temporary)
-            atomic_write_text(digest, file_sha256(destination))
+    with _turn(cached.with_name(cached.name + ".lock")):
+        with contextlib.suppress(OSError):
+            if cached.is_file() and digest.is_file() and file_sha256(cached) == digest.read_text().strip():
+                shutil.copyfile(cached, destination)
+                return
+        export(destination)
+        if destination.stat().st_size <= MAX_CACHED_BYTES:
+            with contextlib.suppress(OSError, TrtspecError):
+                with staged_file(cached) as temporary:
+                    shutil.copyfile(destination, temporary)
+                atomic_write_text(digest, file_sha256(destination))
+
+
+@contextlib.contextmanager
+def _turn(lock: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock` (released by the OS if the process dies); no lock where the
+    cache cannot be written."""
+    try:
+        handle = open(lock, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 @functools.cache

@@ -39,7 +39,7 @@ def empty_cache(tmp_path, suite_cache) -> Path:
 
 @pytest.fixture(scope="session")
 def target_dir(tmp_path_factory) -> Path:
-    """A random Qwen3 written by transformers, with a trained BPE tokenizer and chat template."""
+    """A random Qwen3 written by transformers (4096 positions), with a trained BPE tokenizer and chat template."""
     return save_hf_target(tmp_path_factory.mktemp("ckpt") / "target")
 
 

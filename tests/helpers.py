@@ -55,7 +55,7 @@ def hf_family(family: str, **options):
 
 
 def save_hf_target(directory: Path, *, vocab_size: int = 320, hidden: int = 64, layers: int = 4,
-                   heads: int = 4, kv_heads: int = 2, head_dim: int = 16, max_positions: int = 512,
+                   heads: int = 4, kv_heads: int = 2, head_dim: int = 16, max_positions: int = 4096,
                    tie: bool = False, seed: int = 0, with_tokenizer: bool = True, family: str = "qwen3",
                    **family_options) -> Path:
     """A random target of `family` (qwen3, llama, qwen3_moe) written by transformers' own save_pretrained."""

@@ -7,6 +7,8 @@ engine directory must be refused with one clear line.
 
 import json
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -276,6 +278,21 @@ def test_the_graph_cache_keeps_small_graphs_checks_them_and_never_fails_a_build(
     monkeypatch.setattr(cache, "MAX_CACHED_BYTES", 1 << 30)
     cache.export_cached(tmp_path / "e.onnx", "k.onnx", export)
     assert (tmp_path / "e.onnx").read_bytes() == b"graph 4"
+
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "cache"))  # two builds of one graph at once:
+    exporting = threading.Event()                                 # the second waits and copies
+
+    def slow_export(path):
+        exporting.set()
+        time.sleep(0.3)
+        export(path)
+
+    first = threading.Thread(target=cache.export_cached, args=(tmp_path / "f.onnx", "same.onnx", slow_export))
+    first.start()
+    exporting.wait(10)
+    cache.export_cached(tmp_path / "g.onnx", "same.onnx", export)
+    first.join()
+    assert calls[-1] == "f.onnx" and (tmp_path / "g.onnx").read_bytes() == (tmp_path / "f.onnx").read_bytes()
 
 
 def _edit_manifest(engine, edit) -> None:

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # n
 
 PROMPT = "def add(a, b):\n"
 MAX_TOKENS = 24
-LONG_CONTEXT = 4096  # the served engine's: one request can decode for many seconds (the cancellation test)
+LONG_CONTEXT = 4096  # the served engine's (conftest's tiny pair): one request can decode for seconds (the cancellation test)
 
 
 def _alive(group: int, grace: float = 20.0) -> bool:
@@ -50,25 +50,9 @@ def _free_ports(count: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def long_engine_dir(tmp_path_factory):
-    """The tiny random pair (conftest's weights) with a LONG_CONTEXT-position context, built for ONNX Runtime."""
-    from helpers import save_hf_target, save_random_drafter
-
-    from trtspec.build import BuildConfig, build_engine
-    from trtspec.models import load_target
-
-    root = tmp_path_factory.mktemp("long")
-    target = save_hf_target(root / "target", max_positions=LONG_CONTEXT)
-    drafter = save_random_drafter(root / "drafter", load_target(target))
-    build_engine(target, drafter, root / "engine", BuildConfig(block_sizes=(4, 8), backend="onnxruntime"),
-                 progress=False)
-    return root / "engine"
-
-
-@pytest.fixture(scope="module")
-def server(long_engine_dir, tmp_path_factory):
+def server(ort_engine_dir, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton") / "repo"
-    made = trtspec("triton-repo", "--engine", long_engine_dir, "-o", repo, "--threads", 1)
+    made = trtspec("triton-repo", "--engine", ort_engine_dir, "-o", repo, "--threads", 1)
     assert made.returncode == 0, made.stderr.decode()
     http_port, grpc_port, metrics_port = _free_ports(3)
     log = open(repo.parent / "server.log", "wb")
@@ -90,7 +74,7 @@ def server(long_engine_dir, tmp_path_factory):
             time.sleep(0.5)
         client.close()  # an open connection would hold the server's shutdown for its 30 s exit timeout
         yield {"http": f"127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}", "process": process,
-               "engine": long_engine_dir, "repo": repo, "metrics": f"127.0.0.1:{metrics_port}"}
+               "engine": ort_engine_dir, "repo": repo, "metrics": f"127.0.0.1:{metrics_port}"}
     finally:
         process.send_signal(signal.SIGINT)  # as Ctrl-C: triton-serve stops its server cleanly
         try:
