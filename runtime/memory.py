@@ -15,13 +15,23 @@ import torch
 from trtspec.errors import TrtspecError
 
 MEMINFO = Path("/proc/meminfo")
+DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of a CUDA device's memory trtspec may hold (weights, caches, graphs), as vLLM's default
+
+
+def limit_gpu_memory(fraction: float, device: torch.device) -> None:
+    """Hold this process to `fraction` of `device`'s memory: torch's allocator refuses beyond it,
+    and the caches are sized within it (available_bytes)."""
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
 def available_bytes(device: torch.device) -> int:
-    """Bytes a new allocation can take on `device`: free memory of a CUDA device; on the CPU the
-    kernel's MemAvailable estimate (free + reclaimable), else the physical memory."""
+    """Bytes a new allocation can take on `device`: on a CUDA device its free memory, within this
+    process's share of it (limit_gpu_memory) less what torch holds already; on the CPU the kernel's
+    MemAvailable estimate (free + reclaimable), else the physical memory."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        share = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
+        return max(0, min(free, int(share)))
     try:
         for line in MEMINFO.read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -51,7 +61,7 @@ def check_cache_fits(slots: int, bytes_per_slot: int, max_context: int, device: 
     needed, available = slots * bytes_per_slot, available_bytes(device)
     if needed <= available:
         return
-    where = "this machine has" if device.type == "cpu" else f"{device} has"
+    where = "this machine has" if device.type == "cpu" else f"{device} has (within --gpu-memory-fraction)"
     fits = available // bytes_per_slot
     room = f"room for at most ~{fits} concurrent requests" if fits else "not enough for one request"
     raise TrtspecError(f"concurrency {slots} needs {format_bytes(needed)} of KV cache ({format_bytes(bytes_per_slot)} "

@@ -28,6 +28,23 @@ from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec
 from trtspec.runtime.memory import cache_bytes, check_cache_fits
 
 SHORT_CONTEXT = 32  # draft rows with at most this many new context entries share a (padded) call
+# Static mode pads a call's batch to one of these (vLLM's and SGLang's capture sizes), so one CUDA
+# graph per (graph, block size, bucket) serves every batch; beyond the last, multiples of it.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket(count: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
+    """The smallest bucket that holds `count` (a multiple of the largest beyond it)."""
+    for size in buckets:
+        if count <= size:
+            return size
+    return -(-count // buckets[-1]) * buckets[-1]
+
+
+def context_bucket(count: int) -> int:
+    """A draft call's context width in static mode: the next power of two, so the widths a request
+    meets (1..B after its first cycle, its prompt once) take a handful of graphs."""
+    return 1 << max(count - 1, 0).bit_length()
 
 
 class BatchRunner:
@@ -37,8 +54,10 @@ class BatchRunner:
         self.executor, self.specs, self.dtype, self.slots = executor, specs, dtype, slots
         self.manifest = manifest  # a built engine's (trtspec.engines.manifest), None for eager modules
         # Static mode, for CUDA-graph replay: decode calls read the whole cache buffer as `past` (stale
-        # entries are masked) and their inputs are copied into buffers kept per shape, so every
-        # binding of a (graph, block size, batch, context width) call keeps its address.
+        # entries are masked), their rows are padded to a batch bucket and a draft's context to a
+        # power-of-two width, and their inputs are copied into buffers kept per shape, so every
+        # binding of a (graph, block size, batch bucket, context width) call keeps its address: one
+        # graph captured (lazily, at its first call) per such shape. Prompt chunks run uncaptured.
         self.static = static
         self._static_inputs: dict[tuple, dict[str, torch.Tensor]] = {}
         self.device = executor.device
@@ -60,10 +79,11 @@ class BatchRunner:
     # ---- making one --------------------------------------------------------------------------------
 
     @classmethod
-    def eager(cls, target, drafter, slots: int, cuda_graphs: bool = False,
+    def eager(cls, target, drafter, slots: int, cuda_graphs: bool | None = None,
               max_context: int | None = None) -> "BatchRunner":
         """The PyTorch modules: the step modules the engines are exported from, run as they are
-        (caches for `max_context` positions per slot; default: the target's maximum)."""
+        (caches for `max_context` positions per slot; default: the target's maximum); on a CUDA
+        device decode calls are replayed from CUDA graphs unless `cuda_graphs` is False."""
         from trtspec.engines.torch import TorchExecutor
         from trtspec.export.bindings import draft_graph, target_graph
         from trtspec.export.steps import DraftStep, TargetStep
@@ -73,22 +93,26 @@ class BatchRunner:
         specs = {TARGET: target_graph(target.config, len(layers))}
         if drafter is not None:
             modules[DRAFT], specs[DRAFT] = DraftStep(drafter).eval(), draft_graph(drafter.config)
+        cuda_graphs = target.device.type == "cuda" and cuda_graphs is not False
         executor = TorchExecutor(modules, target.device, specs, cuda_graphs=cuda_graphs)
         return cls(executor, specs, target.dtype, slots, max_context or target.config.max_position_embeddings, None,
                    drafter.config.mask_token_id if drafter is not None else None,
-                   static=cuda_graphs and target.device.type == "cuda")
+                   static=cuda_graphs)
 
     @classmethod
     def open(cls, directory: str | Path, device: torch.device, slots: int = 1, threads: int | None = None,
-             cuda_graphs: bool = False, max_context: int | None = None) -> "BatchRunner":
+             cuda_graphs: bool | None = None, max_context: int | None = None) -> "BatchRunner":
         """Load a built engine directory (manifest verified) onto `device` with its backend's executor
-        (caches for `max_context` positions per slot, at most the engine's; default: the engine's);
-        with `cuda_graphs` on a CUDA device, decode cycles replay captured CUDA graphs."""
+        (caches for `max_context` positions per slot, at most the engine's; default: the engine's).
+        On a CUDA device decode cycles replay captured CUDA graphs: by default for every backend but
+        ONNX Runtime (whose own graph capture refuses graphs with CPU nodes; ask with `cuda_graphs`)."""
         from trtspec.engines.manifest import read_manifest
 
-        cuda_graphs = cuda_graphs and device.type == "cuda"
         directory = Path(directory)
         manifest = read_manifest(directory)
+        if cuda_graphs is None:
+            cuda_graphs = manifest.backend != "onnxruntime"
+        cuda_graphs = cuda_graphs and device.type == "cuda"
         graphs = {graph: directory / info["file"] for graph, info in manifest.graphs.items()}
         if manifest.backend == "onnxruntime":
             from trtspec.engines.onnxruntime import OnnxRuntimeExecutor
@@ -117,8 +141,13 @@ class BatchRunner:
              new_at: int | None = None, into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Run `graph` over the first `past` cache positions. `new_at`: a single-slot runner's new
         keys/values go straight to that position of its cache; `into`: the caller's tensor for the
-        proposals (drafts)."""
+        proposals (drafts). In static mode a decode call's rows are padded to their batch bucket (the
+        padding rows read the cache and their outputs are dropped: nothing they compute is stored)."""
         cache_k, cache_v = self._caches[graph]
+        rows = sizes["batch"]
+        replayed = self.static and profile != PREFILL
+        if replayed:
+            sizes = {**sizes, "batch": bucket(rows)}
         key = (graph, profile, sizes["batch"], sizes.get("context", 0))
         outputs = self._outputs.get(key)
         if outputs is None:
@@ -126,13 +155,16 @@ class BatchRunner:
                                            device=self.device) for t in self.specs[graph].outputs}
             if profile != PREFILL:  # decode shapes recur; prompt chunks vary
                 self._outputs[key] = outputs
-        if self.static and profile != PREFILL:
+        if replayed:
             bound = self._static_inputs.get(key)
-            if bound is None:
-                bound = self._static_inputs[key] = {name: torch.empty_like(t) for name, t in inputs.items()}
+            if bound is None:  # padding rows: slot 0, start 0, one (zero) context entry
+                bound = self._static_inputs[key] = {
+                    name: (torch.ones if name == "counts" else torch.zeros)(
+                        (sizes["batch"], *t.shape[1:]), dtype=t.dtype, device=self.device)
+                    for name, t in inputs.items()}
             for name, tensor in inputs.items():
-                bound[name].copy_(tensor, non_blocking=True)
-            inputs, past, new_at = bound, cache_k.shape[0], None
+                bound[name][:rows].copy_(tensor, non_blocking=True)
+            inputs, past, new_at = dict(bound), cache_k.shape[0], None
         inputs["past_k"], inputs["past_v"] = cache_k[:past], cache_v[:past]
         if new_at is not None or into is not None:
             bound = self._bound.get(key) if profile != PREFILL else None
@@ -148,6 +180,8 @@ class BatchRunner:
                 bound["new_k"], bound["new_v"] = rows_k[:, new_at:new_at + count], rows_v[:, new_at:new_at + count]
             outputs = bound
         self.executor.run(graph, profile, inputs, outputs)
+        if replayed and sizes["batch"] > rows:
+            return {name: tensor[:rows] for name, tensor in outputs.items()}
         return outputs
 
     def _store(self, graph: str, starts: list[int], count: int, slots: list[int], outputs: dict[str, torch.Tensor],
@@ -237,8 +271,9 @@ class BatchRunner:
                out: torch.Tensor | None = None) -> torch.Tensor:
         batch, size = blocks.shape
         counts = [c.shape[0] for c in contexts]
-        width = max(counts)
-        if batch == 1:
+        width = context_bucket(max(counts)) if self.static else max(counts)
+        padded_rows = batch > 1 or width > counts[0]  # rows left-padded to the width: their padding is not stored
+        if not padded_rows:
             padded = contexts[0].unsqueeze(0)
         else:
             padded = contexts[0].new_zeros(batch, width, contexts[0].shape[-1])
@@ -256,7 +291,7 @@ class BatchRunner:
                            new_at=first[0] if self._direct else None, into=into)
         if not self._direct:
             keep = None
-            if batch > 1:
+            if padded_rows:
                 offsets = torch.arange(width, device=self.device)
                 keep = offsets[None, :] >= (width - self._long("counts", counts))[:, None]
             self._store(DRAFT, [s - width for s in starts], width, slots, result, keep)

@@ -10,7 +10,10 @@ import torch
 
 from helpers import ar_of, core_of, generate, opened
 from trtspec.engines.capture import CudaGraphs, binding_key
+from trtspec.engines.executor import PREFILL
+from trtspec.runtime.engine import EngineConfig, EngineCore
 from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.runner import BATCH_BUCKETS, bucket, context_bucket
 from trtspec.runtime.schedule import BlockChoice
 
 PROMPTS = [[5, 9, 13, 2, 7], [40, 41, 42, 43, 44, 45, 46, 47], [3] * 12]
@@ -30,6 +33,54 @@ def test_static_bindings_decode_like_the_ordinary_engine(ort_engine_dir, block_s
     static = core_of(ordinary.runner.with_slots(1, drafter=block_size > 1))
     static.runner.static = True
     assert _greedy(static, block_size) == _greedy(ordinary, block_size)
+
+
+class KeyRecorder:
+    """An executor that runs another and records the binding key of every decode call: the CUDA
+    graphs a GPU would capture for the same calls."""
+
+    def __init__(self, executor):
+        self.executor, self.backend, self.device = executor, executor.backend, executor.device
+        self.keys: set = set()
+
+    def run(self, graph, profile, inputs, outputs):
+        if profile != PREFILL:
+            self.keys.add(binding_key(graph, profile, inputs, outputs))
+        self.executor.run(graph, profile, inputs, outputs)
+
+
+def test_buckets():
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 33, 64, 65, 129)] == [1, 2, 4, 8, 8, 16, 64, 64, 128, 192]
+    assert [context_bucket(n) for n in (1, 2, 3, 4, 5, 17, 300)] == [1, 2, 4, 4, 8, 32, 512]
+
+
+def test_static_batches_pad_to_buckets_and_reuse_one_binding_per_shape(ort_engine_dir):
+    """Seven requests of mixed block sizes in six static slots: every output equals the request
+    decoded alone, and every decode call ran over the bindings of its (graph, block size, batch
+    bucket, context bucket): the graphs a GPU captures once and replays."""
+    ordinary = opened(ort_engine_dir, torch.device("cpu"))
+    static_runner = ordinary.runner.with_slots(6)
+    static_runner.static = True
+    recorder = static_runner.executor = KeyRecorder(static_runner.executor)
+    engine = EngineCore(static_runner, config=EngineConfig(max_running=6, prefill_chunk=16))
+    prompts = PROMPTS + [[7, 8, 9] * 6, [11, 12], [60] * 20, [2, 4, 6, 8]]
+    configs = [GenerationConfig(block=BlockChoice(size), max_new_tokens=limit)
+               for size, limit in zip((4, 8, 1, 4, 8, 4, 1), (20, 31, 17, 40, 9, 26, 33))]
+    together = engine.generate([list(p) for p in prompts], configs)
+    for prompt, config, generation in zip(prompts, configs, together):
+        alone = generate(ordinary if config.block.size > 1 else ar_of(ordinary), prompt, config)
+        assert generation.tokens == alone.tokens
+        assert generation.stats.histogram == alone.stats.histogram
+    shapes = set()
+    for graph, profile, tensors in recorder.keys:
+        dims = dict((name, shape) for name, shape, _ in tensors)
+        batch = dims["slots"][0]
+        assert batch in BATCH_BUCKETS and profile in (1, 4, 8)
+        width = dims["context"][1] if graph == "draft" else 0
+        assert graph != "draft" or width == context_bucket(width)
+        shapes.add((graph, profile, batch, width))
+    assert len(shapes) == len(recorder.keys)  # one set of addresses per shape: replayable
+    assert any(batch > 1 for _, _, batch, _ in shapes)  # rows really were batched (and padded)
 
 
 @pytest.mark.gpu

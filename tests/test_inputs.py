@@ -362,6 +362,8 @@ FLAG_CASES = [
     (("run", "P", "--max-context", "1"), "--max-context must be an integer in [2, 2**31-1], got 1"),
     (("run", "P", "--device", "tpu"), "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
     (("run", "P", "--device", "cuda:x"), "--device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+    (("serve", "--gpu-memory-fraction", "0"), "--gpu-memory-fraction must be a number in (0, 1], got 0.0"),
+    (("run", "P", "--gpu-memory-fraction", "1.5"), "--gpu-memory-fraction must be a number in (0, 1], got 1.5"),
     (("preflight", "--block-size", "0"), "--block-size must be in [2, 64], got 0"),
     (("preflight", "--block-size", "6:12"), "give plain block sizes here"),
     (("eval-policy", "--policy", "P", "--labels", "P", "--fixed-block-size", "0"),

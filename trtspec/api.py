@@ -49,12 +49,12 @@ class Pipeline:
 
     def __init__(self, target: str | Path | None = None, drafter: str | Path | None = None, *,
                  engine: str | Path | None = None, policy: str | Path | None = None, dtype: str = "auto",
-                 device: str = "auto", max_context: int | None = None, cuda_graphs: bool = False,
+                 device: str = "auto", max_context: int | None = None, cuda_graphs: bool | None = None,
                  draft_vocab: int | None = None, draft_counts: str | Path | None = None):
         torch_device = resolve_device(device)
         self.target = self.drafter = None
         self.cuda_graphs = cuda_graphs
-        if engine is not None:  # cuda_graphs: replay each block size's captured draft/verify (CUDA devices)
+        if engine is not None:  # cuda_graphs: replay captured draft/verify calls (CUDA; default: see BatchRunner)
             self.runner = BatchRunner.open(engine, torch_device, cuda_graphs=cuda_graphs,
                                            max_context=max_context and MAX_CONTEXT.check(max_context))
             check_sources(self.runner.manifest, target, drafter)

@@ -116,6 +116,7 @@ BATCH = Limit("batch", 1, 64)                    # requests decoded together (ex
 # Requests a continuous-batching engine decodes together (serve --max-concurrency, the Triton
 # model's max_running): each holds a KV cache for the whole context, so the memory those need is
 # also checked against the device's before they are allocated (trtspec.runtime.memory).
+GPU_MEMORY_FRACTION = Limit("gpu memory fraction", 0.0, 1.0, integer=False, low_open=True)
 CONCURRENCY = Limit("concurrency", 1, 4096)
 COUNT = Limit("count", 1, INT32_MAX)             # repeats, batch sizes, steps, layers, instances, ...
 NON_NEGATIVE = Limit("count", 0, INT32_MAX)      # optional steps, triton-repo's threads per instance (0 = default)

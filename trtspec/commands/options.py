@@ -20,6 +20,21 @@ def _stack(*decorators):
     return apply
 
 
+class Ranged(click.ParamType):
+    """A number checked against its `trtspec.limits` range as it is parsed, before any work.
+
+    Out-of-range values raise TrtspecError, not click's usage error: one line and exit 1, like
+    every other bad input."""
+
+    def __init__(self, limit: limits.Limit):
+        self.limit = limit
+        self.name = "integer" if limit.integer else "float"
+
+    def convert(self, value, param, ctx):
+        label = param.opts[0] if param is not None and param.opts else self.limit.name
+        return self.limit.parse(value, label) if isinstance(value, str) else self.limit.check(value, label)
+
+
 target_option = click.option(
     "--target", "target", metavar="DIR",
     help="Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json). [default: bundled demo target]")
@@ -32,6 +47,10 @@ device_options = _stack(
                  show_default=True, help="auto = float32 on CPU, bfloat16 on CUDA."),
     click.option("--device", default="auto", show_default=True, callback=lambda ctx, param, value:
                  limits.check_device(value, "--device"), help="auto, cpu, cuda or cuda:N."),
+    click.option("--gpu-memory-fraction", type=Ranged(limits.GPU_MEMORY_FRACTION), default=0.9, show_default=True,
+                 metavar="F", expose_value=False, callback=lambda ctx, param, value: ctx.meta.update({GPU_MEMORY: value}),
+                 help="Share of a CUDA device's memory this process may hold (weights, KV caches, CUDA graphs); "
+                      "the caches of --max-concurrency requests must fit in it. Ignored on a CPU."),
 )
 engine_option = click.option(
     "--engine", "engine", metavar="DIR",
@@ -53,21 +72,6 @@ def _draft_vocab_options():
         click.option("--draft-counts", "draft_counts", metavar="DIR",
                      help="Token counts behind --draft-vocab (trtspec draft-vocab -o DIR). "
                           "[default: the drafter's draft_vocab/]"))
-
-
-class Ranged(click.ParamType):
-    """A number checked against its `trtspec.limits` range as it is parsed, before any work.
-
-    Out-of-range values raise TrtspecError, not click's usage error: one line and exit 1, like
-    every other bad input."""
-
-    def __init__(self, limit: limits.Limit):
-        self.limit = limit
-        self.name = "integer" if limit.integer else "float"
-
-    def convert(self, value, param, ctx):
-        label = param.opts[0] if param is not None and param.opts else self.limit.name
-        return self.limit.parse(value, label) if isinstance(value, str) else self.limit.check(value, label)
 
 
 class BlockSizeType(click.ParamType):
@@ -167,6 +171,21 @@ def engine_sizes(choices) -> tuple[int, ...]:
     return tuple(sorted({n for c in choices for n in c.sizes if n > 1}))
 
 
+GPU_MEMORY = "trtspec.gpu_memory_fraction"  # click context meta: --gpu-memory-fraction
+
+
+def _limit_gpu_memory(device: str) -> None:
+    """Apply --gpu-memory-fraction before anything is allocated on a CUDA device."""
+    from trtspec.device import resolve_device
+    from trtspec.runtime.memory import DEFAULT_GPU_MEMORY_FRACTION, limit_gpu_memory
+
+    torch_device = resolve_device(device)
+    if torch_device.type == "cuda":
+        context = click.get_current_context(silent=True)
+        limit_gpu_memory(context.meta.get(GPU_MEMORY, DEFAULT_GPU_MEMORY_FRACTION) if context else DEFAULT_GPU_MEMORY_FRACTION,
+                         torch_device)
+
+
 def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: str, *,
                   with_drafter: bool = True, max_context: int | None = None, engine: str | None = None,
                   policy: str | None = None, draft_vocab: int | None = None, draft_counts: str | None = None,
@@ -176,6 +195,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
     sizes the command will ask for, beyond the cache's usual ones)."""
     from trtspec.assets import resolve_drafter, resolve_target
 
+    _limit_gpu_memory(device)
     if engine is None and backend != "eager":
         engine = _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts)
         if engine is not None:
