@@ -29,7 +29,7 @@ MANIFEST_VERSION = 3  # 2: batched step graphs (batch and slot axes); 3: the man
 DIGEST_FIELD = "manifest_sha256"  # of the canonical JSON of every other field (content_sha256)
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")
-BACKENDS = ("onnxruntime", "tensorrt", "torch")
+BACKENDS = ("onnxruntime", "tensorrt", "torch", "inductor")
 DTYPES = tuple(MODEL_DTYPES)
 UNLISTED = (MANIFEST_FILE, MARKER)  # the only files of an engine directory that are not artifacts
 

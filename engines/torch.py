@@ -1,9 +1,11 @@
-"""torch executor: replays the torch.export programs saved by `trtspec build --backend torch`.
+"""torch executors: the torch.export programs of `trtspec build --backend torch`, and the same
+programs compiled ahead of time by AOTInductor (`--backend inductor`).
 
-It runs exactly the graphs that the ONNX and TensorRT backends are compiled from, in PyTorch,
-so it is both the reference for the compiled backends and the fallback where neither is
-installed. On a GPU, with `cuda_graphs`, each decode-cycle run over fixed bindings is captured
-once as a CUDA graph and replayed.
+The torch backend runs exactly the graphs that the ONNX and TensorRT backends are compiled from,
+in PyTorch, so it is both the reference for the compiled backends and the fallback where neither
+is installed. The inductor backend needs nothing beyond torch either: its packages hold generated
+C++ (CPU) or Triton (CUDA) kernels. On a GPU, with `cuda_graphs`, each decode-cycle run over fixed
+bindings is captured once as a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from trtspec.engines.capture import CudaGraphs, binding_key
 from trtspec.engines.executor import PREFILL, ProfileKey
+from trtspec.errors import TrtspecError
 from trtspec.export.bindings import GraphSpec
 
 
@@ -51,3 +54,50 @@ class TorchExecutor:
             launch()
         else:
             self.cuda_graphs.run(binding_key(graph, profile, inputs, outputs), launch)
+
+
+class InductorExecutor(TorchExecutor):
+    backend = "inductor"
+
+    @classmethod
+    def load(cls, graphs: Mapping[str, Path], device: torch.device, specs: Mapping[str, GraphSpec],
+             cuda_graphs: bool = False) -> "InductorExecutor":
+        """The AOTInductor packages that `trtspec build --backend inductor` compiled for `device`'s kind."""
+        from torch._inductor import aoti_load_package
+
+        modules = {}
+        for name, path in graphs.items():
+            try:
+                modules[name] = aoti_load_package(str(path), device_index=device.index if device.index is not None
+                                                  else (torch.cuda.current_device() if device.type == "cuda" else -1))
+            except Exception as error:  # noqa: BLE001 - a package for another device or torch: one line
+                raise TrtspecError(f"{path}: cannot load this AOTInductor package on {device} ({type(error).__name__}: "
+                                   f"{str(error).splitlines()[0] if str(error) else ''}); packages run on the kind of "
+                                   "device and the torch version they were compiled with: rebuild the engine here "
+                                   "(trtspec build --backend inductor)") from None
+        return cls(modules, device, specs, cuda_graphs=cuda_graphs)
+
+
+def compile_package(program: Path, package: Path) -> None:
+    """Compile a saved torch.export program with AOTInductor into `package` (minutes for a large
+    graph; the build caches it per machine, see `compiled_for`)."""
+    import logging
+    import warnings
+
+    from torch._inductor import aoti_compile_and_package
+
+    logging.getLogger("torch._inductor").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        aoti_compile_and_package(torch.export.load(str(program)), package_path=str(package))
+
+
+def compiled_for(device: torch.device) -> str:
+    """What AOTInductor's generated code depends on beyond the graph: the CPU's vector ISA, or the GPU."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda sm_{major}{minor} {torch.cuda.get_device_name(device)} {torch.version.cuda}"
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    import platform
+
+    return f"cpu {platform.machine()} {pick_vec_isa()}"

@@ -2,7 +2,7 @@
 
 It runs the step graphs (`trtspec.export.steps`) through any executor: the eager step modules
 (`TorchExecutor` over them, so eager and compiled decoding share every line), or a built engine's
-ONNX Runtime / TensorRT / torch.export graphs (`BatchRunner.open`). The KV caches are
+ONNX Runtime / TensorRT / torch.export / AOTInductor graphs (`BatchRunner.open`). The KV caches are
 preallocated once, [positions, slots, layers, kv_heads, head_dim] per graph; a request owns a
 slot from admission to its end, and what its slot holds is implied by its position: the target
 cache is valid below the request's start, the drafter cache below the start of the context it
@@ -123,6 +123,9 @@ class BatchRunner:
         elif manifest.backend == "torch":
             from trtspec.engines.torch import TorchExecutor
             executor = TorchExecutor.load(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs)
+        elif manifest.backend == "inductor":
+            from trtspec.engines.torch import InductorExecutor
+            executor = InductorExecutor.load(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs)
         else:
             raise TrtspecError(f"engine {directory}: unknown backend {manifest.backend!r}")
         context = min(max_context, manifest.max_context) if max_context else manifest.max_context

@@ -135,6 +135,32 @@ def test_torch_export_backend_equals_eager(target_dir, drafter_dir, pair, tmp_pa
     assert _greedy(opened(output, torch.device("cpu")), prompts, 4) == _greedy(single(*pair), prompts, 4)
 
 
+@pytest.mark.slow
+def test_inductor_backend_compiles_the_graphs_and_decodes_like_eager(target_dir, drafter_dir, pair, tmp_path):
+    """`trtspec build --backend inductor`: AOTInductor packages (C++ here) listed and hashed in the
+    manifest; `trtspec run --engine` on it and a batch of mixed requests decode like eager PyTorch.
+    A second build takes the compiled packages from the cache."""
+    engine = tmp_path / "inductor"
+    made = trtspec_in_process("--threads", 1, "build", "--target", target_dir, "--drafter", drafter_dir,
+                              "--backend", "inductor", "--block-sizes", "4,8", "-o", engine)
+    assert made.returncode == 0, made.stderr
+    manifest = read_manifest(engine)
+    assert manifest.backend == "inductor" and {"target.pt2", "draft.pt2"} <= set(manifest.artifacts)
+    assert not any(name.endswith(".export.pt2") for name in manifest.artifacts)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n")
+    runs = [trtspec_in_process("run", prompt, *source, "--block-size", 8, "--max-new-tokens", 20, "--json")
+            for source in (("--engine", engine), ("--target", target_dir, "--drafter", drafter_dir))]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert json.loads(runs[0].stdout)["tokens"] == json.loads(runs[1].stdout)["tokens"]
+    prompts = [[5, 9, 33, 2, 7], [100], [40, 41, 42, 43, 44, 45]]
+    assert _greedy(opened(engine, torch.device("cpu")), prompts, 4) == _greedy(single(*pair), prompts, 4)
+    began = time.monotonic()
+    build_engine(target_dir, drafter_dir, tmp_path / "again", BuildConfig(block_sizes=(4,), backend="inductor"),
+                 progress=False)
+    assert time.monotonic() - began < 15  # nothing compiled again
+
+
 def test_cli_build_run_and_block_sizes_the_engine_lacks(target_dir, drafter_dir, ort_engine, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def add(a, b):\n")

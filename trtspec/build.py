@@ -1,6 +1,7 @@
 """`trtspec build`: export the step graphs once and compile them for one backend.
 
-Output: an engine directory with the graphs (`*.onnx`, `*.plan` or `*.pt2`), the tokenizer and
+Output: an engine directory with the graphs (`*.onnx`, `*.plan`, or `*.pt2`: torch.export programs or
+AOTInductor packages), the tokenizer and
 `manifest.json`. Everything is written into a staging directory that replaces the output only
 once the build has finished and checked itself against eager PyTorch, so an interrupted or
 failed build never leaves a directory that looks complete.
@@ -20,6 +21,7 @@ from tqdm import tqdm
 from trtspec import __version__
 from trtspec.engines import onnxruntime as ort_engine
 from trtspec.engines import tensorrt as trt_engine
+from trtspec.engines import torch as torch_engine
 from trtspec.device import MODEL_DTYPES, resolve_device, resolve_dtype
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, graph_specs
@@ -95,7 +97,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
         shipped = load_policy(shipped_dir)
         policy = shipped if set(shipped.block_sizes) <= set(config.block_sizes) else None
     # Export on the CPU in float32 unless the engine's dtype needs otherwise; TensorRT/ORT move it.
-    export_device = device if backend == "torch" else torch.device("cpu")
+    export_device = device if backend in ("torch", "inductor") else torch.device("cpu")
     target = load_target(target_dir, MODEL_DTYPES[dtype], export_device)
     drafter = load_drafter(drafter_dir, target)
     chosen = select_draft_vocab(config.draft_vocab, config.draft_counts, drafter_dir, target.config.vocab_size)
@@ -117,7 +119,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     # build uses exactly this table), so it can be inspected and checked on any machine.
     table = trt_engine.profile_table(specs, block_sizes, max_context, config.max_batch)
     steps = [(name, stage) for name in modules for stage in
-             (("export",) if backend != "tensorrt" else ("export", "compile"))] + [("engine", "self-check")]
+             (("export", "compile") if backend in ("tensorrt", "inductor") else ("export",))] + [("engine", "self-check")]
     with staged_directory(output, ENGINE, inputs) as staging, tqdm(
             total=len(steps), desc="build", unit="step", file=sys.stderr, disable=not progress,
             dynamic_ncols=True) as bar:
@@ -125,12 +127,21 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
         for name, stage in steps[:-1]:
             bar.set_postfix_str(f"{stage} {name}")
             if stage == "export":  # from the graph cache when an earlier build exported the same graph
-                suffix = ".pt2" if backend == "torch" else ".onnx"
-                files[name] = f"{name}{suffix}"
+                suffix = ".pt2" if backend in ("torch", "inductor") else ".onnx"
+                files[name] = f"{name}.export.pt2" if backend == "inductor" else f"{name}{suffix}"
                 key = graph_key(name, suffix, specs[name], sources=graph_sources[name], max_context=max_context,
                                 dtype=target.dtype, device=export_device)
                 export_cached(staging / files[name], key, functools.partial(
                     _export, modules[name], specs[name], max_context, target.dtype, export_device))
+            elif backend == "inductor":  # an AOTInductor package, cached per machine like the graph it compiles
+                package = f"{name}.pt2"
+                key = graph_key(name, ".aoti.pt2", specs[name], max_context=max_context, dtype=target.dtype,
+                                device=export_device, sources={**graph_sources[name],
+                                                               "compiled_for": torch_engine.compiled_for(device)})
+                export_cached(staging / package, key,
+                              functools.partial(torch_engine.compile_package, staging / files[name]))
+                (staging / files[name]).unlink()
+                files[name] = package
             else:
                 plan = f"{name}.plan"
                 trt_engine.build_plan(staging / files[name], staging / plan, table[name],
@@ -168,7 +179,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
 
 def _export(module: torch.nn.Module, spec, max_context: int, dtype: torch.dtype, device: torch.device,
             path: Path) -> None:
-    """ONNX, or a torch.export program for the torch backend, by the file's suffix."""
+    """ONNX, or a torch.export program (torch and inductor backends), by the file's suffix."""
     if path.suffix == ".pt2":
         torch.export.save(export_program(module, spec, max_context, dtype, device), str(path))
     else:

@@ -23,8 +23,10 @@ Examples:
 @click.option("--block-sizes", type=BlockSizesType(plain=True), default="8,12,16,20,24", show_default=True,
               metavar="B,B,...",
               help="Candidate block sizes; each gets its own optimization profile.")
-@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "torch"]), default="auto",
-              show_default=True, help="auto = tensorrt with a GPU and TensorRT, else onnxruntime, else torch.")
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "inductor", "torch"]), default="auto",
+              show_default=True, help="auto = tensorrt with a GPU and TensorRT, else onnxruntime, else torch. "
+              "inductor: the graphs compiled ahead of time by AOTInductor (C++ on a CPU, Triton kernels on "
+              "CUDA; needs only torch and a compiler, takes minutes; compiled packages are cached).")
 @device_options
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N",
               help="Positions a request may fill. [default: the model's]")
