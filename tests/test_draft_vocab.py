@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_one_line_error, opened, predictable_pair, single, trtspec_in_process
-from test_sampling import ALPHA, PROMPT, exact_three_token_distribution, pvalues, sample_three_tokens
+from helpers import assert_one_line_error, predictable_pair, trtspec_in_process
+from test_sampling import ALPHA, exact_three_token_distribution, pvalues, sample_three_tokens
 from trtspec.api import Pipeline
 from trtspec.models.draft_vocab import TokenCounts, ids_sha256, load_counts
 from trtspec.runtime.request import GenerationConfig
-from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
 
 K = 24

@@ -369,6 +369,8 @@ FLAG_CASES = [
     (("eval-policy", "--policy", "P", "--labels", "P", "--fixed-block-size", "0"),
      "--fixed-block-size must be in [2, 64], got 0"),
     (("bench", "--limit", "-1"), "--limit must be an integer in [1, 2**31-1], got -1"),
+    (("bench", "--against-engine", "E"), "--against-eager/--against-engine compare a built engine with another "
+                                         "backend; give --engine DIR"),
     (("bench", "--block-sizes", "8,1_6"), "--block-sizes must be an integer B or B:G"),
     (("build", "--block-sizes", "4:8", "-o", "OUT"), "give plain block sizes here"),
     (("train-drafter", "--data", "P", "--block-size", "65", "-o", "OUT"), "--block-size must be in [2, 64], got 65"),

@@ -10,8 +10,9 @@ engine's own manifest checks every file it loads. An entry that fails that check
 partly deleted file) is rebuilt with a message, and a cache that cannot be written makes `auto`
 decode eagerly, saying why (`onnxruntime` refuses in one line).
 
-`auto` stays eager on CUDA: a TensorRT build takes minutes and is tuned per GPU, so it is an
-explicit `trtspec build --backend tensorrt`, then `--engine DIR`.
+`auto` stays eager on CUDA (replayed from CUDA graphs, trtspec.runtime.runner): a TensorRT or
+AOTInductor build takes minutes and is tuned per GPU, so it is an explicit `trtspec build --backend
+tensorrt|inductor`, then `--engine DIR`.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ BACKENDS = ("auto", "eager", "onnxruntime")
 # a size costs only its line in the manifest and its self-check.
 BLOCK_SIZES = tuple(range(3, 33))
 BACKEND_HELP = ("auto: on a CPU with onnxruntime installed, an ONNX Runtime engine built on first use into the "
-                f"cache (${CACHE_ENV}, default ~/.cache/trtspec) and reused after; eager otherwise (on CUDA build a "
-                "TensorRT engine explicitly: trtspec build). eager: the checkpoints in PyTorch. Env TRTSPEC_BACKEND.")
+                f"cache (${CACHE_ENV}, default ~/.cache/trtspec) and reused after; eager otherwise (on CUDA replayed "
+                "from CUDA graphs; a compiled engine: trtspec build --backend tensorrt|inductor). eager: the "
+                "checkpoints in PyTorch. Env TRTSPEC_BACKEND.")
 
 
 def wants_engine(backend: str, device: torch.device, dtype: str, block_sizes: tuple[int, ...]) -> bool:

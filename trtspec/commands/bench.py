@@ -57,6 +57,9 @@ Examples:
 @click.option("--against-eager", is_flag=True,
               help="With --engine: also run the source checkpoints in eager PyTorch, interleaved, and report "
                    "identical outputs and time per token relative to eager.")
+@click.option("--against-engine", "against_engine", metavar="DIR",
+              help="With --engine: also run this other engine of the same checkpoints (another backend), "
+                   "interleaved, and report identical outputs and time per token relative to it.")
 @click.option("--profile", "--profile-host", "profile", is_flag=True,
               help="With a compiled engine (--engine DIR, or the auto/onnxruntime backend's cached one): instead, "
                    "split each decode cycle's time into draft, verify (the executor's graph runs) and host work, per "
@@ -68,8 +71,8 @@ Examples:
                    "drain included, as job tok/s), latency and TTFT per block size against AR.")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
 def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, policy, draft_vocab,
-          draft_counts, temperature, top_k, top_p, seed, max_new_tokens, limit, repeats, against_eager, profile,
-          concurrency, json_path) -> None:
+          draft_counts, temperature, top_k, top_p, seed, max_new_tokens, limit, repeats, against_eager, against_engine,
+          profile, concurrency, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
     Every repeat runs AR and then each block size over all prompts (same backend and loop;
@@ -83,10 +86,13 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
     config = BenchConfig(block_sizes=block_sizes, max_new_tokens=max_new_tokens,
                          repeats=repeats, sampling=sampling_config(temperature, top_k, top_p, seed))
     name, prompts = load_prompts(prompts_spec, limit)
-    if profile and against_eager:
-        raise TrtspecError("--profile times one engine's graph runs; drop --against-eager")
-    if against_eager and engine is None:
-        raise TrtspecError("--against-eager compares a built engine with eager PyTorch; give --engine DIR")
+    if profile and (against_eager or against_engine):
+        raise TrtspecError("--profile times one engine's graph runs; drop --against-eager/--against-engine")
+    if against_eager and against_engine:
+        raise TrtspecError("give one reference: --against-eager or --against-engine DIR")
+    if (against_eager or against_engine) and engine is None:
+        raise TrtspecError("--against-eager/--against-engine compare a built engine with another backend; "
+                           "give --engine DIR")
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy, draft_vocab=draft_vocab,
                              draft_counts=draft_counts, backend=backend,
                              block_sizes=engine_sizes(block_sizes))
@@ -120,6 +126,14 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
             click.echo(f"wrote {write_json(report.to_dict(), json_path)}", err=True)
         return
     reference = None
+    if against_engine:  # another backend built from the same checkpoints
+        from trtspec.engines.manifest import read_manifest
+
+        if read_manifest(Path(against_engine)).sources != pipeline.runner.manifest.sources:
+            raise TrtspecError(f"--against-engine {against_engine} was built from other checkpoints than --engine "
+                               f"{engine}; compare engines of one pair")
+        reference = load_pipeline(None, None, dtype, device, engine=against_engine, policy=pipeline.policy_dir,
+                                  draft_vocab=pipeline.draft_vocab_size)
     if against_eager:  # the engine's own sources, in its dtype: the bundled demo pair unless named
         from trtspec.assets import resolve_drafter, resolve_target
         from trtspec.engines.manifest import check_sources
