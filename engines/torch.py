@@ -78,9 +78,9 @@ class InductorExecutor(TorchExecutor):
         return cls(modules, device, specs, cuda_graphs=cuda_graphs)
 
 
-def compile_package(program: Path, package: Path) -> None:
-    """Compile a saved torch.export program with AOTInductor into `package` (minutes for a large
-    graph; the build caches it per machine, see `compiled_for`)."""
+def compile_package(program: "Path | torch.export.ExportedProgram", package: Path) -> None:
+    """Compile a torch.export program (or one saved at a path) with AOTInductor into `package`
+    (minutes for a large graph; the build caches it per machine, see `compiled_for`)."""
     import logging
     import warnings
 
@@ -89,7 +89,9 @@ def compile_package(program: Path, package: Path) -> None:
     logging.getLogger("torch._inductor").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        aoti_compile_and_package(torch.export.load(str(program)), package_path=str(package))
+        if isinstance(program, Path):
+            program = torch.export.load(str(program))
+        aoti_compile_and_package(program, package_path=str(package))
 
 
 def compiled_for(device: torch.device) -> str:

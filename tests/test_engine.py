@@ -96,11 +96,14 @@ def predictable():
     return predictable_pair(vocab_size=8, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1)
 
 
-def _sample_in_batches(pair, count: int, controller=None) -> np.ndarray:
+def _sample_in_batches(pair, count: int, controller=None, static: bool = False) -> np.ndarray:
     """First three tokens of `count` seeded T = 1 requests at B = 4, each decoded among greedy
-    requests at other block sizes and other sampled ones."""
+    requests at other block sizes and other sampled ones (`static`: in the CUDA-graph binding mode,
+    rows padded to batch buckets)."""
     options = {"controller": controller} if controller is not None else {}
-    engine = Engine(EngineCore(BatchRunner.eager(*pair, slots=16),
+    runner = BatchRunner.eager(*pair, slots=16)
+    runner.static = static
+    engine = Engine(EngineCore(runner,
                                config=EngineConfig(max_running=16, max_queued=count * 2), **options))
     try:
         sampled = []
@@ -118,6 +121,14 @@ def _sample_in_batches(pair, count: int, controller=None) -> np.ndarray:
 def test_sampling_inside_a_batch_follows_the_target(predictable):
     joint = exact_three_token_distribution(predictable[0])
     results = pvalues(_sample_in_batches(predictable, 6_000), joint)
+    assert min(results.values()) > 1e-3, results
+
+
+def test_sampling_inside_a_static_padded_batch_follows_the_target(predictable):
+    """The same through the static bindings a GPU replays: batches padded to buckets, contexts to
+    powers of two (what runs on CUDA by default, here on the CPU)."""
+    joint = exact_three_token_distribution(predictable[0])
+    results = pvalues(_sample_in_batches(predictable, 3_000, static=True), joint)
     assert min(results.values()) > 1e-3, results
 
 

@@ -26,7 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts" / "gpu"
-STAGES = ["env", "install", "native", "gpu_check", "cycle_costs"]
+STAGES = ["env", "install", "native", "engine_costs", "gpu_check", "cycle_costs"]
 
 
 def canonical(name: str) -> str:
@@ -147,5 +147,13 @@ def test_dry_run_installs_from_the_wheelhouse_alone_in_a_fresh_venv(wheelhouse, 
     assert all(loop["cycle_ms"] > 0 and loop["cycles"] > 0 for loop in costs["loops"])
     assert "AR" in (out / "cycle-costs.txt").read_text() and "gpu_check on cpu: passed=True" in (
         out / "summary.txt").read_text()
-    assert sorted(p.name for p in out.iterdir()) == ["cycle-costs.json", "cycle-costs.txt", "gpu-check.json",
-                                                     "run.json", "run.log", "summary.txt"]
+    engine = json.loads((out / "engine-costs.json").read_text())
+    assert not engine["errors"] and engine["demo"]["identical"] == engine["demo"]["requests"] == 2
+    assert {(r["block_size"], r["batch"]) for r in engine["rows"]} == {(b, n) for b in (1, 8, 16) for n in (1, 2)}
+    assert all(r["variant"] == "eager" and r["cycle_ms"] > 0 for r in engine["rows"])
+    taus = {s["tau"] for s in engine["speedups"]}  # the paper's and the demo pair's measured tau
+    assert 5.92 in taus and engine["demo"]["tau"] in taus and engine["demo"]["tau"] > 1
+    assert "engine costs" not in (out / "summary.txt").read_text()  # i.e. the table, not "no report"
+    assert sorted(p.name for p in out.iterdir()) == ["cycle-costs.json", "cycle-costs.txt", "engine-costs.json",
+                                                     "engine-costs.txt", "gpu-check.json", "run.json", "run.log",
+                                                     "summary.txt"]

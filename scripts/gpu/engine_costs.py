@@ -1,0 +1,88 @@
+"""Serve a random Qwen3-4B-shaped pair through the batched engine: cycle time per (AR, B) x batch
+with CUDA graphs and with the AOTInductor backend, AR tokens/s, the speed-ups those times give at
+tau = 5.92 and at the demo pair's measured tau, and the demo pair's greedy output on this device
+against the CPU's (trtspec.perf.engine_costs).
+
+    python scripts/gpu/engine_costs.py --out OUT_DIR                          # a CUDA GPU, bf16
+    python scripts/gpu/engine_costs.py --device cpu --shape tiny --out OUT_DIR   # the same code on a CPU
+
+Writes OUT_DIR/engine-costs.json (rewritten after every row, so a run cut short keeps what it
+measured) and OUT_DIR/engine-costs.txt. Exit status 1 if any measurement or check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from trtspec.errors import TrtspecError
+from trtspec.fileio import atomic_write_text
+from trtspec.perf.bench import load_prompts
+from trtspec.perf.engine_costs import EngineCostConfig, EngineCosts, demo_check, measure
+from trtspec.runtime.schedule import parse_block_sizes
+
+DEFAULTS = EngineCostConfig()
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--shape", default=None, choices=("qwen3-4b", "tiny"),
+                        help="model shape (default: qwen3-4b on cuda, tiny on cpu)")
+    parser.add_argument("--block-sizes", default="8,16", help="speculative block sizes (AR is always measured)")
+    parser.add_argument("--batches", default=",".join(map(str, DEFAULTS.batches)))
+    parser.add_argument("--variants", default=None,
+                        help="graphs, eager, inductor (default: graphs,inductor on cuda; eager on cpu)")
+    parser.add_argument("--new-tokens", type=int, default=DEFAULTS.new_tokens)
+    parser.add_argument("--demo-prompts", type=int, default=8, help="HumanEval prompts of the demo-pair check (0: none)")
+    parser.add_argument("--out", required=True, help="directory for engine-costs.json and engine-costs.txt")
+    args = parser.parse_args()
+    try:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise TrtspecError("no CUDA device visible (use --device cpu for the tiny shape)")
+        shape = args.shape or ("qwen3-4b" if args.device == "cuda" else "tiny")
+        if shape == "qwen3-4b" and args.device == "cpu":
+            raise TrtspecError("a Qwen3-4B-shaped model on the CPU takes tens of GB; use --shape tiny")
+        variants = tuple((args.variants or ("graphs,inductor" if args.device == "cuda" else "eager")).split(","))
+        if not set(variants) <= {"graphs", "eager", "inductor"} or ("graphs" in variants and args.device == "cpu"):
+            raise TrtspecError(f"--variants must name graphs (CUDA only), eager or inductor; got {args.variants}")
+        sizes = (1, *parse_block_sizes(args.block_sizes, "--block-sizes"))
+        config = replace(DEFAULTS, shape=shape, block_sizes=sizes, batches=_ints(args.batches), variants=variants,
+                         new_tokens=args.new_tokens)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+    except (TrtspecError, ValueError) as error:
+        print(f"Error: {error}", file=sys.stderr)
+        return 1
+
+    def save(costs: EngineCosts) -> None:
+        atomic_write_text(out / "engine-costs.json", json.dumps(costs.to_dict(), indent=2) + "\n")
+        atomic_write_text(out / "engine-costs.txt", costs.format_table() + "\n")
+
+    def progress(costs: EngineCosts) -> None:
+        save(costs)
+        print(f"engine-costs: {costs.rows[-1]}", flush=True)
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    costs = measure(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32, progress)
+    if args.demo_prompts:  # the demo pair's tau joins the modelled speed-ups
+        costs.demo = demo_check(device, load_prompts("humaneval", args.demo_prompts)[1], sizes[1:], 64)
+        print(f"engine-costs: demo {costs.demo}", flush=True)
+    save(costs)
+    print(costs.format_table())
+    failed = costs.errors() or (costs.demo and costs.demo.get("identical") != costs.demo.get("requests"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
