@@ -77,7 +77,7 @@ def target_graph(config: Qwen3Config, num_features: int) -> GraphSpec:
         TensorSpec("past_k", "model", cache),
         TensorSpec("past_v", "model", cache),
     ), outputs=(
-        TensorSpec("logits", "float32", ("batch", "tokens", config.vocab_size)),
+        TensorSpec("logits", "model", ("batch", "tokens", config.vocab_size)),
         TensorSpec("features", "model", ("batch", "tokens", num_features * config.hidden_size)),
         TensorSpec("new_k", "model", new),
         TensorSpec("new_v", "model", new),

@@ -67,7 +67,10 @@ class TargetStep(nn.Module):
         hidden, features = self.target.decode(tokens, positions, hook, mask[:, None], self.feature_layers)
         if features is None:  # a target without a drafter: no features, an empty axis keeps the outputs fixed
             features = hidden.new_zeros(batch, count, 0)
-        return self.target.logits(hidden).float(), features, _position_major(new_k), _position_major(new_v)
+        # logits in the model's dtype: an upcast would write [b, T, vocab] float32 every verify (622 MB
+        # at batch 64, B = 16 and Qwen3's vocabulary) for argmax, which bfloat16 gives exactly; the
+        # sampler and BlockPilot's features upcast the rows they read
+        return self.target.logits(hidden), features, _position_major(new_k), _position_major(new_v)
 
 
 class DraftStep(nn.Module):

@@ -8,6 +8,7 @@ from trtspec.errors import TrtspecError
 from trtspec.models import Qwen3Target
 from trtspec.runtime.engine import EngineConfig, EngineCore
 from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AR, BlockChoice
 
 BLOCK_SIZES = (2, 4, 8, 12, 16, 20, 24)
@@ -133,3 +134,22 @@ def test_empty_prompt_and_missing_drafter(unhelpful):
         generate(unhelpful, [], GenerationConfig(block=BlockChoice(4)))
     with pytest.raises(TrtspecError, match="needs a drafter"):
         generate(core_of(unhelpful.runner.with_slots(1, drafter=False)), [3, 4], GenerationConfig(block=BlockChoice(4)))
+
+
+def test_a_bfloat16_pair_decodes_with_logits_in_its_own_dtype(monkeypatch):
+    """The verify graph returns bfloat16 logits for a bfloat16 target (no [b, T, vocab] float32
+    upcast): greedy steps take their argmax on the device and sampling upcasts the rows it reads,
+    and both decode exactly what they decoded from float32-upcast logits. (Greedy speculative equals
+    greedy AR in float32; in bfloat16, verify(B) and the AR step round differently.)"""
+    torch.manual_seed(0)
+    target = Qwen3Target(tiny_config(layers=3)).eval().to(torch.bfloat16)
+    engine = single(target, random_drafter(target, layer_ids=(0, 2), seed=5))
+    assert engine.runner.prefill([0], [[5, 9, 13]], [0])[0].dtype == torch.bfloat16
+    configs = [GenerationConfig(block=BlockChoice(4), max_new_tokens=24),
+               GenerationConfig(block=BlockChoice(4), max_new_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=3))]
+    prompts = _prompts(4, target.config.vocab_size)
+    own = [generate(engine, prompt, config).tokens for prompt in prompts for config in configs]
+    verify = engine.runner.verify
+    monkeypatch.setattr(engine.runner, "verify", lambda *args: tuple(
+        t.float() if i == 0 else t for i, t in enumerate(verify(*args))))
+    assert [generate(engine, prompt, config).tokens for prompt in prompts for config in configs] == own
