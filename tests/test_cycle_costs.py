@@ -16,7 +16,7 @@ from helpers import ar_of, core_of, generate, single
 from trtspec.perf.cycle_costs import (QWEN3_4B, TINY, CycleCostConfig, drafter_config, measure, random_pair,
                                  runtime_engine, tiny)
 from trtspec.errors import TrtspecError
-from trtspec.models import load_drafter, load_target
+from trtspec.models import Qwen3Target, load_drafter, load_target
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.schedule import AR, BlockChoice
 
@@ -67,9 +67,16 @@ def test_a_tiny_measurement_fills_every_row():
     assert all(s.eager_ms > 0 and s.graph_ms is None for s in costs.steps)  # no CUDA graphs on a CPU
     assert [(x.loop, x.block_size) for x in costs.loops] == [("eager", 1), ("eager", 4), ("eager", 8)]
     assert all(0 < x.model_ms < x.cycle_ms and x.cycles > 0 for x in costs.loops)
-    assert reports[0] == 1 and len(reports) == 3 + 3  # after every block size's steps and loop
+    assert reports[0] == 1 and len(reports) == 3 + 1 + 3  # after every block size's steps, the profiles, each loop
     table = costs.format_table().splitlines()
-    assert [line.split()[0] for line in table[3:]] == ["AR", "4", "8"]
+    assert [line.split()[0] for line in table[3:6]] == ["AR", "4", "8"]
+    weights = sum(p.numel() * p.element_size() for p in Qwen3Target(TINY).parameters())
+    assert costs.floor["weight_bytes"] == weights and costs.floor["floor_ms"] > 0
+    assert "weight-read floor" in table[6] and "x the floor (eager)" in table[6]
+    assert set(costs.kernels) == {"AR step", "verify B=8", "draft B=8"}
+    for kernels in costs.kernels.values():  # the costliest first, shares of the call's time
+        assert kernels and [k["ms"] for k in kernels] == sorted((k["ms"] for k in kernels), reverse=True)
+        assert 0 < sum(k["share"] for k in kernels) <= 1.0001 and any("mm" in k["name"] for k in kernels)
     data = json.loads(json.dumps(costs.to_dict()))
     assert data["target"]["hidden_size"] == TINY.hidden_size and data["loops"][0]["host_share"] is not None
 

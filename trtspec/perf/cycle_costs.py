@@ -176,6 +176,9 @@ class CycleCosts:
     machine: dict
     steps: list[StepCost] = field(default_factory=list)
     loops: list[LoopCost] = field(default_factory=list)
+    floor: dict | None = None        # the weight-read floor under a batch-1 step (weight_read_floor)
+    kernels: dict[str, list[dict]] = field(default_factory=dict)  # "verify B=16" -> its costliest kernels
+    failures: list[str] = field(default_factory=list)             # of the floor and kernel profiles
 
     def step(self, name: str, block_size: int) -> StepCost | None:
         return next((s for s in self.steps if s.step == name and s.block_size == block_size), None)
@@ -191,10 +194,10 @@ class CycleCosts:
                 "target": SHAPES[self.config.shape].to_dict(), "drafter_layers": DRAFTER_LAYERS,
                 "machine": self.machine, "steps": [asdict(s) for s in self.steps],
                 "loops": [{**asdict(loop), "host_share": loop.host_share} for loop in self.loops],
-                "errors": self.errors()}
+                "floor": self.floor, "kernels": self.kernels, "errors": self.errors()}
 
     def errors(self) -> list[str]:
-        return [e for e in (*(s.error for s in self.steps), *(x.error for x in self.loops)) if e]
+        return [e for e in (*(s.error for s in self.steps), *(x.error for x in self.loops), *self.failures) if e]
 
     def format_table(self) -> str:
         m, c = self.machine, self.config
@@ -213,7 +216,50 @@ class CycleCosts:
                          f"{_ms(self.cycle_ms(block_size, 'eager_ms')):>11}  "
                          f"{_ms(self.cycle_ms(block_size, 'graph_ms')):>11}  "
                          f"{_loop(loops.get((block_size, 'eager'))):>15}  {_loop(loops.get((block_size, 'graphs'))):>15}")
+        if self.floor is not None:
+            ar = self.step("verify", 1)
+            floor = self.floor["floor_ms"]
+            lines.append(f"weight-read floor: {self.floor['weight_bytes'] / 1e9:.2f} GB of weights at "
+                         f"{self.floor['copy_bandwidth_gb_s']:.0f} GB/s copy bandwidth = {floor:.3f} ms; AR step "
+                         + (f"{ar.graph_ms / floor:.2f}x the floor (graph)" if ar and ar.graph_ms else
+                            f"{ar.eager_ms / floor:.2f}x the floor (eager)" if ar and ar.eager_ms else "-"))
+        for name, kernels in self.kernels.items():
+            lines.append(f"{name}: costliest kernels, ms per call (share of the call's device time)")
+            lines += [f"  {k['ms']:8.3f}  {k['share']:5.1%}  x{k['calls']:<4} {k['name'][:90]}" for k in kernels]
         return "\n".join(lines + [f"error: {e}" for e in self.errors()])
+
+
+def weight_read_floor(model: torch.nn.Module, timer: Timer) -> dict:
+    """The time to read every weight of `model` once at the device's measured copy bandwidth (read
+    + write bytes of a large device-to-device copy per second): no batch-1 step can beat it."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight once
+    size = (1 << 30) if timer.device.type == "cuda" else (64 << 20)
+    source = torch.empty(size, dtype=torch.uint8, device=timer.device)
+    target = torch.empty_like(source)
+    bandwidth = 2 * size / (timer(lambda: target.copy_(source)) / 1e3)
+    return {"weight_bytes": weight_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9,
+            "floor_ms": weight_bytes / bandwidth * 1e3}
+
+
+def kernel_profile(call: Callable[[], object], device: torch.device, calls: int = 5, top: int = 12) -> list[dict]:
+    """The `top` costliest kernels of `call` by device time per call (torch.profiler; on a CPU, ops
+    by self CPU time), with their share of the call's total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    call()
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as profiler:
+        for _ in range(calls):
+            call()
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / calls / 1e3, e.count // calls)
+              for e in profiler.key_averages()]
+    total = sum(ms for _, ms, _ in events) or 1.0
+    events.sort(key=lambda event: -event[1])
+    return [{"name": name, "ms": ms, "share": ms / total, "calls": count} for name, ms, count in events[:top]]
 
 
 def _ms(value: float | None) -> str:
@@ -246,6 +292,26 @@ def measure_steps(target: Qwen3Target, drafter: DFlashDrafter, block_size: int, 
                 cost.error = f"{name} B={block_size}: {type(error).__name__}: {error}"
             costs.append(cost)
     return costs
+
+
+def profile_steps(costs: CycleCosts, target: Qwen3Target, drafter: DFlashDrafter, timer: Timer) -> None:
+    """The weight-read floor, and the costliest kernels of the AR step, verify(B) and draft(B) at the
+    largest block size measured, over the same inputs as the step timings."""
+    size, past = max(costs.config.block_sizes), costs.config.past
+    verify_step, draft_step = TargetStep(target, tuple(drafter.config.target_layer_ids)), DraftStep(drafter)
+    with torch.inference_mode():
+        try:
+            costs.floor = weight_read_floor(target, timer)
+        except Exception as error:  # noqa: BLE001 - recorded in the report, the run goes on
+            costs.failures.append(f"weight-read floor: {type(error).__name__}: {error}")
+        ar_in = cycle_inputs(target, drafter, 1, past, target.device)[0]
+        target_in, draft_in = cycle_inputs(target, drafter, size, past, target.device)
+        for name, call in (("AR step", lambda: verify_step(*ar_in)), (f"verify B={size}", lambda: verify_step(*target_in)),
+                           (f"draft B={size}", lambda: draft_step(*draft_in))):
+            try:
+                costs.kernels[name] = kernel_profile(call, target.device)
+            except Exception as error:  # noqa: BLE001 - recorded in the report, the run goes on
+                costs.failures.append(f"kernel profile {name}: {type(error).__name__}: {error}")
 
 
 def runtime_engine(target: Qwen3Target, drafter: DFlashDrafter, block_sizes: tuple[int, ...], max_context: int,
@@ -300,6 +366,8 @@ def measure(config: CycleCostConfig, device: torch.device, dtype: torch.dtype,
     for block_size in (1, *config.block_sizes):
         costs.steps += measure_steps(target, drafter, block_size, config.past, timer)
         on_progress(costs)
+    profile_steps(costs, target, drafter, timer)
+    on_progress(costs)
     prompt = torch.randint(2, target_config.vocab_size - 1, (config.prompt_tokens,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     loops = (["graphs"] if device.type == "cuda" else []) + ["eager"]  # the product's path first
