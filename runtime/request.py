@@ -15,12 +15,15 @@ from trtspec.runtime.stats import DecodeStats
 @dataclass(frozen=True)
 class GenerationConfig:
     """One request's ask: its block schedule (`block`: B, B:G, AR or auto, see
-    trtspec.runtime.schedule), token limit, stop ids and sampling."""
+    trtspec.runtime.schedule), token limit, stop ids and sampling. `ignore_eos`: the engine's own
+    stop ids (the tokenizer's EOS) do not end it, so it runs to its limit unless its own stop ids
+    or stop strings end it (vLLM's field, which load tools send to fix output lengths)."""
 
     block: BlockChoice = BlockChoice(16)
     max_new_tokens: int = 256
     stop_ids: tuple[int, ...] = ()
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, BlockChoice):
@@ -31,7 +34,9 @@ class GenerationConfig:
         MAX_NEW_TOKENS.check(self.max_new_tokens)
 
     def with_stop_ids(self, extra: tuple[int, ...]) -> "GenerationConfig":
-        """This config with `extra` stop ids added (e.g. the tokenizer's EOS ids)."""
+        """This config with the tokenizer's EOS ids `extra` added (none with `ignore_eos`)."""
+        if self.ignore_eos:
+            return self
         return replace(self, stop_ids=tuple(dict.fromkeys(self.stop_ids + tuple(extra))))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers import trtspec
+from trtspec import __version__
 
 openai = pytest.importorskip("openai", reason="the serve tests need the [test] extra (openai)")
 pytest.importorskip("uvicorn", reason="trtspec serve needs the [serve] extra")
@@ -262,6 +263,62 @@ BAD_REQUESTS = [  # (route, body, status, the field named)
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "messages"),
 ]
+
+
+EOS_PROMPT = "def f():\n    pass\n\n\nif __name__ == '__main__':\n    main()\n"  # the demo target ends it at once
+
+
+def test_ignore_eos_usage_in_every_chunk_and_vllm_utility_routes(server):
+    """vLLM's fields and routes load tools and harnesses use: ignore_eos gives exactly max_tokens
+    tokens; continuous_usage_stats puts the running counts in every chunk; /tokenize, /detokenize,
+    /version and max_model_len agree with each other."""
+    stopped = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 30
+    forced = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 30
+    assert forced.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(server.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] < 12
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+
+    status, tokenized = post(server.url + "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    assert status == 200 and tokenized["count"] == len(tokenized["tokens"]) == chunks[-1].usage.prompt_tokens
+    assert post(server.url + "/detokenize", {"tokens": tokenized["tokens"]}) == (200, {"prompt": PROMPT})
+    assert server.client.models.list().data[0].max_model_len == tokenized["max_model_len"] > 1000
+    assert json.loads(get(server.url + "/version")[1]) == {"version": __version__}
+    assert post(server.url + "/detokenize", {"tokens": [10**9]})[1]["error"]["param"] == "tokens"
+    assert post(server.url + "/tokenize", {"prompt": "x", "echo": 1})[1]["error"]["param"] == "echo"
+
+
+def test_chat_template_fields(ort_engine_dir, tmp_path):
+    """chat_template_kwargs, add_generation_prompt and continue_final_message reach the chat template
+    (the tiny pair's: <|role|>content lines, then <|assistant|> when a generation prompt is asked)."""
+    running = Server(tmp_path / "server.log", "--engine", ort_engine_dir)
+    try:
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def"}]
+
+        def rendered(**fields) -> str:
+            status, body = post(running.url + "/tokenize", {"messages": messages, **fields})
+            assert status == 200, body
+            return post(running.url + "/detokenize", {"tokens": body["tokens"]})[1]["prompt"]
+
+        assert rendered() == "<|user|>hi\n<|assistant|>def\n<|assistant|>"
+        assert rendered(add_generation_prompt=False) == "<|user|>hi\n<|assistant|>def\n"
+        assert rendered(continue_final_message=True, add_generation_prompt=False) == "<|user|>hi\n<|assistant|>def"
+        assert rendered(chat_template_kwargs={"enable_thinking": False}) == rendered()  # a variable it does not read
+        name = running.client.models.list().data[0].id
+        reply = running.client.chat.completions.create(model=name, messages=messages, max_tokens=5, temperature=0,
+                                                        extra_body={"continue_final_message": True,
+                                                                    "add_generation_prompt": False})
+        continued = post(running.url + "/tokenize", {"messages": messages, "continue_final_message": True,
+                                                     "add_generation_prompt": False})[1]["count"]
+        assert reply.usage.prompt_tokens == continued
+    finally:
+        assert running.stop() == 0, running.output()[-3000:]
 
 
 def test_every_bad_request_gets_its_error_and_the_server_keeps_serving(server):

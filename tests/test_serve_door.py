@@ -231,14 +231,19 @@ def test_a_stream_never_stalls_while_large_and_pathological_requests_arrive(door
 REFUSED = [  # (route, fields added to a good body, the field named): each was ignored, or a 500
     ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ("completions", {"ignore_eos": True}, "ignore_eos"),
+    ("completions", {"ignore_eos": "yes"}, "ignore_eos"),
+    ("completions", {"max_tokens": 100_000}, "max_tokens"),  # beyond the context, as vLLM: 400
+    ("chat/completions", {"max_completion_tokens": 100_000}, "max_completion_tokens"),
     ("completions", {"min_tokens": 5}, "min_tokens"),
     ("completions", {"repetition_penalty": 1.3}, "repetition_penalty"),
     ("completions", {"min_p": 0.1}, "min_p"),
     ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
-    ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
-    ("chat/completions", {"add_generation_prompt": False}, "add_generation_prompt"),
+    ("chat/completions", {"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+    ("completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # chat only
+    ("chat/completions", {"add_generation_prompt": 1}, "add_generation_prompt"),
+    ("chat/completions", {"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+    ("chat/completions", {"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options"),
     ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("completions", {"guided_json": {}}, "guided_json"),
     ("completions", {"max_completion_tokens": 4}, "max_completion_tokens"),  # a chat field

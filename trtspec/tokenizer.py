@@ -96,8 +96,13 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: str | list[dict], label: str = "--chat") -> str:
-        """The prompt text of one user message, or of a conversation of {role, content} messages."""
+    def apply_chat_template(self, messages: str | list[dict], label: str = "--chat", *,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> str:
+        """The prompt text of one user message, or of a conversation of {role, content} messages.
+        `template_kwargs` are passed to the template (Qwen3's `enable_thinking`, ...);
+        `continue_final_message`: the text ends with the last message's content, open, so the model
+        continues it (no generation prompt)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if not self.chat_template:
@@ -105,14 +110,22 @@ class TextCodec:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         try:
-            text = env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            text = env.from_string(self.chat_template).render({
+                **(template_kwargs or {}), "messages": messages,
+                "add_generation_prompt": add_generation_prompt and not continue_final_message,
+                "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
         except Exception as exc:  # noqa: BLE001 - a template is user code: it may raise anything while rendering
             message = " ".join(str(exc).split()) or type(exc).__name__
             raise TrtspecError(f"{label}: the target's chat template failed ({type(exc).__name__}: {message})") from None
         if not isinstance(text, str):
             raise TrtspecError(f"{label}: the target's chat template did not render text")
+        if continue_final_message:
+            final = messages[-1]["content"] if messages else ""
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise TrtspecError(f"{label}: the chat template's text does not hold the final message, so it "
+                                   "cannot be continued")
+            text = text[:end + len(final)]
         return text
 
     def stop_strings(self, values, label: str = "--stop") -> tuple[tuple[str, ...], tuple[int, ...]]:

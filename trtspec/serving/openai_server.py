@@ -8,7 +8,8 @@ server-sent events in OpenAI's chunk format. Every response carries a `trtspec` 
 whether BlockPilot chose it, tau, histogram, ceiling fraction). `/metrics` is
 `trtspec.serving.metrics` in Prometheus' text format.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
+and vLLM's POST /tokenize, POST /detokenize, GET /version.
 Errors use OpenAI's JSON shape: 400 bad request, 404 unknown model or route, 429 queue full,
 503 shutting down. A client that disconnects cancels its request, which frees its slot.
 """
@@ -40,7 +41,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from trtspec import limits
+from trtspec import __version__, limits
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.request import GenerationConfig
@@ -98,6 +99,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     chat: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
 
 # The fields a request may have: OpenAI's that trtspec implements, trtspec's block_size, vLLM's
@@ -105,9 +107,10 @@ class ParsedRequest:
 # of OpenAI's and vLLM's are refused unless given their default value (`_UNSUPPORTED`), and any other
 # field is refused by name: no field is ever silently ignored.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
-           "stream_options", "n", "user", "block_size"}
+           "stream_options", "n", "user", "block_size", "ignore_eos"}
 _FIELDS = {False: _COMMON | {"prompt"},
-           True: _COMMON | {"messages", "max_completion_tokens", "metadata", "store", "service_tier"}}
+           True: _COMMON | {"messages", "max_completion_tokens", "metadata", "store", "service_tier",
+                            "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}}
 _UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                 "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
                 "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
@@ -115,10 +118,9 @@ _UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo":
                 "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
                 "reasoning_effort": (None,), "prediction": (None,), "audio": (None,),
                 # vLLM's sampling extras (the rest are refused as unknown)
-                "ignore_eos": (None, False), "min_tokens": (None, 0), "repetition_penalty": (None, 1),
+                "min_tokens": (None, 0), "repetition_penalty": (None, 1),
                 "min_p": (None, 0), "include_stop_str_in_output": (None, False),
                 "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-                "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
                 "add_special_tokens": (None,), "echo_prompt": (None,)}
 
 
@@ -190,6 +192,28 @@ def _room(tokens: int, max_context: int, param: str) -> None:
                    param)
 
 
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(f"{name} must be true or false, got {_show(value)}", name)
+    return value
+
+
+def _template_options(body: dict) -> dict:
+    """vLLM's chat template fields: `chat_template_kwargs` (an object passed to the template, such as
+    Qwen3's {"enable_thinking": false}), `add_generation_prompt`, `continue_final_message`."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and (not isinstance(kwargs, dict) or len(kwargs) > 64):
+        raise _bad(f"chat_template_kwargs must be an object of at most 64 template variables, got {_show(kwargs)}",
+                   "chat_template_kwargs")
+    add, extend = _flag(body, "add_generation_prompt", True), _flag(body, "continue_final_message", False)
+    if add and extend and body.get("add_generation_prompt") is not None:
+        raise _bad("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
+    return {"template_kwargs": kwargs, "add_generation_prompt": add, "continue_final_message": extend}
+
+
 def _chat_ids(body: dict, codec, max_context: int) -> list[int]:
     """`messages`: [{role, content}], content a string or a list of {"type": "text", "text"} parts."""
     messages = body.get("messages")
@@ -212,8 +236,9 @@ def _chat_ids(body: dict, codec, max_context: int) -> list[int]:
         plain.append({"role": message["role"], "content": content})
         size += len(content) + len(message["role"])
     _fits(size, codec, max_context, "messages")
+    options = _template_options(body)
     try:
-        text = codec.apply_chat_template(plain, label="chat")
+        text = codec.apply_chat_template(plain, label="chat", **options)
     except TrtspecError as exc:
         raise _bad(str(exc), "messages") from None
     _fits(len(text), codec, max_context, "messages")
@@ -277,8 +302,9 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise _bad("user must be a string", "user")
     default_tokens = limits.MAX_NEW_TOKENS.high if chat else 16  # OpenAI's defaults: the context, and 16
-    max_tokens = body.get("max_completion_tokens") if chat and body.get("max_tokens") is None else body.get("max_tokens")
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", limits.MAX_NEW_TOKENS, default_tokens)
+    # as vLLM: max_completion_tokens (OpenAI's name now) over max_tokens when a chat request gives both
+    limit_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, limit_field, limits.MAX_NEW_TOKENS, default_tokens)
     temperature = _number(body, "temperature", limits.TEMPERATURE, 0.0)
     top_p = _number(body, "top_p", limits.TOP_P, 1.0)
     top_k = _number(body, "top_k", limits.TOP_K, 0) if body.get("top_k") != -1 else 0  # -1: vLLM's "off"
@@ -288,18 +314,26 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     if stream is not None and not isinstance(stream, bool):
         raise _bad("stream must be true or false", "stream")
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not stream or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise _bad("stream_options is an object {\"include_usage\": true or false}, and only with stream: true",
-                   "stream_options")
+    usage_keys = ("include_usage", "continuous_usage_stats")
+    if options is not None and (not isinstance(options, dict) or not stream or set(options) - set(usage_keys)
+                                or not all(isinstance(options.get(k, False), bool) for k in usage_keys)):
+        raise _bad("stream_options is an object {\"include_usage\": true or false, \"continuous_usage_stats\": "
+                   "true or false}, and only with stream: true", "stream_options")
+    ignore_eos = _flag(body, "ignore_eos", False)
     texts, stop_ids = _stops(body, codec)
     try:  # the sampling fields passed their checks above: what is left to refuse is the block's
         config = generation_config(block, max_tokens, stop_ids, temperature=temperature,
-                                   top_p=top_p, top_k=top_k, seed=seed)
+                                   top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos)
     except TrtspecError as exc:
         raise _bad(str(exc), "block_size") from None
     ids = _chat_ids(body, codec, max_context) if chat else _prompt_ids(body, codec, max_context)
-    return ParsedRequest(ids, config, texts, bool(stream), bool((options or {}).get("include_usage")), chat)
+    if body.get(limit_field) is not None and len(ids) + max_tokens > max_context:  # as vLLM: 400
+        raise _bad(f"this model's maximum context length is {max_context} tokens; this request asks for "
+                   f"{len(ids) + max_tokens} ({len(ids)} in the {'messages' if chat else 'prompt'}, {max_tokens} in "
+                   "the completion): lower max_tokens or shorten the prompt", limit_field)
+    options = options or {}
+    return ParsedRequest(ids, config, texts, bool(stream), bool(options.get("include_usage")), chat,
+                         bool(options.get("continuous_usage_stats")))
 
 
 def decode_body(raw: bytes, max_values: int = limits.INT32_MAX):
@@ -493,6 +527,18 @@ class OpenAIServer:
             self._check_model(name)
             return self._model_card()
 
+        @app.get("/version")
+        async def version():
+            return {"version": __version__}
+
+        @app.post("/tokenize")
+        async def tokenize(request: HttpRequest):
+            return await self._at_door(request, self._tokenize)
+
+        @app.post("/detokenize")
+        async def detokenize(request: HttpRequest):
+            return await self._at_door(request, self._detokenize)
+
         @app.post("/v1/completions")
         async def completions(request: HttpRequest):
             return await self._handle(request, chat=False)
@@ -504,7 +550,8 @@ class OpenAIServer:
         return app
 
     def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtspec"}
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "trtspec",
+                "root": self.model_name, "parent": None, "max_model_len": self.pipeline.runner.max_context}
 
     def _check_model(self, name) -> None:
         if name != self.model_name:
@@ -532,6 +579,50 @@ class OpenAIServer:
             raise ApiError(408, f"the request body did not arrive within {self.read_timeout_s:g} s (--read-timeout)",
                            code="request_timeout") from None
         return b"".join(chunks)
+
+    async def _at_door(self, http: HttpRequest, work):
+        """`work(body)` on the door's threads for one of vLLM's utility routes."""
+        try:
+            raw = await self._read_body(http)
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+        def run():
+            body = decode_body(raw, self.pipeline.runner.max_context + JSON_VALUES_BESIDES_PROMPT)
+            if not isinstance(body, dict):
+                raise _bad("the request body must be a JSON object")
+            if body.get("model") is not None:
+                self._check_model(body["model"])
+            return work(body)
+        return await asyncio.get_running_loop().run_in_executor(self._door, run)
+
+    def _tokenize(self, body: dict) -> dict:
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (with the chat fields) -> ids."""
+        fields = {"model", "prompt", "add_special_tokens"} if "messages" not in body else \
+            {"model", "messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
+        for name in body:
+            if name not in fields:
+                raise _bad(f"unknown field {_show(name)} (/tokenize takes {', '.join(sorted(fields))})", name)
+        context = self.pipeline.runner.max_context
+        if "messages" in body:
+            ids = _chat_ids(body, self.codec, limits.INT32_MAX)
+        elif isinstance(body.get("prompt"), str):
+            _fits(len(body["prompt"]), self.codec, limits.INT32_MAX, "prompt")
+            ids = self.codec.encode_unlocked(body["prompt"], _flag(body, "add_special_tokens", True))
+        else:
+            raise _bad("give prompt (a string) or messages", "prompt")
+        return {"count": len(ids), "max_model_len": context, "tokens": ids}
+
+    def _detokenize(self, body: dict) -> dict:
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        for name in body:
+            if name not in ("model", "tokens"):
+                raise _bad(f"unknown field {_show(name)} (/detokenize takes model, tokens)", name)
+        ids, vocab = body.get("tokens"), self.codec.tokenizer.get_vocab_size(with_added_tokens=True)
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                 for t in ids):
+            raise _bad(f"tokens must be a list of token ids in 0..{vocab - 1}", "tokens")
+        return {"prompt": self.codec.decode(ids)}
 
     def _parse(self, raw: bytes, chat: bool) -> ParsedRequest:
         """The door's work, on its threads: decode, check and tokenize one body."""
@@ -578,6 +669,7 @@ class OpenAIServer:
                 if kind == FINISH:
                     break
                 piece = reply.push(tokens)
+                outcome.completion_tokens += len(tokens)
                 if piece:
                     yield piece
                 if reply.stopped:
@@ -608,7 +700,8 @@ class OpenAIServer:
     def _usage(self, parsed: ParsedRequest, outcome: _Outcome) -> dict:
         prompt = len(parsed.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": outcome.completion_tokens,
-                "total_tokens": prompt + outcome.completion_tokens}
+                "total_tokens": prompt + outcome.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": 0}}  # no prefix cache: every prompt token is computed
 
     async def _complete(self, http: HttpRequest, parsed: ParsedRequest, reply: Reply, bridge: LoopBridge,
                         ident: str):
@@ -652,7 +745,9 @@ class OpenAIServer:
                 choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
             body = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [choice],
                     **extra}
-            if parsed.include_usage:
+            if parsed.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far, in every chunk
+                body["usage"] = self._usage(parsed, outcome)
+            elif parsed.include_usage:
                 body["usage"] = None
             return f"data: {json.dumps(body)}\n\n"
 
