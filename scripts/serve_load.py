@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="Requests sent before measuring.")
     parser.add_argument("--threads", type=int, help="trtspec --threads for the server it starts.")
     parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
-    parser.add_argument("--metrics", action="store_true", help="Print the server's trtspec_spec_decode lines after.")
+    parser.add_argument("--metrics", action="store_true", help="Print the server's speculative-decoding and request metric lines after.")
     parser.add_argument("server_args", nargs="*", help="Arguments for trtspec serve (after --).")
     args = parser.parse_args()
 
@@ -180,8 +180,9 @@ def main() -> None:
             with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
                 text = response.read().decode()
             print("\n".join(line for line in text.splitlines() if "_created" not in line and "_bucket" not in line
-                            and line.startswith(("trtspec_spec_decode", "trtspec_blockpilot", "trtspec_request_s",
-                                                 "trtspec_request_f", "trtspec_time_to_first_token_seconds"))))
+                            and line.startswith(("trtspec_spec_decode", "vllm:spec_decode", "trtspec_blockpilot",
+                                                 "vllm:request_success", "trtspec_request_failure",
+                                                 "vllm:time_to_first_token_seconds"))))
     finally:
         if process is not None:
             stop_server(process)

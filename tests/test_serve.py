@@ -107,6 +107,24 @@ def metrics(server: Server) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def series(name: str, **labels) -> tuple[str, tuple]:
+    """A sample's key in `metrics()`: every series carries vLLM's model_name and engine labels."""
+    return name, tuple(sorted({**labels, "model_name": MODEL, "engine": "0"}.items()))
+
+
+# vLLM's families that dashboards read (docs.vllm.ai, "Production Metrics"), as sample names
+VLLM_FAMILIES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:num_preemptions_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_queue_time_seconds_bucket", "vllm:request_inference_time_seconds_bucket",
+                 "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+                 "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+                 "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+
+
 def wait_for(condition, what: str, timeout: float = 30):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -348,22 +366,21 @@ def test_metrics_parse_and_agree_with_the_responses(server):
     after = metrics(server)
 
     def delta(name, **labels):
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0.0) - before.get(key, 0.0)
+        return after.get(series(name, **labels), 0.0) - before.get(series(name, **labels), 0.0)
 
     spec = [e for _, e in served if e["block_size"] != "AR"]
     histograms = [e["histogram"] for e in spec]
-    assert delta("trtspec_spec_decode_num_drafts_total") == sum(map(sum, histograms))
-    assert delta("trtspec_spec_decode_num_accepted_tokens_total") == sum(
+    assert delta("vllm:spec_decode_num_drafts_total") == sum(map(sum, histograms))
+    assert delta("vllm:spec_decode_num_accepted_tokens_total") == sum(
         a * n for h in histograms for a, n in enumerate(h))
     for position in range(23):
-        assert delta("trtspec_spec_decode_num_accepted_tokens_per_pos_total", position=str(position)) == sum(
+        assert delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(position)) == sum(
             sum(h[position + 1:]) for h in histograms)
     def drafts(e):  # B-1 per cycle at B, G-1 per grown cycle at G
         size, _, grown = e["block_size"].partition(":")
         return (e["cycles"] - e["grown_cycles"]) * (int(size) - 1) + e["grown_cycles"] * (int(grown or 1) - 1)
 
-    assert delta("trtspec_spec_decode_num_draft_tokens_total") == sum(map(drafts, spec))
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == sum(map(drafts, spec))
     for e in spec:
         if ":" not in e["block_size"] and [o["block_size"] for o in spec].count(e["block_size"]) == 1:
             assert delta("trtspec_spec_decode_ceiling_cycles_total", block_size=e["block_size"]) == e["histogram"][-1]
@@ -372,14 +389,21 @@ def test_metrics_parse_and_agree_with_the_responses(server):
         e["cycles"] for _, e in served if e["block_size"] == "AR")
     chosen = served[3][1]["block_size"]
     assert delta("trtspec_blockpilot_choices_total", block_size="1" if chosen == "AR" else chosen) == 1
-    assert delta("trtspec_generation_tokens_total") == sum(r.usage.completion_tokens for r, _ in served)
-    assert delta("trtspec_prompt_tokens_total") == sum(r.usage.prompt_tokens for r, _ in served)
-    assert sum(delta("trtspec_request_success_total", finished_reason=f) for f in ("stop", "length")) == 5
-    assert delta("trtspec_time_to_first_token_seconds_count") == 5
-    assert delta("trtspec_e2e_request_latency_seconds_count") == 5
-    assert after[("trtspec_spec_decode_stranded_tau_estimate", (("block_size", "8"),))] >= \
-        after[("trtspec_spec_decode_tau", (("block_size", "8"),))] >= 1
-    assert after[("trtspec_num_requests_running", ())] == 0 and after[("trtspec_num_requests_waiting", ())] == 0
+    assert delta("vllm:generation_tokens_total") == sum(r.usage.completion_tokens for r, _ in served)
+    assert delta("vllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r, _ in served)
+    assert sum(delta("vllm:request_success_total", finished_reason=f) for f in ("stop", "length")) == 5
+    assert delta("vllm:time_to_first_token_seconds_count") == 5
+    assert delta("vllm:e2e_request_latency_seconds_count") == 5
+    assert delta("vllm:request_generation_tokens_count") == 5 and delta("vllm:request_prefill_time_seconds_count") == 5
+    # one observation per token after each request's first commit (which may hold several tokens)
+    assert 0 < delta("vllm:inter_token_latency_seconds_count") <= sum(r.usage.completion_tokens - 1 for r, _ in served)
+    assert after[series("trtspec_spec_decode_stranded_tau_estimate", block_size="8")] >= \
+        after[series("trtspec_spec_decode_tau", block_size="8")] >= 1
+    assert after[series("vllm:num_requests_running")] == 0 and after[series("vllm:num_requests_waiting")] == 0
+    assert after[series("vllm:kv_cache_usage_perc")] == 0 and after[series("vllm:num_preemptions_total")] == 0
+    names = {name for name, _ in after}
+    assert not [family for family in VLLM_FAMILIES if family not in names]
+    assert all(dict(labels).get("model_name") == MODEL for _, labels in after)  # every series, as vLLM's
 
 
 @pytest.fixture(scope="module")
@@ -405,7 +429,7 @@ def test_a_disconnect_frees_the_slot(one_slot):
     before = metrics(one_slot)
     stream, _ = _long_stream(one_slot)
     stream.close()  # the client goes away mid-stream
-    key = ("trtspec_request_failure_total", (("reason", "cancelled"),))
+    key = series("trtspec_request_failure_total", reason="cancelled")
     wait_for(lambda: metrics(one_slot).get(key, 0) == before.get(key, 0) + 1, "the cancelled request", 20)
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1500}
     with pytest.raises(OSError):  # a non-streamed request whose client gives up after a second
@@ -421,15 +445,15 @@ def test_a_full_queue_answers_429_and_the_server_recovers(one_slot):
     waiting = one_slot.client.completions.with_raw_response.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1500,
                                                                    stream=True)
     try:
-        wait_for(lambda: metrics(one_slot)[("trtspec_num_requests_waiting", ())] == 1, "the queued request")
+        wait_for(lambda: metrics(one_slot)[series("vllm:num_requests_waiting")] == 1, "the queued request")
         with pytest.raises(openai.RateLimitError) as error:
             one_slot.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
         assert error.value.status_code == 429 and "queue" in error.value.message
     finally:
         running.close()
         waiting.http_response.close()
-    wait_for(lambda: metrics(one_slot)[("trtspec_num_requests_running", ())] == 0
-             and metrics(one_slot)[("trtspec_num_requests_waiting", ())] == 0, "both to be cancelled", 30)
+    wait_for(lambda: metrics(one_slot)[series("vllm:num_requests_running")] == 0
+             and metrics(one_slot)[series("vllm:num_requests_waiting")] == 0, "both to be cancelled", 30)
     assert one_slot.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
 
 
@@ -482,15 +506,19 @@ def test_metrics_per_position_and_draft_tokens_of_a_growing_block():
     grown = DecodeStats(block_size=4, grow_to=8, histogram=[1, 0, 0, 2, 0, 0, 0, 1], grown_cycles=1, ceilings=2)
     assert draft_tokens(grown) == 3 * 3 + 1 * 7
     assert draft_tokens(DecodeStats(block_size=1, histogram=[5])) == 0
-    served = ServingMetrics()
+    served = ServingMetrics(model_name="m")
     served.observe_finished(grown, latency_s=0.5, ttft_s=0.1)
     served.observe_finished(DecodeStats(block_size=4, histogram=[0, 1, 0, 3], finish_reason="length"), latency_s=1)
     served.observe_load(2, 3, (4, 4, 8))
     text = served.render().decode()
-    assert 'trtspec_spec_decode_ceiling_cycles_total{block_size="4:8"} 2.0' in text
-    assert 'trtspec_spec_decode_num_drafts_total 8.0' in text
-    assert 'trtspec_num_requests_running_by_block_size{block_size="4"} 2.0' in text
-    assert 'trtspec_spec_decode_stranded_tau_estimate{block_size="4"}' in text
+    assert 'trtspec_spec_decode_ceiling_cycles_total{block_size="4:8",engine="0",model_name="m"} 2.0' in text
+    assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 8.0' in text
+    assert 'trtspec_num_requests_running_by_block_size{block_size="4",engine="0",model_name="m"} 2.0' in text
+    assert 'trtspec_spec_decode_stranded_tau_estimate{block_size="4",engine="0",model_name="m"}' in text
+    served.observe_tokens(4, 0.02)  # one cycle of 4 tokens 20 ms after the previous: 4 tokens of 5 ms each
+    text = served.render().decode()
+    assert 'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.005",model_name="m"} 4.0' in text
+    assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 4.0' in text
 
 
 def test_serve_refuses_bad_options_and_a_busy_port_before_loading():

@@ -67,11 +67,14 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
               help="Largest request body; a larger one gets HTTP 413 (declared or sent).")
 @click.option("--read-timeout", type=Ranged(limits.POSITIVE_REAL), default=READ_TIMEOUT_S, show_default=True,
               metavar="S", help="Seconds a client gets to send a request's head, and then its body (408).")
+@click.option("--metrics-prefix", type=click.Choice(["vllm:", "trtspec_"]), default="vllm:", show_default=True,
+              help="Prefix of the /metrics families vLLM also exports (vllm: lets vLLM's dashboards read them "
+                   "unchanged); trtspec's own families are always trtspec_.")
 @click.option("--graceful-shutdown", type=Ranged(limits.NON_NEGATIVE_REAL), default=10.0, show_default=True,
               metavar="S", help="On SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled.")
 def serve(target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts, host, port,
           max_concurrency, max_queued, block_size, max_context, served_model_name, api_key, max_body_bytes,
-          read_timeout, graceful_shutdown) -> None:
+          read_timeout, metrics_prefix, graceful_shutdown) -> None:
     """Serve the model over HTTP with OpenAI's API (completions, chat completions, streaming),
     plus /health and Prometheus /metrics, until Ctrl-C or SIGTERM."""
     from pathlib import Path
@@ -100,7 +103,8 @@ def serve(target, drafter, engine, dtype, device, backend, policy, draft_vocab, 
             source = engine if engine is not None and target is None else resolve_target(target)
             served_model_name = Path(source).resolve().name
         server = OpenAIServer(pipeline, config, model_name=served_model_name, block_size=block_size,
-                              max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, api_key=api_key or None)
+                              max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, api_key=api_key or None,
+                              metrics_prefix=metrics_prefix)
         server.start()  # the engine and its caches now: one that cannot fit is one line, not a stack at start-up
     except BaseException:
         sock.close()

@@ -77,10 +77,12 @@ class Reply:
     reaching one withdraws the request (`request`, the engine's handle once submitted), which frees
     its slot before the next cycle."""
 
-    def __init__(self, codec, stops: tuple[str, ...] = ()):
+    def __init__(self, codec, stops: tuple[str, ...] = (), metrics=None):
         self.stream = TextStream(codec, stops)
         self.request = None
         self.reported = True  # after `end`: whether the statistics are the engine's (see there)
+        self.metrics, self._last = metrics, None  # token counts and inter-token latency, as tokens come
+        self.counted = 0  # tokens already counted in the metrics
 
     @property
     def stopped(self) -> bool:
@@ -94,6 +96,10 @@ class Reply:
 
     def push(self, tokens: list[int]) -> str:
         """The text that can be sent after these committed tokens ('' when none)."""
+        if self.metrics is not None and tokens:
+            now = time.perf_counter()
+            self.metrics.observe_tokens(len(tokens), None if self._last is None else now - self._last)
+            self._last, self.counted = now, self.counted + len(tokens)
         piece = self.stream.push(tokens)
         if self.stopped and self.request is not None:
             self.request.cancel()  # a stop string: the engine frees the slot and finishes the request
@@ -119,12 +125,15 @@ class Reply:
         return rest, generation
 
 
-def observe_finished(metrics, request, stats: DecodeStats) -> None:
+def observe_finished(metrics, request, stats: DecodeStats, counted: int = 0) -> None:
     """A finished request (a stop or its limit) in the serving metrics (None: none kept): its
     statistics and its times since submission: to the end, to its first token (TTFT) and to
-    its admission into a slot."""
+    its admission into a slot; its generated tokens beyond the `counted` ones (`Reply.counted`:
+    those already counted as they were committed)."""
     if metrics is None:
         return
     first = request.first_token_at
+    if stats.new_tokens > counted:
+        metrics.observe_tokens(stats.new_tokens - counted, None)
     metrics.observe_finished(stats, latency_s=time.perf_counter() - request.submitted,
                              ttft_s=None if first is None else first - request.submitted, queue_s=stats.queue_s)

@@ -50,7 +50,7 @@ from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
 from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
 from trtspec.serving.frontend import FINISH, LoopBridge, Reply, generation_config, observe_finished
-from trtspec.serving.metrics import CONTENT_TYPE, ServingMetrics
+from trtspec.serving.metrics import CONTENT_TYPE, VLLM_PREFIX, ServingMetrics
 
 DOOR_THREADS = 2            # requests decoded, checked and tokenized at once, off the event loop
 _C_DECODER_BYTES = 256 * 2**10  # larger bodies: json's pure-Python scanner, which lets the loop run
@@ -447,12 +447,13 @@ class OpenAIServer:
     threads (DOOR_THREADS), so one large or odd request never stalls the other clients' streams."""
 
     def __init__(self, pipeline, engine_config, *, model_name: str, block_size: BlockChoice | None = None,
-                 metrics: ServingMetrics | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 metrics: ServingMetrics | None = None, metrics_prefix: str = VLLM_PREFIX,
+                 max_body_bytes: int = MAX_BODY_BYTES,
                  read_timeout_s: float = READ_TIMEOUT_S, api_key: str | None = None):
         self.pipeline, self.codec, self.engine_config = pipeline, pipeline.codec, engine_config
         self.model_name = model_name
         self.default_block = block_size or pipeline.default_block
-        self.metrics = metrics or ServingMetrics()
+        self.metrics = metrics or ServingMetrics(model_name=model_name, vllm_prefix=metrics_prefix)
         self.max_body_bytes, self.read_timeout_s, self.api_key = max_body_bytes, read_timeout_s, api_key
         self.engine = None
         self.created = int(time.time())
@@ -515,7 +516,7 @@ class OpenAIServer:
         async def metrics():
             if self.engine is not None:
                 load = self.engine.load()
-                self.metrics.observe_load(load.queued, load.running, load.block_sizes)
+                self.metrics.observe_load(load.queued, load.running, load.block_sizes, load.slots)
             return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
         @app.get("/v1/models")
@@ -645,7 +646,7 @@ class OpenAIServer:
             raise ApiError(503, "the server is shutting down", "service_unavailable") from None
         if self.closing or self.engine is None:
             raise ApiError(503, "the server is shutting down", "service_unavailable")
-        bridge, reply = LoopBridge(asyncio.get_running_loop()), Reply(self.codec, parsed.stops)
+        bridge, reply = LoopBridge(asyncio.get_running_loop()), Reply(self.codec, parsed.stops, self.metrics)
         try:
             reply.request = self.engine.submit(parsed.prompt_ids, parsed.config, bridge.on_commit, bridge.on_finish)
         except TrtspecError as exc:
@@ -695,7 +696,7 @@ class OpenAIServer:
         outcome.stats = generation.stats if reply.reported else None  # none to show: cut before a cycle reported
         outcome.finish_reason = generation.stats.finish_reason or "stop"
         outcome.completion_tokens = len(generation.tokens)
-        observe_finished(self.metrics, reply.request, generation.stats)
+        observe_finished(self.metrics, reply.request, generation.stats, reply.counted)
 
     def _usage(self, parsed: ParsedRequest, outcome: _Outcome) -> dict:
         prompt = len(parsed.prompt_ids)

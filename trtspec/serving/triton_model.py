@@ -183,7 +183,7 @@ class _Outbox:
                     next_poll = time.monotonic() + CANCEL_POLL_S
                 if self.metrics is not None and time.monotonic() >= next_load:
                     load = self.engine.load()
-                    self.metrics.observe_load(load.queued, load.running, load.block_sizes)
+                    self.metrics.observe_load(load.queued, load.running, load.block_sizes, load.slots)
                     next_load = time.monotonic() + LOAD_POLL_S
             except Exception as exc:  # noqa: BLE001 - one failed send must not stop the others
                 _log_error(f"trtspec: sending a response failed: {exc!r}")
@@ -236,7 +236,7 @@ class _Outbox:
         """The final response(s) of a finished request: its text (the rest of it, `rest`, when it
         streams) and its statistics."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        observe_finished(self.metrics, call.reply.request, generation.stats)
+        observe_finished(self.metrics, call.reply.request, generation.stats, call.reply.counted)
         stats = generation.stats.to_dict()
         if not call.sends:
             call.sender.send(_response(call.reply.text, stats), flags=final)
@@ -365,7 +365,7 @@ class TritonPythonModel:
         if not ids:
             raise TrtspecError("the prompt is empty")
         call.sends = self.decoupled and bool(scalars["stream"])
-        call.reply = Reply(codec, stops)
+        call.reply = Reply(codec, stops, self.outbox.metrics)
         bridge = Bridge(lambda kind, payload: self.outbox.put(kind, call, payload))
         # a call that neither streams nor has stops is answered from its tokens at the end
         call.reply.request = self.engine.submit(ids, config, bridge.on_commit if call.sends or stops else None,
