@@ -312,6 +312,27 @@ def test_ignore_eos_usage_in_every_chunk_and_vllm_utility_routes(server):
     assert post(server.url + "/tokenize", {"prompt": "x", "echo": 1})[1]["error"]["param"] == "echo"
 
 
+def test_include_stop_str_in_output_and_special_tokens(server):
+    """include_stop_str_in_output keeps the stop string at the end of the text (streamed or not);
+    skip_special_tokens false shows special tokens (here the EOS that ignore_eos lets through)."""
+    def text(prompt=PROMPT, stream=False, **fields):
+        extra = {key: fields.pop(key) for key in list(fields) if key not in ("stop", "max_tokens")}
+        reply = server.client.completions.create(model=MODEL, prompt=prompt, temperature=0, stream=stream,
+                                                 max_tokens=fields.get("max_tokens", MAX_TOKENS),
+                                                 stop=fields.get("stop"), extra_body=extra)
+        return "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
+
+    plain = text()
+    stop = plain[6:9]
+    before = plain[:plain.index(stop)]
+    assert text(stop=[stop]) == before
+    assert text(stop=[stop], include_stop_str_in_output=True) == before + stop
+    assert text(stop=[stop], include_stop_str_in_output=True, stream=True) == before + stop
+    hidden = text(EOS_PROMPT, max_tokens=3, ignore_eos=True)
+    shown = text(EOS_PROMPT, max_tokens=3, ignore_eos=True, skip_special_tokens=False)
+    assert "<|endoftext|>" in shown and "<|endoftext|>" not in hidden and shown.replace("<|endoftext|>", "") == hidden
+
+
 def test_chat_template_fields(ort_engine_dir, tmp_path):
     """chat_template_kwargs, add_generation_prompt and continue_final_message reach the chat template
     (the tiny pair's: <|role|>content lines, then <|assistant|> when a generation prompt is asked)."""

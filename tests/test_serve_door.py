@@ -237,8 +237,8 @@ REFUSED = [  # (route, fields added to a good body, the field named): each was i
     ("completions", {"min_tokens": 5}, "min_tokens"),
     ("completions", {"repetition_penalty": 1.3}, "repetition_penalty"),
     ("completions", {"min_p": 0.1}, "min_p"),
-    ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
-    ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("completions", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ("completions", {"skip_special_tokens": 0}, "skip_special_tokens"),
     ("chat/completions", {"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
     ("completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # chat only
     ("chat/completions", {"add_generation_prompt": 1}, "add_generation_prompt"),

@@ -93,8 +93,8 @@ class TextCodec:
         check_text(text, label)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: str | list[dict], label: str = "--chat", *,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -162,9 +162,9 @@ class TextCodec:
             ids.append(token)
         return tuple(dict.fromkeys(ids))
 
-    def streamer(self) -> DecodeStream:
+    def streamer(self, skip_special_tokens: bool = True) -> DecodeStream:
         """Incremental detokenizer: `.step(tokenizer, id)` returns new text once it is complete UTF-8."""
-        return DecodeStream(skip_special_tokens=True)
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
 
 
 def _raise_template_error(message: str):
@@ -209,11 +209,15 @@ class TextStream:
     the first stop string, if any). Every front end streams through it: Pipeline.generate, the
     Triton model and `trtspec serve`. Text that could still begin a stop string, and the bytes
     of an unfinished UTF-8 sequence, are held back until they cannot / until `finish`. Each
-    character is looked at once per stop string (`_StopMatch`): the work is linear in the text."""
+    character is looked at once per stop string (`_StopMatch`): the work is linear in the text.
+    `keep_stop`: the text ends with the stop string instead (vLLM's include_stop_str_in_output);
+    `skip_special`: special tokens (EOS, ...) decode to nothing (the default) or to their text."""
 
-    def __init__(self, codec: "TextCodec", stops: tuple[str, ...] = ()):
+    def __init__(self, codec: "TextCodec", stops: tuple[str, ...] = (), keep_stop: bool = False,
+                 skip_special: bool = True):
         self.codec, self.stops = codec, tuple(stops)
-        self.decoder = codec.streamer()
+        self.keep_stop, self.skip_special = keep_stop, skip_special
+        self.decoder = codec.streamer(skip_special)
         self._match = _StopMatch(self.stops) if self.stops else None
         self._sent: list[str] = []  # the pieces handed out
         self._held = ""             # decoded text not handed out yet (a possible stop's beginning, or new)
@@ -239,7 +243,7 @@ class TextStream:
     def finish(self, tokens: list[int]) -> str:
         """The rest once the request has ended (`tokens`: all it committed)."""
         if not self.stopped:
-            whole, text = self.codec.decode(tokens), self.text
+            whole, text = self.codec.decode(tokens, self.skip_special), self.text
             if whole.startswith(text) and len(whole) > len(text):  # bytes the decoder held back
                 self._extend(whole[len(text):])
             self.tokens = list(tokens)
@@ -250,6 +254,8 @@ class TextStream:
         cut = self._match.feed(piece) if self._match is not None else None
         self._held += piece
         if cut is not None:
+            if self.keep_stop:
+                cut -= len(self._match.matched)
             self._held, self.stopped = self._held[:len(self._held) - cut], True
 
     def _take(self, final: bool) -> str:
@@ -270,6 +276,7 @@ class _StopMatch:
         self.stops = stops
         self.fallback = [_kmp_fallback(stop) for stop in stops]
         self.ends = [0] * len(stops)  # per stop: characters of its beginning that end the text
+        self.matched = ""             # the stop that `feed` found
 
     @property
     def longest(self) -> int:
@@ -295,7 +302,9 @@ class _StopMatch:
                         k = fallback[k - 1]
                     k, j = k + (stop[k] == char), j + 1
                 if k == len(stop):
-                    cut = max(cut or 0, len(piece) - j + k)  # from the end of the text: farther back is earlier
+                    back = len(piece) - j + k  # from the end of the text: farther back is earlier
+                    if cut is None or back > cut:
+                        cut, self.matched = back, stop
                     break
             self.ends[i] = k
         return cut

@@ -77,8 +77,9 @@ class Reply:
     reaching one withdraws the request (`request`, the engine's handle once submitted), which frees
     its slot before the next cycle."""
 
-    def __init__(self, codec, stops: tuple[str, ...] = (), metrics=None):
-        self.stream = TextStream(codec, stops)
+    def __init__(self, codec, stops: tuple[str, ...] = (), metrics=None, keep_stop: bool = False,
+                 skip_special: bool = True):
+        self.stream = TextStream(codec, stops, keep_stop, skip_special)
         self.request = None
         self.reported = True  # after `end`: whether the statistics are the engine's (see there)
         self.metrics, self._last = metrics, None  # token counts and inter-token latency, as tokens come

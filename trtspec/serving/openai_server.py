@@ -100,6 +100,8 @@ class ParsedRequest:
     include_usage: bool = False
     chat: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    keep_stop: bool = False         # include_stop_str_in_output
+    skip_special: bool = True       # skip_special_tokens
 
 
 # The fields a request may have: OpenAI's that trtspec implements, trtspec's block_size, vLLM's
@@ -107,7 +109,8 @@ class ParsedRequest:
 # of OpenAI's and vLLM's are refused unless given their default value (`_UNSUPPORTED`), and any other
 # field is refused by name: no field is ever silently ignored.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
-           "stream_options", "n", "user", "block_size", "ignore_eos"}
+           "stream_options", "n", "user", "block_size", "ignore_eos", "include_stop_str_in_output",
+           "skip_special_tokens"}
 _FIELDS = {False: _COMMON | {"prompt"},
            True: _COMMON | {"messages", "max_completion_tokens", "metadata", "store", "service_tier",
                             "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}}
@@ -119,8 +122,7 @@ _UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo":
                 "reasoning_effort": (None,), "prediction": (None,), "audio": (None,),
                 # vLLM's sampling extras (the rest are refused as unknown)
                 "min_tokens": (None, 0), "repetition_penalty": (None, 1),
-                "min_p": (None, 0), "include_stop_str_in_output": (None, False),
-                "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+                "min_p": (None, 0), "spaces_between_special_tokens": (None, True),
                 "add_special_tokens": (None,), "echo_prompt": (None,)}
 
 
@@ -320,6 +322,7 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
         raise _bad("stream_options is an object {\"include_usage\": true or false, \"continuous_usage_stats\": "
                    "true or false}, and only with stream: true", "stream_options")
     ignore_eos = _flag(body, "ignore_eos", False)
+    keep_stop, skip_special = _flag(body, "include_stop_str_in_output", False), _flag(body, "skip_special_tokens", True)
     texts, stop_ids = _stops(body, codec)
     try:  # the sampling fields passed their checks above: what is left to refuse is the block's
         config = generation_config(block, max_tokens, stop_ids, temperature=temperature,
@@ -333,7 +336,7 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
                    "the completion): lower max_tokens or shorten the prompt", limit_field)
     options = options or {}
     return ParsedRequest(ids, config, texts, bool(stream), bool(options.get("include_usage")), chat,
-                         bool(options.get("continuous_usage_stats")))
+                         bool(options.get("continuous_usage_stats")), keep_stop, skip_special)
 
 
 def decode_body(raw: bytes, max_values: int = limits.INT32_MAX):
@@ -646,7 +649,8 @@ class OpenAIServer:
             raise ApiError(503, "the server is shutting down", "service_unavailable") from None
         if self.closing or self.engine is None:
             raise ApiError(503, "the server is shutting down", "service_unavailable")
-        bridge, reply = LoopBridge(asyncio.get_running_loop()), Reply(self.codec, parsed.stops, self.metrics)
+        bridge, reply = LoopBridge(asyncio.get_running_loop()), Reply(self.codec, parsed.stops, self.metrics,
+                                                                     parsed.keep_stop, parsed.skip_special)
         try:
             reply.request = self.engine.submit(parsed.prompt_ids, parsed.config, bridge.on_commit, bridge.on_finish)
         except TrtspecError as exc:
