@@ -267,7 +267,7 @@ BAD_REQUESTS = [  # (route, body, status, the field named)
     ("completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("completions", {"model": MODEL, "prompt": "x", "seed": -3}, 400, "seed"),
-    ("completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("completions", {"model": MODEL, "prompt": "x", "block_size": "65"}, 400, "block_size"),
     ("completions", {"model": MODEL, "prompt": "x", "block_size": "16:8"}, 400, "block_size"),
     ("completions", {"model": MODEL, "prompt": "x", "block_size": "huge"}, 400, "block_size"),
@@ -331,6 +331,29 @@ def test_include_stop_str_in_output_and_special_tokens(server):
     hidden = text(EOS_PROMPT, max_tokens=3, ignore_eos=True)
     shown = text(EOS_PROMPT, max_tokens=3, ignore_eos=True, skip_special_tokens=False)
     assert "<|endoftext|>" in shown and "<|endoftext|>" not in hidden and shown.replace("<|endoftext|>", "") == hidden
+
+
+def test_n_choices_are_independent_requests_with_derived_seeds(server):
+    """n = 3 at T = 1 with a seed: three choices, choice i sampled like a single request with seed
+    seed + i (so the answer reproduces), streamed or not; usage counts every choice's tokens."""
+    def ask(n, seed, stream=False):
+        return server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=seed,
+                                                n=n, stream=stream, extra_body={"block_size": "8"})
+
+    three = ask(3, 40)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    singles = [ask(1, 40 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in three.choices] == singles and len(set(singles)) > 1
+    assert three.usage.completion_tokens == sum(ask(1, 40 + i).usage.completion_tokens for i in range(3))
+    pieces = {0: [], 1: [], 2: []}
+    finished = set()
+    for chunk in ask(3, 40, stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index].append(choice.text)
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert ["".join(pieces[i]) for i in range(3)] == singles and finished == {0, 1, 2}
+    assert post(server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 17})[1]["error"]["param"] == "n"
 
 
 def test_chat_template_fields(ort_engine_dir, tmp_path):

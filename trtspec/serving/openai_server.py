@@ -31,7 +31,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
@@ -45,6 +45,7 @@ from trtspec import __version__, limits
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.sampling import derive_seed
 from trtspec.tokenizer import check_text
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
@@ -102,6 +103,15 @@ class ParsedRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     keep_stop: bool = False         # include_stop_str_in_output
     skip_special: bool = True       # skip_special_tokens
+    n: int = 1                      # independent choices, each its own engine request
+
+    def choice_config(self, index: int) -> GenerationConfig:
+        """Choice `index`'s config: with a seed, choice i samples with the seed of the run's i-th
+        request (derive_seed), so every choice differs and the whole answer reproduces."""
+        sampling = self.config.sampling
+        if index == 0 or sampling.seed is None:
+            return self.config
+        return replace(self.config, sampling=replace(sampling, seed=derive_seed(sampling.seed, index)))
 
 
 # The fields a request may have: OpenAI's that trtspec implements, trtspec's block_size, vLLM's
@@ -298,9 +308,7 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     _check_fields(body, chat)
-    n = body.get("n")
-    if n not in (None, 1) or isinstance(n, bool):
-        raise _bad("n must be 1 (one choice per request)", "n")
+    n = _number(body, "n", limits.CHOICES, 1)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise _bad("user must be a string", "user")
     default_tokens = limits.MAX_NEW_TOKENS.high if chat else 16  # OpenAI's defaults: the context, and 16
@@ -336,7 +344,7 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
                    "the completion): lower max_tokens or shorten the prompt", limit_field)
     options = options or {}
     return ParsedRequest(ids, config, texts, bool(stream), bool(options.get("include_usage")), chat,
-                         bool(options.get("continuous_usage_stats")), keep_stop, skip_special)
+                         bool(options.get("continuous_usage_stats")), keep_stop, skip_special, n)
 
 
 def decode_body(raw: bytes, max_values: int = limits.INT32_MAX):
@@ -649,20 +657,26 @@ class OpenAIServer:
             raise ApiError(503, "the server is shutting down", "service_unavailable") from None
         if self.closing or self.engine is None:
             raise ApiError(503, "the server is shutting down", "service_unavailable")
-        bridge, reply = LoopBridge(asyncio.get_running_loop()), Reply(self.codec, parsed.stops, self.metrics,
-                                                                     parsed.keep_stop, parsed.skip_special)
+        loop, choices = asyncio.get_running_loop(), []
         try:
-            reply.request = self.engine.submit(parsed.prompt_ids, parsed.config, bridge.on_commit, bridge.on_finish)
+            for index in range(parsed.n):
+                bridge = LoopBridge(loop)
+                reply = Reply(self.codec, parsed.stops, self.metrics, parsed.keep_stop, parsed.skip_special)
+                reply.request = self.engine.submit(parsed.prompt_ids, parsed.choice_config(index), bridge.on_commit,
+                                                   bridge.on_finish)
+                choices.append((reply, bridge))
         except TrtspecError as exc:
+            for reply, _ in choices:  # all the choices or none
+                reply.request.cancel()
             if isinstance(exc, Busy):
                 self.metrics.observe_failed("rejected")
                 raise ApiError(429, str(exc), "rate_limit_exceeded", code="queue_full") from None
             raise _bad(str(exc)) from None
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if parsed.stream:
-            return StreamingResponse(self._stream(http, parsed, reply, bridge, ident),
+            return StreamingResponse(self._stream(parsed, choices, ident),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._complete(http, parsed, reply, bridge, ident)
+        return await self._complete(http, parsed, choices, ident)
 
     async def _events(self, reply: Reply, bridge: LoopBridge, outcome: _Outcome):
         """Text pieces as the engine commits tokens; `outcome` is filled in at the end. The request
@@ -702,17 +716,15 @@ class OpenAIServer:
         outcome.completion_tokens = len(generation.tokens)
         observe_finished(self.metrics, reply.request, generation.stats, reply.counted)
 
-    def _usage(self, parsed: ParsedRequest, outcome: _Outcome) -> dict:
-        prompt = len(parsed.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": outcome.completion_tokens,
-                "total_tokens": prompt + outcome.completion_tokens,
+    def _usage(self, parsed: ParsedRequest, outcomes: list[_Outcome]) -> dict:
+        prompt, completion = len(parsed.prompt_ids), sum(o.completion_tokens for o in outcomes)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": 0}}  # no prefix cache: every prompt token is computed
 
-    async def _complete(self, http: HttpRequest, parsed: ParsedRequest, reply: Reply, bridge: LoopBridge,
-                        ident: str):
-        outcome = _Outcome()
+    async def _complete(self, http: HttpRequest, parsed: ParsedRequest, choices: list, ident: str):
+        outcomes = [_Outcome() for _ in choices]
 
-        async def collect():
+        async def collect(reply, bridge, outcome):
             async for piece in self._events(reply, bridge, outcome):
                 outcome.text_parts.append(piece)
 
@@ -720,7 +732,8 @@ class OpenAIServer:
             while (await http.receive())["type"] != "http.disconnect":
                 pass
 
-        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+        work = asyncio.ensure_future(asyncio.gather(*(collect(r, b, o) for (r, b), o in zip(choices, outcomes))))
+        watch = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -728,49 +741,86 @@ class OpenAIServer:
                 if not task.done():
                     task.cancel()
         if not work.done() or work.cancelled():
-            await asyncio.gather(work, return_exceptions=True)  # its cleanup cancels the engine request
+            await asyncio.gather(work, return_exceptions=True)  # its cleanup cancels the engine requests
             return Response(status_code=499)  # nobody is listening
-        work.result()  # raises the request's ApiError
-        text = "".join(outcome.text_parts)
-        choice = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if parsed.chat else {"text": text})
+        if work.exception() is not None:
+            for reply, _ in choices:  # one choice failed: the answer is its error, the others stop
+                reply.request.cancel()
+            raise work.exception()
+        answers = []
+        for index, outcome in enumerate(outcomes):
+            text = "".join(outcome.text_parts)
+            choice = {"index": index, "finish_reason": outcome.finish_reason, "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": text}} if parsed.chat else {"text": text})
+            if parsed.n > 1:
+                choice["trtspec"] = trtspec_extension(outcome.stats)
+            answers.append(choice)
         return {"id": ident, "object": "chat.completion" if parsed.chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": [choice],
-                "usage": self._usage(parsed, outcome), "trtspec": trtspec_extension(outcome.stats)}
+                "created": int(time.time()), "model": self.model_name, "choices": answers,
+                "usage": self._usage(parsed, outcomes), "trtspec": trtspec_extension(outcomes[0].stats)}
 
-    async def _stream(self, http: HttpRequest, parsed: ParsedRequest, reply: Reply, bridge: LoopBridge, ident: str):
-        created, outcome = int(time.time()), _Outcome()
+    async def _stream(self, parsed: ParsedRequest, choices: list, ident: str):
+        """Server-sent events: each choice's pieces as they come, tagged with its index; its finish
+        chunk when it ends; then the usage (if asked) and [DONE]. Leaving early (a disconnect)
+        cancels every choice's engine request."""
+        created, outcomes = int(time.time()), [_Outcome() for _ in choices]
         kind = "chat.completion.chunk" if parsed.chat else "text_completion"
+        events: asyncio.Queue = asyncio.Queue()
 
-        def chunk(piece: str | None, finish: str | None = None, **extra) -> str:
+        def chunk(index: int, piece: str | None, finish: str | None = None, **extra) -> str:
             if parsed.chat:
                 delta = {} if piece is None else {"content": piece}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
-                choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "text": piece or "", "finish_reason": finish, "logprobs": None}
             body = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [choice],
                     **extra}
             if parsed.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far, in every chunk
-                body["usage"] = self._usage(parsed, outcome)
+                body["usage"] = self._usage(parsed, outcomes)
             elif parsed.include_usage:
                 body["usage"] = None
             return f"data: {json.dumps(body)}\n\n"
 
+        async def produce(index: int, reply: Reply, bridge: LoopBridge) -> None:
+            try:
+                async for piece in self._events(reply, bridge, outcomes[index]):
+                    events.put_nowait((index, piece, None))
+                events.put_nowait((index, None, None))
+            except ApiError as exc:
+                events.put_nowait((index, None, exc))
+            except Exception as exc:  # noqa: BLE001 - a bug: the stream ends with its error, never hangs
+                events.put_nowait((index, None, ApiError(500, f"internal error ({type(exc).__name__})",
+                                                         "internal_error")))
+
         if parsed.chat:
-            first = json.loads(chunk("")[6:])
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            yield f"data: {json.dumps(first)}\n\n"
+            for index in range(len(choices)):
+                first = json.loads(chunk(index, "")[6:])
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield f"data: {json.dumps(first)}\n\n"
+        tasks = [asyncio.ensure_future(produce(i, r, b)) for i, (r, b) in enumerate(choices)]
         try:
-            async for piece in self._events(reply, bridge, outcome):
-                yield chunk(piece)
-        except ApiError as exc:  # the status line is sent: report the error as an event, as OpenAI does
-            yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind, 'code': exc.code}})}\n\n"
-            yield "data: [DONE]\n\n"
-            return
-        yield chunk(None, outcome.finish_reason, trtspec=trtspec_extension(outcome.stats))
+            running = len(tasks)
+            while running:
+                index, piece, error = await events.get()
+                if error is not None:  # the status line is sent: report the error as an event, as OpenAI does
+                    for reply, _ in choices:
+                        reply.request.cancel()
+                    yield f"data: {json.dumps({'error': {'message': error.message, 'type': error.kind, 'code': error.code}})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                if piece is not None:
+                    yield chunk(index, piece)
+                    continue
+                running -= 1
+                outcome = outcomes[index]
+                yield chunk(index, None, outcome.finish_reason, trtspec=trtspec_extension(outcome.stats))
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()  # its _events cancels its engine request
         if parsed.include_usage:
             usage = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [],
-                     "usage": self._usage(parsed, outcome)}
+                     "usage": self._usage(parsed, outcomes)}
             yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
 
