@@ -332,7 +332,11 @@ class EngineCore:
     def _start_decoding(self, active: _Active) -> None:
         request, config, began = active.request, active.request.config, time.perf_counter()
         tail = active.tail_logits
-        bonus = int(active.sampler.sample(tail[-1:])[0])
+        last = tail[-1:]
+        if config.min_tokens:  # a copy: BlockPilot reads the prompt's tail as the target gave it
+            last = last.clone()
+            self._hold_stops(active, last, committed=0)
+        bonus = int(active.sampler.sample(last)[0])
         context = torch.cat(active.features) if len(active.features) > 1 else (active.features or [None])[0]
         choice = config.block
         if choice.auto:
@@ -380,6 +384,7 @@ class EngineCore:
         if len(members) == 1:
             active = members[0]
             logits, features = self.runner.verify([active.slot], self._rows(active, size)[0], [active.core.start(0)])
+            self._hold_stops(active, logits[0], active.core.count(0))
             # greedy, it steps on the whole output buffer (the same tensor every cycle, so the stepper's
             # numpy view of it is made once); sampled, it samples its [B, V] rows
             active.stepper(logits if active.stepper.posterior_of is None else logits[0])
@@ -392,11 +397,22 @@ class EngineCore:
         blocks = torch.cat([self._rows(a, size)[0] for a in members])
         logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
         for row, active in enumerate(members):
+            self._hold_stops(active, logits[row], active.core.count(0))
             active.stepper(logits[row])
             active.calls += 1
             active.shared += len(members)
             if drafting:
                 active.context = features[row, :active.core.accepted(0) + 1].clone()
+
+    @staticmethod
+    def _hold_stops(active: _Active, logits: torch.Tensor, committed: int) -> None:
+        """min_tokens: rows of `logits` [B, V] that predict output tokens before the request's
+        min_tokens-th lose their stop ids (in place), so none can be drafted-and-accepted or drawn
+        there; row j predicts output token `committed` + j."""
+        config = active.request.config
+        left = config.min_tokens - committed
+        if left > 0 and config.stop_ids:
+            logits[:left, list(config.stop_ids)] = float("-inf")
 
     def _emit(self, active: _Active) -> None:
         """Hand newly committed tokens to the request; retire it when it has finished."""

@@ -24,6 +24,7 @@ class GenerationConfig:
     stop_ids: tuple[int, ...] = ()
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, BlockChoice):
@@ -32,6 +33,9 @@ class GenerationConfig:
             if size > 1:  # ranges: trtspec.limits
                 check_block_size(size)
         MAX_NEW_TOKENS.check(self.max_new_tokens)
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise TrtspecError(f"min_tokens must be in [0, max_new_tokens ({self.max_new_tokens})], "
+                               f"got {self.min_tokens}")
 
     def with_stop_ids(self, extra: tuple[int, ...]) -> "GenerationConfig":
         """This config with the tokenizer's EOS ids `extra` added (none with `ignore_eos`)."""

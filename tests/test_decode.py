@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import core_of, generate, predictable_pair, random_drafter, single, tiny_config
+from helpers import ar_of, core_of, generate, predictable_pair, random_drafter, single, tiny_config
 from trtspec.errors import TrtspecError
 from trtspec.models import Qwen3Target
 from trtspec.runtime.engine import EngineConfig, EngineCore
@@ -153,3 +153,23 @@ def test_a_bfloat16_pair_decodes_with_logits_in_its_own_dtype(monkeypatch):
     monkeypatch.setattr(engine.runner, "verify", lambda *args: tuple(
         t.float() if i == 0 else t for i, t in enumerate(verify(*args))))
     assert [generate(engine, prompt, config).tokens for prompt in prompts for config in configs] == own
+
+
+def test_min_tokens_holds_stops_back_and_speculation_still_equals_ar(predictable):
+    """min_tokens removes the stop ids from the target's distribution for the first min_tokens output
+    tokens, at every verified position: a stop that greedy decoding meets early is passed over, and
+    speculative output equals AR output under the same rule."""
+    prompt = [5, 9, 13, 2, 7]
+    free = generate(ar_of(predictable), prompt, GenerationConfig(block=AR, max_new_tokens=30)).tokens
+    stop = free[2]
+    stopped = GenerationConfig(block=AR, max_new_tokens=30, stop_ids=(stop,))
+    assert len(generate(ar_of(predictable), prompt, stopped).tokens) <= 3
+    for size in (1, 4, 8):
+        config = GenerationConfig(block=BlockChoice(size), max_new_tokens=30, stop_ids=(stop,), min_tokens=12)
+        engine = predictable if size > 1 else ar_of(predictable)
+        tokens = generate(engine, prompt, config).tokens
+        assert stop not in tokens[:12] and len(tokens) >= 12
+        assert tokens == generate(ar_of(predictable), prompt, GenerationConfig(
+            block=AR, max_new_tokens=30, stop_ids=(stop,), min_tokens=12)).tokens
+    with pytest.raises(TrtspecError, match="min_tokens"):
+        GenerationConfig(max_new_tokens=4, min_tokens=5)

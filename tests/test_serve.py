@@ -288,7 +288,7 @@ EOS_PROMPT = "def f():\n    pass\n\n\nif __name__ == '__main__':\n    main()\n" 
 
 def test_ignore_eos_usage_in_every_chunk_and_vllm_utility_routes(server):
     """vLLM's fields and routes load tools and harnesses use: ignore_eos gives exactly max_tokens
-    tokens; continuous_usage_stats puts the running counts in every chunk; /tokenize, /detokenize,
+    tokens; min_tokens holds the EOS back; continuous_usage_stats puts the running counts in every chunk; /tokenize, /detokenize,
     /version and max_model_len agree with each other."""
     stopped = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0)
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 30
@@ -296,6 +296,9 @@ def test_ignore_eos_usage_in_every_chunk_and_vllm_utility_routes(server):
                                               extra_body={"ignore_eos": True})
     assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 30
     assert forced.usage.prompt_tokens_details.cached_tokens == 0
+    held = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0,
+                                            extra_body={"min_tokens": 6})
+    assert held.usage.completion_tokens >= 6  # the EOS it would end with at once is held back
     chunks = list(server.client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True}))

@@ -234,7 +234,8 @@ REFUSED = [  # (route, fields added to a good body, the field named): each was i
     ("completions", {"ignore_eos": "yes"}, "ignore_eos"),
     ("completions", {"max_tokens": 100_000}, "max_tokens"),  # beyond the context, as vLLM: 400
     ("chat/completions", {"max_completion_tokens": 100_000}, "max_completion_tokens"),
-    ("completions", {"min_tokens": 5}, "min_tokens"),
+    ("completions", {"min_tokens": 5}, "min_tokens"),  # more than max_tokens (2)
+    ("completions", {"min_tokens": -1}, "min_tokens"),
     ("completions", {"repetition_penalty": 1.3}, "repetition_penalty"),
     ("completions", {"min_p": 0.1}, "min_p"),
     ("completions", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),

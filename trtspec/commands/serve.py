@@ -33,10 +33,10 @@ Examples:
   curl -s http://127.0.0.1:8000/metrics | grep spec_decode
 \b
 Requests take OpenAI's fields (max_tokens, temperature [default 0: greedy], top_p, top_k, seed,
-stop, stop_token_ids, stream, stream_options, user), vLLM's ignore_eos, continuous_usage_stats,
-include_stop_str_in_output, skip_special_tokens and chat template fields (chat_template_kwargs,
-add_generation_prompt, continue_final_message), plus
-block_size ("16", "6:16", "auto", "AR"); any other field is refused by name unless at its default
+stop, stop_token_ids, stream, stream_options, user, n), vLLM's ignore_eos, min_tokens,
+continuous_usage_stats, include_stop_str_in_output, skip_special_tokens and chat template fields
+(chat_template_kwargs, add_generation_prompt, continue_final_message), plus block_size ("16",
+"6:16", "auto", "AR"); any other field is refused by name unless at its default
 (nothing is silently ignored). vLLM's /tokenize, /detokenize and /version are served too. Every
 response carries a "trtspec" object with the block size run, tau, histogram and ceiling fraction.
 --host 0.0.0.0 or :: (every interface) is taken as asked, with a warning; an empty host is refused.

@@ -120,7 +120,7 @@ class ParsedRequest:
 # field is refused by name: no field is ever silently ignored.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
            "stream_options", "n", "user", "block_size", "ignore_eos", "include_stop_str_in_output",
-           "skip_special_tokens"}
+           "skip_special_tokens", "min_tokens"}
 _FIELDS = {False: _COMMON | {"prompt"},
            True: _COMMON | {"messages", "max_completion_tokens", "metadata", "store", "service_tier",
                             "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}}
@@ -131,7 +131,7 @@ _UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo":
                 "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
                 "reasoning_effort": (None,), "prediction": (None,), "audio": (None,),
                 # vLLM's sampling extras (the rest are refused as unknown)
-                "min_tokens": (None, 0), "repetition_penalty": (None, 1),
+                "repetition_penalty": (None, 1),
                 "min_p": (None, 0), "spaces_between_special_tokens": (None, True),
                 "add_special_tokens": (None,), "echo_prompt": (None,)}
 
@@ -330,11 +330,15 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
         raise _bad("stream_options is an object {\"include_usage\": true or false, \"continuous_usage_stats\": "
                    "true or false}, and only with stream: true", "stream_options")
     ignore_eos = _flag(body, "ignore_eos", False)
+    min_tokens = _number(body, "min_tokens", limits.MIN_TOKENS, 0)
+    if min_tokens > max_tokens:
+        raise _bad(f"min_tokens ({min_tokens}) must not exceed {limit_field} ({max_tokens})", "min_tokens")
     keep_stop, skip_special = _flag(body, "include_stop_str_in_output", False), _flag(body, "skip_special_tokens", True)
     texts, stop_ids = _stops(body, codec)
     try:  # the sampling fields passed their checks above: what is left to refuse is the block's
         config = generation_config(block, max_tokens, stop_ids, temperature=temperature,
-                                   top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos)
+                                   top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos,
+                                   min_tokens=min_tokens)
     except TrtspecError as exc:
         raise _bad(str(exc), "block_size") from None
     ids = _chat_ids(body, codec, max_context) if chat else _prompt_ids(body, codec, max_context)
