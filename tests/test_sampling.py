@@ -37,13 +37,15 @@ def pair():
     return predictable_pair(vocab_size=VOCAB, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1)
 
 
-def exact_distribution(target, length: int = 3) -> np.ndarray:
+def exact_distribution(target, length: int = 3, banned: tuple[int, ...] = ()) -> np.ndarray:
     """p(t1, ..., t_length | prompt) [VOCAB] * length, from the target's logits over every
-    continuation of length - 1 tokens."""
+    continuation of length - 1 tokens (`banned` ids removed from every position's distribution)."""
     grid = torch.cartesian_prod(*[torch.arange(VOCAB)] * (length - 1)).reshape(-1, length - 1)
     sequences = torch.cat([torch.tensor(PROMPT).expand(len(grid), -1), grid], dim=1)
     with torch.no_grad():
-        probs = torch.softmax(target(sequences, 0, None)[0].double(), dim=-1)
+        logits = target(sequences, 0, None)[0].double()
+        logits[..., list(banned)] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
     joint = probs[0, len(PROMPT) - 1]  # [t1]
     for k in range(1, length):  # p(t_k+1 | t1..t_k), the same for every continuation beyond t_k
         step = probs[::VOCAB ** (length - 1 - k), len(PROMPT) + k - 1].reshape(*[VOCAB] * (k + 1))
@@ -56,12 +58,13 @@ def exact_three_token_distribution(target) -> np.ndarray:
 
 
 def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
-                        tokens: int = 3, batched: bool = True) -> np.ndarray:
+                        tokens: int = 3, batched: bool = True, **config) -> np.ndarray:
     """First `tokens` tokens of `count` seeded requests, through the native core or `controller`:
-    decoded 64 at a time by the engine, or one by one by a one-slot engine (`batched=False`)."""
+    decoded 64 at a time by the engine, or one by one by a one-slot engine (`batched=False`);
+    `config`: more GenerationConfig fields."""
     options = {"controller": controller} if controller is not None else {}
     configs = [GenerationConfig(block=BlockChoice(block_size, grow_to), max_new_tokens=tokens,
-                                sampling=SamplingConfig(temperature=1.0, seed=seed)) for seed in range(count)]
+                                sampling=SamplingConfig(temperature=1.0, seed=seed), **config) for seed in range(count)]
     if not batched:
         one = single(*pair, **options)
         return np.array([generate(one, PROMPT, config).tokens for config in configs])
@@ -101,6 +104,16 @@ def test_speculative_sampling_matches_the_target(pair):
     accepted_first = np.mean(samples[:, 1] == 7)
     assert 0.1 < accepted_first < 0.5  # the drafter's proposal is sometimes, not always, right
     results = pvalues(samples, joint)
+    assert min(results.values()) > ALPHA, results
+
+
+def test_min_tokens_samples_from_the_target_without_its_stop_ids(pair):
+    """min_tokens = 3 with the drafter's favourite token as a stop id: the first three tokens follow
+    the target's distribution with that id removed at every position (never drawn, never accepted)."""
+    favourite = 7
+    samples = sample_three_tokens(pair, 2_000, stop_ids=(favourite,), min_tokens=3)
+    assert favourite not in samples
+    results = pvalues(samples, exact_distribution(pair[0], 3, banned=(favourite,)))
     assert min(results.values()) > ALPHA, results
 
 
