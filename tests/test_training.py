@@ -194,7 +194,7 @@ def test_train_drafter_runs_under_torchrun_with_ddp(target_dir, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": "    return x + 1\n" * 3}) + "\n"
                             for i in range(8)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "trtspec", "--threads", "1", "train-drafter", "--target", str(target_dir), "--data", str(data),
                "--block-size", "4", "--num-features", "2", "--steps", "3", "--batch-size", "2",
                "-o", str(tmp_path / "ddp")]
