@@ -384,7 +384,8 @@ class EngineCore:
         if len(members) == 1:
             active = members[0]
             logits, features = self.runner.verify([active.slot], self._rows(active, size)[0], [active.core.start(0)])
-            self._hold_stops(active, logits[0], active.core.count(0))
+            if active.request.config.min_tokens:
+                self._hold_stops(active, logits[0], active.core.count(0))
             # greedy, it steps on the whole output buffer (the same tensor every cycle, so the stepper's
             # numpy view of it is made once); sampled, it samples its [B, V] rows
             active.stepper(logits if active.stepper.posterior_of is None else logits[0])
@@ -397,7 +398,8 @@ class EngineCore:
         blocks = torch.cat([self._rows(a, size)[0] for a in members])
         logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
         for row, active in enumerate(members):
-            self._hold_stops(active, logits[row], active.core.count(0))
+            if active.request.config.min_tokens:
+                self._hold_stops(active, logits[row], active.core.count(0))
             active.stepper(logits[row])
             active.calls += 1
             active.shared += len(members)

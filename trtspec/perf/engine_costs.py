@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from trtspec.engines.torch import InductorExecutor, TorchExecutor, compile_package
+from trtspec.engines.torch import InductorExecutor, compile_package
 from trtspec.export.bindings import graph_specs
 from trtspec.export.exporter import export_program, step_modules
 from trtspec.perf.cycle_costs import SHAPES, drafter_config, random_pair
