@@ -736,7 +736,8 @@ class OpenAIServer:
             while (await http.receive())["type"] != "http.disconnect":
                 pass
 
-        work = asyncio.ensure_future(asyncio.gather(*(collect(r, b, o) for (r, b), o in zip(choices, outcomes))))
+        work = asyncio.ensure_future(asyncio.gather(*(collect(r, b, o) for (r, b), o in zip(choices, outcomes)),
+                                                    return_exceptions=True))  # every choice's end is collected
         watch = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -747,10 +748,9 @@ class OpenAIServer:
         if not work.done() or work.cancelled():
             await asyncio.gather(work, return_exceptions=True)  # its cleanup cancels the engine requests
             return Response(status_code=499)  # nobody is listening
-        if work.exception() is not None:
-            for reply, _ in choices:  # one choice failed: the answer is its error, the others stop
-                reply.request.cancel()
-            raise work.exception()
+        failed = next((e for e in work.result() if isinstance(e, BaseException)), None)
+        if failed is not None:  # a choice failed: the answer is its error
+            raise failed
         answers = []
         for index, outcome in enumerate(outcomes):
             text = "".join(outcome.text_parts)
