@@ -11,7 +11,6 @@ measured) and OUT_DIR/cycle-costs.txt (the table). Exit status 1 if any measurem
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -19,9 +18,8 @@ from pathlib import Path
 import torch
 
 from trtspec.runtime.schedule import parse_block_sizes
-from trtspec.perf.cycle_costs import CycleCostConfig, CycleCosts, measure, tiny
+from trtspec.perf.cycle_costs import CycleCostConfig, CycleCosts, measure, script_shape, tiny, write_report
 from trtspec.errors import TrtspecError
-from trtspec.fileio import atomic_write_text
 
 DEFAULTS = CycleCostConfig()
 
@@ -36,12 +34,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="directory for cycle-costs.json and cycle-costs.txt")
     args = parser.parse_args()
     try:
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise TrtspecError("no CUDA device visible (use --device cpu for the tiny shape)")
-        shape = args.shape or ("qwen3-4b" if args.device == "cuda" else "tiny")
-        if shape == "qwen3-4b" and args.device == "cpu":
-            raise TrtspecError("a Qwen3-4B-shaped model on the CPU takes tens of GB and minutes per cycle; "
-                               "use --shape tiny")
+        shape = script_shape(args.device, args.shape)
         config = CycleCostConfig(block_sizes=parse_block_sizes(args.block_sizes))
         config = tiny(config) if shape == "tiny" else config
         if args.repeats is not None:
@@ -52,19 +45,15 @@ def main() -> int:
         print(f"Error: {error}", file=sys.stderr)
         return 1
 
-    def save(costs: CycleCosts) -> None:
-        atomic_write_text(out / "cycle-costs.json", json.dumps(costs.to_dict(), indent=2) + "\n")
-        atomic_write_text(out / "cycle-costs.txt", costs.format_table() + "\n")
-
     def progress(costs: CycleCosts) -> None:
-        save(costs)
+        write_report(out, "cycle-costs", costs)
         latest = costs.loops[-1] if costs.loops else costs.steps[-1]
         print(f"cycle-costs: {latest}", flush=True)
 
     device = torch.device(args.device)
     torch.manual_seed(0)
     costs = measure(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32, progress)
-    save(costs)
+    write_report(out, "cycle-costs", costs)
     print(costs.format_table())
     return 1 if costs.errors() else 0
 

@@ -13,7 +13,6 @@ measured) and OUT_DIR/engine-costs.txt. Exit status 1 if any measurement or chec
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,8 +20,8 @@ from pathlib import Path
 import torch
 
 from trtspec.errors import TrtspecError
-from trtspec.fileio import atomic_write_text
 from trtspec.perf.bench import load_prompts
+from trtspec.perf.cycle_costs import script_shape, write_report
 from trtspec.perf.engine_costs import EngineCostConfig, EngineCosts, demo_check, measure
 from trtspec.runtime.schedule import parse_block_sizes
 
@@ -47,11 +46,7 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="directory for engine-costs.json and engine-costs.txt")
     args = parser.parse_args()
     try:
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise TrtspecError("no CUDA device visible (use --device cpu for the tiny shape)")
-        shape = args.shape or ("qwen3-4b" if args.device == "cuda" else "tiny")
-        if shape == "qwen3-4b" and args.device == "cpu":
-            raise TrtspecError("a Qwen3-4B-shaped model on the CPU takes tens of GB; use --shape tiny")
+        shape = script_shape(args.device, args.shape)
         variants = tuple((args.variants or ("graphs,inductor" if args.device == "cuda" else "eager")).split(","))
         if not set(variants) <= {"graphs", "eager", "inductor"} or ("graphs" in variants and args.device == "cpu"):
             raise TrtspecError(f"--variants must name graphs (CUDA only), eager or inductor; got {args.variants}")
@@ -64,12 +59,8 @@ def main() -> int:
         print(f"Error: {error}", file=sys.stderr)
         return 1
 
-    def save(costs: EngineCosts) -> None:
-        atomic_write_text(out / "engine-costs.json", json.dumps(costs.to_dict(), indent=2) + "\n")
-        atomic_write_text(out / "engine-costs.txt", costs.format_table() + "\n")
-
     def progress(costs: EngineCosts) -> None:
-        save(costs)
+        write_report(out, "engine-costs", costs)
         print(f"engine-costs: {costs.rows[-1]}", flush=True)
 
     device = torch.device(args.device)
@@ -78,7 +69,7 @@ def main() -> int:
     if args.demo_prompts:  # the demo pair's tau joins the modelled speed-ups
         costs.demo = demo_check(device, load_prompts("humaneval", args.demo_prompts)[1], sizes[1:], 64)
         print(f"engine-costs: demo {costs.demo}", flush=True)
-    save(costs)
+    write_report(out, "engine-costs", costs)
     print(costs.format_table())
     failed = costs.errors() or (costs.demo and costs.demo.get("identical") != costs.demo.get("requests"))
     return 1 if failed else 0

@@ -23,8 +23,10 @@ must not). Replayed, model time is device time; launched op by op it includes th
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -34,6 +36,7 @@ from trtspec.timing import Timer
 from trtspec.engines.capture import CudaGraphs
 from trtspec.engines.torch import TorchExecutor
 from trtspec.errors import TrtspecError
+from trtspec.fileio import atomic_write_text
 from trtspec.export.bindings import graph_specs
 from trtspec.export.exporter import step_modules
 from trtspec.export.steps import DraftStep, TargetStep
@@ -55,6 +58,24 @@ TINY = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hi
                    max_position_embeddings=4096, tie_word_embeddings=True)
 SHAPES = {"qwen3-4b": QWEN3_4B, "tiny": TINY}
 DRAFTER_LAYERS, DRAFTER_FEATURES = 5, 5
+
+
+def script_shape(device: str, shape: str | None) -> str:
+    """The model shape a GPU script measures: `shape`, else qwen3-4b on CUDA and tiny on the CPU;
+    a CUDA run without a device, or the 4B shape on a CPU, is refused in one line."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TrtspecError("no CUDA device visible (use --device cpu for the tiny shape)")
+    shape = shape or ("qwen3-4b" if device == "cuda" else "tiny")
+    if shape == "qwen3-4b" and device == "cpu":
+        raise TrtspecError("a Qwen3-4B-shaped model on the CPU takes tens of GB and minutes per cycle; "
+                           "use --shape tiny")
+    return shape
+
+
+def write_report(out: Path, stem: str, report) -> None:
+    """`report` (to_dict, format_table) as OUT/STEM.json and OUT/STEM.txt, each written atomically."""
+    atomic_write_text(out / f"{stem}.json", json.dumps(report.to_dict(), indent=2) + "\n")
+    atomic_write_text(out / f"{stem}.txt", report.format_table() + "\n")
 
 
 def drafter_config(target: Qwen3Config, layers: int = DRAFTER_LAYERS, features: int = DRAFTER_FEATURES,

@@ -122,15 +122,12 @@ def accepted_per_position(histogram: list[int]) -> list[int]:
     return accepted_at_least(histogram)[1:]
 
 
-class _Bound:
-    """A prometheus_client family with its base label values given: `.labels(*values)` for the
-    family's own labels, `.inc()`/`.set()`/`.observe()` for a family without any."""
-
-    def __init__(self, metric, base: tuple[str, ...]):
-        self.metric, self.base = metric, base
+class OneSeries:
+    """For a family whose `.labels(*values)` gives its series: `.inc()`/`.set()`/`.observe()` on
+    the one series of a family without labels of its own (prometheus_client's method names)."""
 
     def labels(self, *values):
-        return self.metric.labels(*self.base, *map(str, values))
+        raise NotImplementedError
 
     def inc(self, amount: float = 1.0) -> None:
         self.labels().inc(amount)
@@ -140,6 +137,16 @@ class _Bound:
 
     def observe(self, value: float) -> None:
         self.labels().observe(value)
+
+
+class _Bound(OneSeries):
+    """A prometheus_client family with its base label values given."""
+
+    def __init__(self, metric, base: tuple[str, ...]):
+        self.metric, self.base = metric, base
+
+    def labels(self, *values):
+        return self.metric.labels(*self.base, *map(str, values))
 
 
 def metric_name(family: Family, vllm_prefix: str = VLLM_PREFIX) -> str:

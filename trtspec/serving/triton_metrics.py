@@ -9,7 +9,7 @@ process with its own engine, so every series also carries `model` and `instance`
 
 from __future__ import annotations
 
-from trtspec.serving.metrics import FAMILIES, PREFIX, Family, ServingMetrics
+from trtspec.serving.metrics import FAMILIES, PREFIX, Family, OneSeries, ServingMetrics
 
 
 class _Series:
@@ -28,7 +28,7 @@ class _Series:
         self.metric.observe(float(value))
 
 
-class _Family:
+class _Family(OneSeries):
     """A Triton metric family that answers like a prometheus_client metric: `.labels(*values)`
     for a labelled family, `.inc()`/`.set()`/`.observe()` for one without labels."""
 
@@ -51,16 +51,6 @@ class _Family:
             extra = {"buckets": list(self.spec.buckets)} if self.spec.kind == "histogram" else {}
             series = self.series[key] = _Series(self.family.Metric(labels=labels, **extra))
         return series
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.labels().inc(amount)
-
-    def set(self, value: float) -> None:
-        self.labels().set(value)
-
-    def observe(self, value: float) -> None:
-        self.labels().observe(value)
-
 
 class TritonMetrics(ServingMetrics):
     """ServingMetrics whose families are Triton custom metrics of one model instance."""
