@@ -28,13 +28,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.limits import CONCURRENCY
 from trtspec.runtime.controller import Controller, Stepper, native_controller
-from trtspec.runtime.request import Generation, GenerationConfig, check_built_sizes, check_request
+from trtspec.runtime.processing import RowProcessor
+from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.sampling import Sampler
 from trtspec.runtime.schedule import BlockChoice, BlockPolicy
@@ -86,6 +88,8 @@ class Request:
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per token in `tokens`, when the config asks
+        self.prompt_logprobs: list[TokenLogprob | None] = []
         self.stats: DecodeStats | None = None
         self.error: BaseException | None = None
         self._cancelled = threading.Event()
@@ -109,7 +113,8 @@ class Request:
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         if self.error is not None:
             raise self.error
-        return Generation(self.tokens, self.stats)
+        return Generation(self.tokens, self.stats, self.logprobs if self.config.logprobs is not None else None,
+                          self.prompt_logprobs if self.config.prompt_logprobs is not None else None)
 
     def _finish(self, error: BaseException | None = None) -> None:
         self.error = error
@@ -131,6 +136,7 @@ class _Active:
     tail_logits: torch.Tensor | None = None  # the prompt's last PREFILL_LOGITS logits so far
     core: Controller | None = None
     stepper: Stepper | None = None
+    processor: RowProcessor | None = None  # min_tokens, penalties, biases, a grammar (None: none asked)
     context: torch.Tensor | None = None  # features the drafter cache lacks, [n, F]
     rows: dict = field(default_factory=dict)  # block size -> the controller's buffers as [1, B] tensors
     tokens: Any = None  # the controller's committed-token row (a numpy view, taken once)
@@ -311,7 +317,9 @@ class EngineCore:
         for active in [a for a in self._active if a.core is None]:
             if budget <= 0:
                 break
-            chunk = active.request.prompt[active.prefilled:active.prefilled + budget]
+            # prompt logprobs: chunks whose every position's logits the prefill returns
+            size = budget if active.request.config.prompt_logprobs is None else min(budget, PREFILL_LOGITS)
+            chunk = active.request.prompt[active.prefilled:active.prefilled + size]
             chunks.setdefault(len(chunk), []).append((active, chunk))
             budget -= len(chunk)
         for rows in chunks.values():
@@ -320,6 +328,8 @@ class EngineCore:
                                                    [a.prefilled for a, _ in rows])
             took = (time.perf_counter() - began) / len(rows)
             for row, (active, chunk) in enumerate(rows):
+                if active.request.config.prompt_logprobs is not None:
+                    self._prompt_logprobs(active, logits[row])
                 active.prefilled += len(chunk)
                 active.prefill_s += took
                 if self.runner.mask_token_id is not None and not active.request.config.block.ar:
@@ -329,14 +339,31 @@ class EngineCore:
                 if active.prefilled == len(active.request.prompt):
                     self._start_decoding(active)
 
+    def _prompt_logprobs(self, active: _Active, logits: torch.Tensor) -> None:
+        """The prompt tokens this chunk's logits [T, V] predict (the first prompt token has none)."""
+        request = active.request
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)
+        start = active.prefilled + 1  # row t predicts prompt token start + t
+        targets = request.prompt[start:start + logits.shape[0]]
+        if targets:
+            request.prompt_logprobs.extend(
+                token_logprobs(logits[:len(targets)], targets, request.config.prompt_logprobs))
+
     def _start_decoding(self, active: _Active) -> None:
         request, config, began = active.request, active.request.config, time.perf_counter()
         tail = active.tail_logits
         last = tail[-1:]
-        if config.min_tokens:  # a copy: BlockPilot reads the prompt's tail as the target gave it
+        if config.processing.active or config.min_tokens:
+            active.processor = RowProcessor(config.processing, request.prompt, config.min_tokens, config.stop_ids,
+                                            tail.shape[-1], tail.device)
+        raw = last
+        if active.processor is not None:  # a copy: BlockPilot reads the prompt's tail as the target gave it
             last = last.clone()
-            self._hold_stops(active, last, committed=0)
+            active.processor(last, np.empty(0, dtype=np.int64))
         bonus = int(active.sampler.sample(last)[0])
+        if config.logprobs is not None:
+            request.logprobs.extend(token_logprobs(raw, [bonus], config.logprobs))
         context = torch.cat(active.features) if len(active.features) > 1 else (active.features or [None])[0]
         choice = config.block
         if choice.auto:
@@ -384,11 +411,12 @@ class EngineCore:
         if len(members) == 1:
             active = members[0]
             logits, features = self.runner.verify([active.slot], self._rows(active, size)[0], [active.core.start(0)])
-            if active.request.config.min_tokens:
-                self._hold_stops(active, logits[0], active.core.count(0))
+            asked = self._process(active, logits[0], size)
             # greedy, it steps on the whole output buffer (the same tensor every cycle, so the stepper's
             # numpy view of it is made once); sampled, it samples its [B, V] rows
             active.stepper(logits if active.stepper.posterior_of is None else logits[0])
+            if asked is not None:
+                self._record_logprobs(active, *asked)
             active.calls += 1
             active.shared += 1
             if drafting:
@@ -398,23 +426,36 @@ class EngineCore:
         blocks = torch.cat([self._rows(a, size)[0] for a in members])
         logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
         for row, active in enumerate(members):
-            if active.request.config.min_tokens:
-                self._hold_stops(active, logits[row], active.core.count(0))
+            asked = self._process(active, logits[row], size)
             active.stepper(logits[row])
+            if asked is not None:
+                self._record_logprobs(active, *asked)
             active.calls += 1
             active.shared += len(members)
             if drafting:
                 active.context = features[row, :active.core.accepted(0) + 1].clone()
 
     @staticmethod
-    def _hold_stops(active: _Active, logits: torch.Tensor, committed: int) -> None:
-        """min_tokens: rows of `logits` [B, V] that predict output tokens before the request's
-        min_tokens-th lose their stop ids (in place), so none can be drafted-and-accepted or drawn
-        there; row j predicts output token `committed` + j."""
-        config = active.request.config
-        left = config.min_tokens - committed
-        if left > 0 and config.stop_ids:
-            logits[:left, list(config.stop_ids)] = float("-inf")
+    def _process(active: _Active, rows: torch.Tensor, size: int) -> tuple[torch.Tensor, int] | None:
+        """Before the step: the request's processing of its verify rows [B, V] (in place), and, when it
+        asks for logprobs, the rows' log-probabilities as the target gave them and the committed count
+        (for _record_logprobs after the step)."""
+        asked = None
+        if active.request.config.logprobs is not None:
+            asked = torch.log_softmax(rows.float(), dim=-1), active.core.count(0)
+        if active.processor is not None:
+            core = active.core
+            active.processor(rows, core.tokens[0, :core.count(0)], core.verify_blocks[0, 1:size])
+        return asked
+
+    @staticmethod
+    def _record_logprobs(active: _Active, rows: torch.Tensor, before: int) -> None:
+        """The step's committed tokens with their log-probabilities: row j gave token before + j."""
+        core = active.core
+        fresh = core.tokens[0, before:core.count(0)].tolist()
+        if fresh:
+            active.request.logprobs.extend(token_logprobs(rows[:len(fresh)], fresh, active.request.config.logprobs,
+                                                          normalised=True))
 
     def _emit(self, active: _Active) -> None:
         """Hand newly committed tokens to the request; retire it when it has finished."""
@@ -459,6 +500,18 @@ class EngineCore:
                 stats.ttft_s = active.request.first_token_at - active.request.submitted
         active.request.stats = stats
         active.request._finish(error)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, normalised: bool = False) -> list[TokenLogprob]:
+    """Each row's token's log-probability and the row's `top` likeliest tokens (`normalised`: the
+    rows are log-probabilities already)."""
+    rows = logits if normalised else torch.log_softmax(logits.float(), dim=-1)
+    rows = rows.cpu()
+    chosen = rows.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    if not top:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+    values, ids = rows.topk(top, dim=-1)
+    return [TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
 
 
 class Engine:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from trtspec.errors import TrtspecError
-from trtspec.limits import MAX_NEW_TOKENS, check_block_size
+from trtspec.limits import LOGPROBS, MAX_NEW_TOKENS, check_block_size
+from trtspec.runtime.processing import Processing
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
@@ -25,6 +26,9 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ignore_eos: bool = False
     min_tokens: int = 0
+    processing: Processing = Processing()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block, BlockChoice):
@@ -36,6 +40,9 @@ class GenerationConfig:
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise TrtspecError(f"min_tokens must be in [0, max_new_tokens ({self.max_new_tokens})], "
                                f"got {self.min_tokens}")
+        for count in (self.logprobs, self.prompt_logprobs):
+            if count is not None:
+                LOGPROBS.check(count)
 
     def with_stop_ids(self, extra: tuple[int, ...]) -> "GenerationConfig":
         """This config with the tokenizer's EOS ids `extra` added (none with `ignore_eos`)."""
@@ -44,10 +51,21 @@ class GenerationConfig:
         return replace(self, stop_ids=tuple(dict.fromkeys(self.stop_ids + tuple(extra))))
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target, and the likeliest tokens there with theirs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Generation:
     tokens: list[int]
     stats: DecodeStats
+    logprobs: list[TokenLogprob] | None = None         # one per token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None)
 
 
 def check_request(runner, prompt: list[int], config: GenerationConfig, policy) -> int:

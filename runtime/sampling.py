@@ -3,18 +3,20 @@ the decode controller, `trtspec.runtime.controller`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from trtspec.limits import SAMPLING_RESOLUTION, SEED, SEED_MAX, TEMPERATURE, TOP_K, TOP_P
+from trtspec.limits import MIN_P, SAMPLING_RESOLUTION, SEED, SEED_MAX, TEMPERATURE, TOP_K, TOP_P
 
 TOP_P_CANDIDATES = 256  # tokens sorted for top-p before falling back to the whole vocabulary
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Ranges: trtspec.limits (T >= 0 and finite, top-k >= 0, top-p in (0, 1], seed in [0, 2**63-1]).
+    """Ranges: trtspec.limits (T >= 0 and finite, top-k >= 0, top-p in (0, 1], min-p in [0, 1],
+    seed in [0, 2**63-1]).
 
     A temperature or top-p below float32's resolution (limits.SAMPLING_RESOLUTION) is stored as
     greedy (temperature 0), its limit: float32 would round it to 0 and sample garbage. Normalised
@@ -24,11 +26,13 @@ class SamplingConfig:
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
     seed: int | None = None
+    min_p: float = 0.0         # 0 = off: tokens below min_p x the likeliest one's probability are dropped
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", TEMPERATURE.check(self.temperature))
         object.__setattr__(self, "top_k", TOP_K.check(self.top_k))
         object.__setattr__(self, "top_p", TOP_P.check(self.top_p))
+        object.__setattr__(self, "min_p", MIN_P.check(self.min_p))
         if self.seed is not None:
             object.__setattr__(self, "seed", SEED.check(self.seed))
         if self.temperature < SAMPLING_RESOLUTION or self.top_p < SAMPLING_RESOLUTION:
@@ -51,12 +55,15 @@ class Sampler:
             self.generator.manual_seed(config.seed)
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution sampled from at T > 0 (temperature, then top-k, then top-p), [N, V]."""
+        """The distribution sampled from at T > 0 (temperature, then min-p, top-k and top-p: vLLM's
+        order), [N, V]."""
         c = self.config
         # Shift by the maximum before dividing: every entry is <= 0, so a tiny T sends the others to
         # -inf (probability 0) instead of overflowing to inf/inf = NaN.
         logits = logits.float()
         scaled = (logits - logits.max(dim=-1, keepdim=True).values) / c.temperature
+        if c.min_p > 0:  # p < min_p * p_max, as logits: the likeliest token's scaled logit is 0
+            scaled = scaled.masked_fill(scaled < math.log(c.min_p), float("-inf"))
         if c.top_k and c.top_k < scaled.shape[-1]:
             kth = torch.topk(scaled, c.top_k, dim=-1).values[..., -1:]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))

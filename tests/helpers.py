@@ -221,3 +221,19 @@ def ar_of(core):
 def generate(core, prompt: list[int], config):
     """One request decoded to its end by `core` (an EngineCore)."""
     return core.generate([prompt], [config])[0]
+
+
+def processed_logits(logits: torch.Tensor, prompt: list[int], output: list[int], processing) -> torch.Tensor:
+    """One position's logits under vLLM's processing, written out plainly (the tests' oracle):
+    logit_bias, the repetition penalty over prompt and output tokens, then the frequency and
+    presence penalties over output tokens (float32, as the engine)."""
+    x = logits.float().clone()
+    for token, bias in processing.logit_bias:
+        x[token] += bias
+    r = processing.repetition_penalty
+    for token in set(prompt) | set(output):
+        x[token] = x[token] / r if x[token] > 0 else x[token] * r
+    for token in set(output):
+        x[token] -= processing.frequency_penalty * output.count(token)
+        x[token] -= processing.presence_penalty
+    return x

@@ -18,12 +18,14 @@ import pytest
 import torch
 from scipy.stats import binomtest, chisquare
 
+from trtspec.runtime import processing as processing_module
 from trtspec.runtime import reference as oracle
-from helpers import generate, predictable_pair, single
+from helpers import generate, predictable_pair, processed_logits, single
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.engine import EngineConfig, EngineCore
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.reference import PythonController, accepted_length
+from trtspec.runtime.processing import Processing
 from trtspec.runtime.sampling import Sampler, SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
 
@@ -53,18 +55,68 @@ def exact_distribution(target, length: int = 3, banned: tuple[int, ...] = ()) ->
     return joint.numpy()
 
 
+def processed(logits: torch.Tensor, prompt: list[int], output: list[int], processing: Processing,
+              min_p: float = 0.0) -> torch.Tensor:
+    """One position's distribution at T = 1 under vLLM's processing (helpers.processed_logits), then min_p."""
+    probs = torch.softmax(processed_logits(logits, prompt, output, processing).double(), dim=-1)
+    probs[probs < min_p * probs.max()] = 0.0
+    return probs / probs.sum()
+
+
+def exact_processed_distribution(target, processing: Processing, min_p: float) -> np.ndarray:
+    """p(t1, t2, t3 | prompt) [VOCAB] * 3 with every position processed given the tokens before it."""
+    grid = torch.cartesian_prod(*[torch.arange(VOCAB)] * 2)
+    sequences = torch.cat([torch.tensor(PROMPT).expand(len(grid), -1), grid], dim=1)
+    with torch.no_grad():
+        logits = target(sequences, 0, None)[0].double()
+    start = len(PROMPT) - 1
+    joint = np.zeros((VOCAB,) * 3)
+    for row, (t1, t2) in enumerate(grid.tolist()):
+        p1 = processed(logits[row, start], PROMPT, [], processing, min_p)[t1]
+        p2 = processed(logits[row, start + 1], PROMPT, [t1], processing, min_p)[t2]
+        p3 = processed(logits[row, start + 2], PROMPT, [t1, t2], processing, min_p)
+        joint[t1, t2] = (p1 * p2 * p3).numpy()
+    return joint
+
+
+PROCESSING = Processing(logit_bias=((3, 1.5),), repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.4)
+
+
+def test_penalties_biases_and_min_p_sample_from_the_processed_target(pair):
+    """At T = 1 with vLLM's processing (a bias, all three penalties, min_p), the first three tokens
+    follow the target's distribution processed position by position, each given the tokens before it
+    (and not the same distribution without min_p: the check sees it)."""
+    joint = exact_processed_distribution(pair[0], PROCESSING, min_p=0.2)
+    samples = sample_three_tokens(pair, 3_000, processing=PROCESSING, min_p=0.2)
+    assert np.mean(samples[:, 1] == 7) > 0.05  # drafts are still accepted
+    results = pvalues(samples, joint)
+    assert min(results.values()) > ALPHA, results
+    assert min(pvalues(samples, exact_processed_distribution(pair[0], PROCESSING, min_p=0.0)).values()) < ALPHA
+
+
+def test_penalties_that_ignore_the_drafts_ahead_of_a_row_are_detected(pair, monkeypatch):
+    """The same check has the power to see rows penalised for the committed tokens only (the drafts
+    ahead of them ignored): what AR would not do at a position after an accepted draft."""
+    monkeypatch.setattr(processing_module.RowProcessor, "_row_counts",
+                        lambda self, drafts, rows: self.counts[None].expand(rows, -1))
+    joint = exact_processed_distribution(pair[0], PROCESSING, min_p=0.2)
+    results = pvalues(sample_three_tokens(pair, 3_000, processing=PROCESSING, min_p=0.2), joint)
+    assert min(results.values()) < ALPHA, results
+
+
 def exact_three_token_distribution(target) -> np.ndarray:
     return exact_distribution(target, 3)
 
 
 def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
-                        tokens: int = 3, batched: bool = True, **config) -> np.ndarray:
+                        tokens: int = 3, batched: bool = True, min_p: float = 0.0, **config) -> np.ndarray:
     """First `tokens` tokens of `count` seeded requests, through the native core or `controller`:
     decoded 64 at a time by the engine, or one by one by a one-slot engine (`batched=False`);
     `config`: more GenerationConfig fields."""
     options = {"controller": controller} if controller is not None else {}
     configs = [GenerationConfig(block=BlockChoice(block_size, grow_to), max_new_tokens=tokens,
-                                sampling=SamplingConfig(temperature=1.0, seed=seed), **config) for seed in range(count)]
+                                sampling=SamplingConfig(temperature=1.0, seed=seed, min_p=min_p), **config)
+               for seed in range(count)]
     if not batched:
         one = single(*pair, **options)
         return np.array([generate(one, PROMPT, config).tokens for config in configs])

@@ -118,8 +118,10 @@ BATCH = Limit("batch", 1, 64)                    # requests decoded together (ex
 # also checked against the device's before they are allocated (trtspec.runtime.memory).
 GPU_MEMORY_FRACTION = Limit("gpu memory fraction", 0.0, 1.0, integer=False, low_open=True)
 CONCURRENCY = Limit("concurrency", 1, 4096)
-CHOICES = Limit("n", 1, 16)
-MIN_TOKENS = Limit("min_tokens", 0, INT32_MAX)                       # choices one request asks for (each an engine request)
+CHOICES = Limit("n", 1, 16)                                          # choices one request asks for (each an engine request)
+MIN_TOKENS = Limit("min_tokens", 0, INT32_MAX)
+MIN_P = Limit("min_p", 0.0, 1.0, integer=False)
+LOGPROBS = Limit("logprobs", 0, 20)                                   # top alternatives per token (vLLM's default cap)
 COUNT = Limit("count", 1, INT32_MAX)             # repeats, batch sizes, steps, layers, instances, ...
 NON_NEGATIVE = Limit("count", 0, INT32_MAX)      # optional steps, triton-repo's threads per instance (0 = default)
 # CPU threads (--threads, TRTSPEC_THREADS): each is an OS thread per thread pool (torch's, and

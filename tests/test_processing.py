@@ -1,0 +1,100 @@
+"""vLLM's per-position processing, exact logprobs and structured output, through the engine.
+
+Greedy: speculative output equals AR output under the same processing, token for token, and both
+equal a plain oracle that recomputes the whole sequence at every step and processes its logits
+written out directly (the statistical checks at T = 1 are in test_sampling.py). Logprobs equal the
+target's own log-softmax over the whole sequence, prompt and output. A JSON schema's grammar gives
+JSON of that schema, the same speculatively as autoregressively.
+"""
+
+import json
+
+import pytest
+import torch
+
+from helpers import processed_logits
+from trtspec.api import Pipeline
+from trtspec.assets import resolve_drafter, resolve_target
+from trtspec.runtime.processing import Processing
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import BlockChoice
+
+PROMPT = "def fibonacci(n):"
+SIZES = (BlockChoice(1), BlockChoice(8), BlockChoice(16))
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return Pipeline(resolve_target(None), resolve_drafter(None, None))
+
+
+def oracle_greedy(target, prompt: list[int], count: int, processing: Processing) -> list[int]:
+    """AR decoding by full recomputation, every position processed given the output before it."""
+    output: list[int] = []
+    with torch.no_grad():
+        for _ in range(count):
+            logits = target(torch.tensor([prompt + output]), 0, None)[0][0, -1]
+            output.append(int(processed_logits(logits, prompt, output, processing).argmax()))
+    return output
+
+
+@pytest.mark.parametrize("processing", [Processing(repetition_penalty=1.3),
+                                        Processing(frequency_penalty=0.8, presence_penalty=0.5),
+                                        Processing(logit_bias=((15, 2.0), (222, -100.0)), presence_penalty=-0.3)],
+                         ids=["repetition", "frequency+presence", "bias+negative-presence"])
+def test_greedy_processing_is_lossless_and_matches_the_oracle(demo, processing):
+    ids = demo.codec.encode(PROMPT)
+    plain = demo.generate(PROMPT, GenerationConfig(block=BlockChoice(8), max_new_tokens=32)).tokens
+    outputs = {c.name: demo.generate(PROMPT, GenerationConfig(block=c, max_new_tokens=32, processing=processing,
+                                                              ignore_eos=True)).generation
+               for c in SIZES}
+    ar = outputs["AR"].tokens
+    assert ar != plain  # the processing changes the output
+    assert ar == oracle_greedy(demo.target, ids, 32, processing)
+    assert outputs["8"].tokens == ar and outputs["16"].tokens == ar
+    assert sum(outputs["16"].stats.histogram[1:]) > 0  # drafts were accepted under the processing
+
+
+def test_logprobs_are_the_targets_own_for_output_and_prompt(demo):
+    """Logprobs of output tokens (with the top 3) and of a prompt longer than the prefill returns
+    logits for at once (so it is prefilled in several chunks), alone and in a batch."""
+    prompt = "import os\nimport sys\n\n\ndef main(argv):\n    " * 6 + "'''Parse the arguments.'''\n"
+    ids = demo.codec.encode(prompt)
+    assert len(ids) > 64 + 10
+    config = GenerationConfig(block=BlockChoice(8), max_new_tokens=24, logprobs=3, prompt_logprobs=2)
+    alone = demo.generate(prompt, config).generation
+    batch = [r.generation for r in demo.generate_batch([prompt, PROMPT], [config, config], max_running=2)]
+    with torch.no_grad():
+        logits = demo.target(torch.tensor([ids + alone.tokens]), 0, None)[0][0]
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    for generation in (alone, batch[0]):
+        assert generation.tokens == alone.tokens
+        assert [e.token for e in generation.logprobs] == alone.tokens
+        for position, entry in enumerate(generation.logprobs):
+            row = expected[len(ids) - 1 + position]
+            assert entry.logprob == pytest.approx(row[entry.token].item(), abs=1e-4)
+            assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()  # greedy: the chosen is the first
+            assert entry.top[0][0] == entry.token
+        prompt_entries = generation.prompt_logprobs
+        assert len(prompt_entries) == len(ids) and prompt_entries[0] is None
+        for position in range(1, len(ids)):
+            entry = prompt_entries[position]
+            assert entry.token == ids[position] and len(entry.top) == 2
+            assert entry.logprob == pytest.approx(expected[position - 1][ids[position]].item(), abs=1e-4)
+    assert len(batch[1].logprobs) == len(batch[1].tokens) and batch[1].prompt_logprobs[0] is None
+
+
+def test_a_json_schema_gives_that_json_speculatively_and_autoregressively(demo):
+    from trtspec.runtime.grammar import grammar_tokenizer, response_format_grammar
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "size": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["name", "size"], "additionalProperties": False}
+    grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                                      grammar_tokenizer(demo.codec, demo.target.config.vocab_size))
+    outputs = [demo.generate(PROMPT, GenerationConfig(block=c, max_new_tokens=64, processing=Processing(grammar=grammar)))
+               for c in SIZES]
+    assert outputs[1].tokens == outputs[0].tokens and outputs[2].tokens == outputs[0].tokens
+    value = json.loads(outputs[0].text)
+    assert set(value) == {"name", "size"} and isinstance(value["size"], int) and len(value["name"]) <= 12
+    assert outputs[0].generation.stats.finish_reason == "stop"  # the grammar ended it with EOS
