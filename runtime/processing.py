@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from trtspec.errors import TrtspecError
+from trtspec.limits import LOGIT_BIAS, PENALTY, REPETITION_PENALTY
 from trtspec.runtime.grammar import Grammar
 
 
 @dataclass(frozen=True)
 class Processing:
-    """A request's processing (all off by default; ranges as vLLM's: penalties in [-2, 2], the
-    repetition penalty in (0, 2], biases in [-100, 100])."""
+    """A request's processing (all off by default; ranges: trtspec.limits, OpenAI's and vLLM's)."""
 
     logit_bias: tuple[tuple[int, float], ...] = ()
     repetition_penalty: float = 1.0
@@ -41,13 +41,10 @@ class Processing:
 
     def __post_init__(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise TrtspecError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise TrtspecError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            PENALTY.check(getattr(self, name), name)
+        REPETITION_PENALTY.check(self.repetition_penalty)
         for token, bias in self.logit_bias:
-            if not -100.0 <= bias <= 100.0:
-                raise TrtspecError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+            LOGIT_BIAS.check(bias, f"logit_bias of token {token}")
 
     @property
     def penalised(self) -> bool:

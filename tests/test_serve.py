@@ -273,7 +273,7 @@ BAD_REQUESTS = [  # (route, body, status, the field named)
     ("completions", {"model": MODEL, "prompt": "x", "block_size": "huge"}, 400, "block_size"),
     ("completions", {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
     ("completions", {"model": MODEL, "prompt": "x", "stop": {"a": 1}}, 400, "stop"),
-    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
     ("completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
@@ -357,6 +357,55 @@ def test_n_choices_are_independent_requests_with_derived_seeds(server):
                 finished.add(choice.index)
     assert ["".join(pieces[i]) for i in range(3)] == singles and finished == {0, 1, 2}
     assert post(server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 17})[1]["error"]["param"] == "n"
+
+
+def test_logprobs_echo_penalties_and_json_schema(server):
+    """vLLM's fields as the openai client sends them: logprobs (completions with echo: the prompt's
+    too; chat with top_logprobs), the same in a stream; penalties and a bias that keep spec == AR;
+    a JSON schema whose answer parses as that JSON."""
+    common = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    whole = server.client.completions.create(**common, logprobs=2, echo=True)
+    prompt_tokens, completion_tokens = whole.usage.prompt_tokens, whole.usage.completion_tokens
+    logprobs = whole.choices[0].logprobs
+    assert whole.choices[0].text.startswith(PROMPT)
+    assert len(logprobs.tokens) == prompt_tokens + completion_tokens == len(logprobs.token_logprobs)
+    assert logprobs.token_logprobs[0] is None and all(v <= 0 for v in logprobs.token_logprobs[1:])
+    assert "".join(logprobs.tokens[prompt_tokens:]) == whole.choices[0].text[len(PROMPT):]
+    assert all(len(top) == 2 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset[prompt_tokens] == len(PROMPT)
+    streamed = list(server.client.completions.create(**common, logprobs=2, echo=True, stream=True))
+    pieces = [c.choices[0] for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [v for p in pieces for v in p.logprobs.token_logprobs] == logprobs.token_logprobs
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+
+    chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                                 max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.top_logprobs[0].token == e.token for e in content)  # greedy: each token is the likeliest
+
+    processed = {"frequency_penalty": 0.8, "presence_penalty": 0.4,
+                 "extra_body": {"repetition_penalty": 1.2, "min_p": 0.1}, "logit_bias": {"15": 2.0}}
+    outputs = {}
+    for block in ("8", "AR"):
+        body = dict(processed, extra_body={**processed["extra_body"], "block_size": block})
+        outputs[block] = server.client.completions.create(**{**common, "max_tokens": 24}, **body).choices[0].text
+    assert outputs["8"] == outputs["AR"]
+    assert outputs["AR"] != server.client.completions.create(**{**common, "max_tokens": 24}).choices[0].text
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                                        "maxItems": 3}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    answer = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A person as JSON:"}], max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    value = json.loads(answer.choices[0].message.content)
+    assert set(value) == {"name", "tags"} and len(value["tags"]) <= 3 and answer.choices[0].finish_reason == "stop"
+    anything = server.client.completions.create(**{**common, "max_tokens": 60},
+                                                extra_body={"response_format": {"type": "json_object"}})
+    text = anything.choices[0].text  # any object: its strings are unbounded, so it may run to its limit
+    assert text.startswith("{") and (anything.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
 
 
 def test_chat_template_fields(ort_engine_dir, tmp_path):

@@ -229,15 +229,27 @@ def test_a_stream_never_stalls_while_large_and_pathological_requests_arrive(door
 
 
 REFUSED = [  # (route, fields added to a good body, the field named): each was ignored, or a 500
-    ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ("chat/completions", {"response_format": "json"}, "response_format"),
+    ("completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": 500}}, "logit_bias"),
+    ("completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": [5, 1]}, "logit_bias"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"logprobs": True}, "logprobs"),
+    ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ("chat/completions", {"echo": True}, "echo"),  # a completions field
+    ("completions", {"top_logprobs": 3}, "top_logprobs"),  # a chat field
+    ("completions", {"presence_penalty": 3}, "presence_penalty"),
+    ("completions", {"frequency_penalty": "high"}, "frequency_penalty"),
     ("completions", {"ignore_eos": "yes"}, "ignore_eos"),
     ("completions", {"max_tokens": 100_000}, "max_tokens"),  # beyond the context, as vLLM: 400
     ("chat/completions", {"max_completion_tokens": 100_000}, "max_completion_tokens"),
     ("completions", {"min_tokens": 5}, "min_tokens"),  # more than max_tokens (2)
     ("completions", {"min_tokens": -1}, "min_tokens"),
-    ("completions", {"repetition_penalty": 1.3}, "repetition_penalty"),
-    ("completions", {"min_p": 0.1}, "min_p"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"min_p": 1.5}, "min_p"),
     ("completions", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ("completions", {"skip_special_tokens": 0}, "skip_special_tokens"),
     ("chat/completions", {"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),

@@ -59,6 +59,7 @@ class Pipeline:
                                            max_context=max_context and MAX_CONTEXT.check(max_context))
             check_sources(self.runner.manifest, target, drafter)
             self.codec = TextCodec(Path(engine) / TOKENIZER_DIR)
+            self.vocab_size = self.runner.manifest.target.vocab_size
             self.backend, self.dtype = self.runner.manifest.backend, self.runner.dtype
             trained = self.runner.manifest.drafter.block_size  # or the built size nearest to it
             self.drafter_block_size = min(self.runner.block_sizes, key=lambda b: abs(b - trained))
@@ -81,6 +82,7 @@ class Pipeline:
                 raise TrtspecError("give a target checkpoint directory or an engine directory")
             self.codec = TextCodec(target)
             self.target = load_target(target, resolve_dtype(dtype, torch_device), torch_device)
+            self.vocab_size = self.target.config.vocab_size
             self.drafter = load_drafter(drafter, self.target) if drafter is not None else None
             if self.drafter is None and (draft_vocab is not None or draft_counts is not None):
                 raise TrtspecError("--draft-vocab restricts the drafter's proposals; give a drafter too")

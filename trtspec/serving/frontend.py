@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
+from trtspec.runtime.processing import Processing
 from trtspec.runtime.request import Generation, GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
@@ -32,14 +33,17 @@ COMMIT, FINISH = "commit", "finish"  # a Bridge's events: (COMMIT, new token ids
 
 def generation_config(block: BlockChoice, max_new_tokens: int, stop_ids: tuple[int, ...], *,
                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                      seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0) -> GenerationConfig:
+                      seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0, min_p: float = 0.0,
+                      processing: Processing = Processing(), logprobs: int | None = None,
+                      prompt_logprobs: int | None = None) -> GenerationConfig:
     """A request's fields as a GenerationConfig, whose checks (trtspec.limits, shared with the CLI)
     refuse out-of-range values in a TrtspecError naming the field: temperature >= 0 and finite,
     top_p in (0, 1], top_k >= 0, seed in [0, 2**63-1], max_new_tokens in [1, 2**31-1] (the block
     schedule was checked when its BlockChoice was made)."""
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p)
     return GenerationConfig(block=block, max_new_tokens=max_new_tokens, stop_ids=stop_ids, sampling=sampling,
-                            ignore_eos=ignore_eos, min_tokens=min_tokens)
+                            ignore_eos=ignore_eos, min_tokens=min_tokens, processing=processing, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs)
 
 
 class Bridge:

@@ -44,12 +44,15 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from trtspec import __version__, limits
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.engine import Busy
+from trtspec.runtime.grammar import grammar_tokenizer, response_format_grammar
+from trtspec.runtime.processing import Processing
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.sampling import derive_seed
 from trtspec.tokenizer import check_text
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
 from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
+from trtspec.serving import logprobs as logprob_objects
 from trtspec.serving.frontend import FINISH, LoopBridge, Reply, generation_config, observe_finished
 from trtspec.serving.metrics import CONTENT_TYPE, VLLM_PREFIX, ServingMetrics
 
@@ -104,6 +107,7 @@ class ParsedRequest:
     keep_stop: bool = False         # include_stop_str_in_output
     skip_special: bool = True       # skip_special_tokens
     n: int = 1                      # independent choices, each its own engine request
+    echo: str | None = None         # completions' echo: the prompt's text, put before the completion
 
     def choice_config(self, index: int) -> GenerationConfig:
         """Choice `index`'s config: with a seed, choice i samples with the seed of the run's i-th
@@ -120,20 +124,18 @@ class ParsedRequest:
 # field is refused by name: no field is ever silently ignored.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
            "stream_options", "n", "user", "block_size", "ignore_eos", "include_stop_str_in_output",
-           "skip_special_tokens", "min_tokens"}
-_FIELDS = {False: _COMMON | {"prompt"},
+           "skip_special_tokens", "min_tokens", "logprobs", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "min_p", "logit_bias", "response_format"}
+_FIELDS = {False: _COMMON | {"prompt", "echo"},
            True: _COMMON | {"messages", "max_completion_tokens", "metadata", "store", "service_tier",
-                            "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}}
-_UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-                "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-                "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+                            "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "top_logprobs"}}
+_UNSUPPORTED = {"top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+                "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
                 "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
-                "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
-                "reasoning_effort": (None,), "prediction": (None,), "audio": (None,),
-                # vLLM's sampling extras (the rest are refused as unknown)
-                "repetition_penalty": (None, 1),
-                "min_p": (None, 0), "spaces_between_special_tokens": (None, True),
-                "add_special_tokens": (None,), "echo_prompt": (None,)}
+                "modalities": (None, ["text"]), "reasoning_effort": (None,), "prediction": (None,), "audio": (None,),
+                # vLLM's extras (the rest are refused as unknown)
+                "spaces_between_special_tokens": (None, True), "add_special_tokens": (None,), "echo_prompt": (None,)}
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
 def _check_fields(body: dict, chat: bool) -> None:
@@ -286,6 +288,48 @@ def _stops(body: dict, codec) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return text_stops, tuple(dict.fromkeys(text_ids + token_ids))
 
 
+def _logprobs(body: dict, chat: bool) -> tuple[int | None, int | None]:
+    """How many alternatives to list per output token and per prompt token (None: no logprobs).
+    Chat: `logprobs` true/false and `top_logprobs`; completions: `logprobs` a count, and `echo`
+    (which also lists the prompt's)."""
+    if chat:
+        wanted = _flag(body, "logprobs", False)
+        top = _number(body, "top_logprobs", limits.LOGPROBS, None)
+        if top and not wanted:
+            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if wanted else None, None
+    count = _number(body, "logprobs", limits.LOGPROBS, None)
+    return count, count if _flag(body, "echo", False) else None
+
+
+def _processing(body: dict, codec, vocab_size: int) -> Processing:
+    """The penalties, `logit_bias` ({"token id": bias}) and `response_format` (a grammar)."""
+    penalties = {name: _number(body, name, limit, default) for name, limit, default in (
+        ("presence_penalty", limits.PENALTY, 0.0), ("frequency_penalty", limits.PENALTY, 0.0),
+        ("repetition_penalty", limits.REPETITION_PENALTY, 1.0))}
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise _bad(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} \"token id\": bias pairs", "logit_bias")
+    biases = []
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) < 12 else -1
+        if not 0 <= token < vocab_size:
+            raise _bad(f"logit_bias: {_show(key)} is not a token id in 0..{vocab_size - 1}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(f"logit_bias[{_show(key)}] must be a number, got {_show(value)}", "logit_bias")
+        try:
+            biases.append((token, limits.LOGIT_BIAS.check(float(value), f"logit_bias[{key}]")))
+        except TrtspecError as exc:
+            raise _bad(str(exc), "logit_bias") from None
+    grammar = None
+    if body.get("response_format") is not None:
+        try:
+            grammar = response_format_grammar(body["response_format"], grammar_tokenizer(codec, vocab_size))
+        except TrtspecError as exc:
+            raise _bad(str(exc), "response_format") from None
+    return Processing(logit_bias=tuple(biases), grammar=grammar, **penalties)
+
+
 def _block_choice(body: dict, default: BlockChoice) -> BlockChoice:
     value = body.get("block_size")
     if value is None:
@@ -301,8 +345,8 @@ def _block_choice(body: dict, default: BlockChoice) -> BlockChoice:
         raise _bad(str(exc), "block_size") from None
 
 
-def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_context: int = limits.INT32_MAX
-                  ) -> ParsedRequest:
+def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_context: int = limits.INT32_MAX,
+                  vocab_size: int | None = None) -> ParsedRequest:
     """Check a completions / chat completions body field by field; ApiError(400) names the field.
     The cheap checks come first: the prompt is tokenized last (with the GIL released)."""
     if not isinstance(body, dict):
@@ -334,11 +378,15 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     if min_tokens > max_tokens:
         raise _bad(f"min_tokens ({min_tokens}) must not exceed {limit_field} ({max_tokens})", "min_tokens")
     keep_stop, skip_special = _flag(body, "include_stop_str_in_output", False), _flag(body, "skip_special_tokens", True)
+    min_p = _number(body, "min_p", limits.MIN_P, 0.0)
+    logprobs, prompt_logprobs = _logprobs(body, chat)
     texts, stop_ids = _stops(body, codec)
+    processing = _processing(body, codec, vocab_size or codec.tokenizer.get_vocab_size(with_added_tokens=True))
     try:  # the sampling fields passed their checks above: what is left to refuse is the block's
         config = generation_config(block, max_tokens, stop_ids, temperature=temperature,
                                    top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos,
-                                   min_tokens=min_tokens)
+                                   min_tokens=min_tokens, min_p=min_p, processing=processing, logprobs=logprobs,
+                                   prompt_logprobs=prompt_logprobs)
     except TrtspecError as exc:
         raise _bad(str(exc), "block_size") from None
     ids = _chat_ids(body, codec, max_context) if chat else _prompt_ids(body, codec, max_context)
@@ -347,8 +395,12 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
                    f"{len(ids) + max_tokens} ({len(ids)} in the {'messages' if chat else 'prompt'}, {max_tokens} in "
                    "the completion): lower max_tokens or shorten the prompt", limit_field)
     options = options or {}
+    echo = None
+    if not chat and _flag(body, "echo", False):
+        echo = body["prompt"] if isinstance(body["prompt"], str) else codec.decode(ids, skip_special_tokens=skip_special)
+        echo = echo[0] if isinstance(echo, list) else echo
     return ParsedRequest(ids, config, texts, bool(stream), bool(options.get("include_usage")), chat,
-                         bool(options.get("continuous_usage_stats")), keep_stop, skip_special, n)
+                         bool(options.get("continuous_usage_stats")), keep_stop, skip_special, n, echo)
 
 
 def decode_body(raw: bytes, max_values: int = limits.INT32_MAX):
@@ -419,6 +471,8 @@ class _Outcome:
     finish_reason: str = "stop"
     completion_tokens: int = 0
     stats: DecodeStats | None = None
+    logprob_at: int = 0    # streaming: tokens whose logprobs were sent
+    text_offset: int = 0   # streaming completions: the text offset of the next token
 
 
 def trtspec_extension(stats: DecodeStats | None) -> dict:
@@ -646,7 +700,8 @@ class OpenAIServer:
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             raise _bad("model must be given, as a string", "model")
         self._check_model(body["model"])
-        return parse_request(body, self.codec, self.default_block, chat, self.pipeline.runner.max_context)
+        return parse_request(body, self.codec, self.default_block, chat, self.pipeline.runner.max_context,
+                             self.pipeline.vocab_size)
 
     async def _handle(self, http: HttpRequest, chat: bool):
         try:
@@ -683,9 +738,10 @@ class OpenAIServer:
         return await self._complete(http, parsed, choices, ident)
 
     async def _events(self, reply: Reply, bridge: LoopBridge, outcome: _Outcome):
-        """Text pieces as the engine commits tokens; `outcome` is filled in at the end. The request
+        """Text pieces as the engine commits tokens, each with the count of tokens committed since the
+        last piece; `outcome` is filled in at the end. The request
         is cancelled when it stops at a stop string (by `reply`), or when the consumer goes away."""
-        finished = False
+        finished, pending = False, 0
         try:
             while True:
                 kind, tokens = await bridge.queue.get()
@@ -693,8 +749,10 @@ class OpenAIServer:
                     break
                 piece = reply.push(tokens)
                 outcome.completion_tokens += len(tokens)
+                pending += len(tokens)
                 if piece:
-                    yield piece
+                    yield piece, pending
+                    pending = 0
                 if reply.stopped:
                     break
             finished = True
@@ -714,7 +772,7 @@ class OpenAIServer:
             self.metrics.observe_failed("error")
             raise
         if piece:
-            yield piece
+            yield piece, pending
         outcome.stats = generation.stats if reply.reported else None  # none to show: cut before a cycle reported
         outcome.finish_reason = generation.stats.finish_reason or "stop"
         outcome.completion_tokens = len(generation.tokens)
@@ -729,7 +787,7 @@ class OpenAIServer:
         outcomes = [_Outcome() for _ in choices]
 
         async def collect(reply, bridge, outcome):
-            async for piece in self._events(reply, bridge, outcome):
+            async for piece, _ in self._events(reply, bridge, outcome):
                 outcome.text_parts.append(piece)
 
         async def disconnected():
@@ -753,8 +811,12 @@ class OpenAIServer:
             raise failed
         answers = []
         for index, outcome in enumerate(outcomes):
-            text = "".join(outcome.text_parts)
-            choice = {"index": index, "finish_reason": outcome.finish_reason, "logprobs": None}
+            text = (parsed.echo or "") + "".join(outcome.text_parts)
+            request = choices[index][0].request
+            listed = logprob_objects.entries(request.tokens[:outcome.completion_tokens],
+                                             request.logprobs[:outcome.completion_tokens])
+            choice = {"index": index, "finish_reason": outcome.finish_reason,
+                      "logprobs": self._logprobs(parsed, request, listed, 0, echo=parsed.echo is not None)}
             choice.update({"message": {"role": "assistant", "content": text}} if parsed.chat else {"text": text})
             if parsed.n > 1:
                 choice["trtspec"] = trtspec_extension(outcome.stats)
@@ -762,6 +824,28 @@ class OpenAIServer:
         return {"id": ident, "object": "chat.completion" if parsed.chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": answers,
                 "usage": self._usage(parsed, outcomes), "trtspec": trtspec_extension(outcomes[0].stats)}
+
+    def _logprobs(self, parsed: ParsedRequest, request, listed: list, offset: int, echo: bool = False) -> dict | None:
+        """The choice's logprobs object for these (token, logprob) entries; `echo`: the prompt's first."""
+        if parsed.config.logprobs is None:
+            return None
+        if parsed.chat:
+            return logprob_objects.chat_logprobs(self.codec, listed)
+        if echo:
+            listed = logprob_objects.entries(parsed.prompt_ids, request.prompt_logprobs) + listed
+        return logprob_objects.completion_logprobs(self.codec, listed, offset)
+
+    def _streamed_logprobs(self, parsed: ParsedRequest, request, outcome: _Outcome, count: int) -> dict | None:
+        """The logprobs of a stream chunk's `count` tokens, the next after those already sent."""
+        if parsed.config.logprobs is None or not count:
+            return None
+        at = outcome.logprob_at
+        listed = logprob_objects.entries(request.tokens[at:at + count], request.logprobs[at:at + count])
+        outcome.logprob_at += count
+        out = self._logprobs(parsed, request, listed, outcome.text_offset)
+        if not parsed.chat:
+            outcome.text_offset += sum(len(t) for t in out["tokens"])
+        return out
 
     async def _stream(self, parsed: ParsedRequest, choices: list, ident: str):
         """Server-sent events: each choice's pieces as they come, tagged with its index; its finish
@@ -771,12 +855,13 @@ class OpenAIServer:
         kind = "chat.completion.chunk" if parsed.chat else "text_completion"
         events: asyncio.Queue = asyncio.Queue()
 
-        def chunk(index: int, piece: str | None, finish: str | None = None, **extra) -> str:
+        def chunk(index: int, piece: str | None, finish: str | None = None, logprobs: dict | None = None,
+                  **extra) -> str:
             if parsed.chat:
                 delta = {} if piece is None else {"content": piece}
-                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": index, "text": piece or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "text": piece or "", "finish_reason": finish, "logprobs": logprobs}
             body = {"id": ident, "object": kind, "created": created, "model": self.model_name, "choices": [choice],
                     **extra}
             if parsed.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far, in every chunk
@@ -787,14 +872,14 @@ class OpenAIServer:
 
         async def produce(index: int, reply: Reply, bridge: LoopBridge) -> None:
             try:
-                async for piece in self._events(reply, bridge, outcomes[index]):
-                    events.put_nowait((index, piece, None))
-                events.put_nowait((index, None, None))
+                async for piece, count in self._events(reply, bridge, outcomes[index]):
+                    events.put_nowait((index, piece, None, count))
+                events.put_nowait((index, None, None, 0))
             except ApiError as exc:
-                events.put_nowait((index, None, exc))
+                events.put_nowait((index, None, exc, 0))
             except Exception as exc:  # noqa: BLE001 - a bug: the stream ends with its error, never hangs
                 events.put_nowait((index, None, ApiError(500, f"internal error ({type(exc).__name__})",
-                                                         "internal_error")))
+                                                         "internal_error"), 0))
 
         if parsed.chat:
             for index in range(len(choices)):
@@ -802,10 +887,16 @@ class OpenAIServer:
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield f"data: {json.dumps(first)}\n\n"
         tasks = [asyncio.ensure_future(produce(i, r, b)) for i, (r, b) in enumerate(choices)]
+        echoed: set[int] = set()
         try:
             running = len(tasks)
             while running:
-                index, piece, error = await events.get()
+                index, piece, error, count = await events.get()
+                request = choices[index][0].request
+                if parsed.echo is not None and index not in echoed and error is None:
+                    echoed.add(index)  # the prompt, once it is prefilled (its logprobs are known then)
+                    yield chunk(index, parsed.echo, logprobs=self._logprobs(parsed, request, [], 0, echo=True))
+                    outcomes[index].text_offset = len(parsed.echo)
                 if error is not None:  # the status line is sent: report the error as an event, as OpenAI does
                     for reply, _ in choices:
                         reply.request.cancel()
@@ -813,7 +904,7 @@ class OpenAIServer:
                     yield "data: [DONE]\n\n"
                     return
                 if piece is not None:
-                    yield chunk(index, piece)
+                    yield chunk(index, piece, logprobs=self._streamed_logprobs(parsed, request, outcomes[index], count))
                     continue
                 running -= 1
                 outcome = outcomes[index]
