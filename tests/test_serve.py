@@ -188,6 +188,18 @@ def test_block_size_field_and_token_id_prompt(server, reference):
     assert ids.choices[0].text == reference["text"]
 
 
+def _log_softmax(ids: list[int]) -> list[float]:
+    """log p(ids[i] | ids[:i]) under the demo target (eager PyTorch); position 0: nan."""
+    import torch
+    from trtspec.assets import resolve_target
+    from trtspec.models import load_target
+
+    with torch.no_grad():
+        logits = load_target(resolve_target(None))(torch.tensor([ids]), 0, None)[0][0]
+    rows = torch.log_softmax(logits.double(), dim=-1)
+    return [float("nan")] + [rows[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
 def _encode(text: str) -> list[int]:
     from trtspec.assets import resolve_target
     from trtspec.tokenizer import TextCodec
@@ -359,7 +371,7 @@ def test_n_choices_are_independent_requests_with_derived_seeds(server):
     assert post(server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 17})[1]["error"]["param"] == "n"
 
 
-def test_logprobs_echo_penalties_and_json_schema(server):
+def test_logprobs_echo_penalties_and_json_schema(server, reference):
     """vLLM's fields as the openai client sends them: logprobs (completions with echo: the prompt's
     too; chat with top_logprobs), the same in a stream; penalties and a bias that keep spec == AR;
     a JSON schema whose answer parses as that JSON."""
@@ -373,6 +385,11 @@ def test_logprobs_echo_penalties_and_json_schema(server):
     assert "".join(logprobs.tokens[prompt_tokens:]) == whole.choices[0].text[len(PROMPT):]
     assert all(len(top) == 2 for top in logprobs.top_logprobs[1:])
     assert logprobs.text_offset[prompt_tokens] == len(PROMPT)
+    ids = _encode(PROMPT)  # the target's own log-softmax over prompt and output, from eager PyTorch
+    expected = _log_softmax(ids + reference["tokens"][:completion_tokens])  # greedy: the same tokens
+    assert len(ids) == prompt_tokens
+    for position in range(1, prompt_tokens + completion_tokens):
+        assert abs(logprobs.token_logprobs[position] - expected[position]) < 1e-4, position
     streamed = list(server.client.completions.create(**common, logprobs=2, echo=True, stream=True))
     pieces = [c.choices[0] for c in streamed if c.choices and c.choices[0].logprobs]
     assert [v for p in pieces for v in p.logprobs.token_logprobs] == logprobs.token_logprobs
@@ -397,9 +414,12 @@ def test_logprobs_echo_penalties_and_json_schema(server):
                                                "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
                                                         "maxItems": 3}},
               "required": ["name", "tags"], "additionalProperties": False}
-    answer = server.client.chat.completions.create(
+    answers = [server.client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "A person as JSON:"}], max_tokens=80, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+        extra_body={"block_size": block}) for block in ("8", "AR")]
+    answer = answers[0]
+    assert answer.choices[0].message.content == answers[1].choices[0].message.content
     value = json.loads(answer.choices[0].message.content)
     assert set(value) == {"name", "tags"} and len(value["tags"]) <= 3 and answer.choices[0].finish_reason == "stop"
     anything = server.client.completions.create(**{**common, "max_tokens": 60},
