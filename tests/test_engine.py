@@ -338,7 +338,8 @@ def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it(
 
 def test_load_aware_blockpilot_explores_before_it_judges():
     """With no finished request at the policy's size the choice is kept even where the prior would
-    say AR: AR requests show no acceptance, so an engine that never speculated would never learn.
+    say AR (for one request at a time): AR requests show no acceptance, so an engine that never
+    speculated would never learn.
     A request of a few cycles (its last one cut by its token limit) is no evidence."""
     from trtspec.blockpilot.costs import CostTable
     from trtspec.blockpilot.load import OBSERVED_MIN, PRIOR_CYCLES, LoadAwareChooser
@@ -349,13 +350,25 @@ def test_load_aware_blockpilot_explores_before_it_judges():
     costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches]})
     chooser, eight = LoadAwareChooser(costs), BlockChoice(8)
     assert chooser(eight, Load(0, 8, ())) == eight  # the prior (2.74) would lose to AR at eight requests
+    # one explores at a time: while it decodes, the next admission goes by the prior
+    assert chooser(eight, Load(0, 8, (8,))) == BlockChoice(1)
     chooser.observe(eight, _cycles(8, {1: int(PRIOR_CYCLES) - 1}))  # tau 2, one cycle short of enough
     assert chooser(eight, Load(0, 8, ())) == eight
     chooser.observe(eight, _cycles(8, {0: OBSERVED_MIN - 1}))  # a short request: counted, it would tip it to AR
     assert chooser.tau(8) > 2 and chooser(eight, Load(0, 8, ())) == eight
     chooser.observe(eight, _cycles(8, {1: OBSERVED_MIN}))
     assert chooser(eight, Load(0, 8, ())) == BlockChoice(1)  # 8 x 2 / 44 ms < 8 / 14 ms
-    assert chooser.decisions == {"kept": 3, "ar": 1}
+    assert chooser.decisions == {"kept": 3, "ar": 2}
+    # 12, never run, is not explored where it could not pay: 8's cycles, ceilings extended to 12,
+    # give at most tau 2 here; with every cycle a ceiling at 8 it could (tau up to 12), so it is
+    twelve = BlockChoice(12)
+    costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches],
+                                12: [24 + 4 * n for n in batches]})
+    chooser = LoadAwareChooser(costs)
+    chooser.observe(eight, _cycles(8, {1: int(PRIOR_CYCLES)}))
+    assert chooser(twelve, Load(0, 8, ())) == BlockChoice(1)
+    chooser.observe(eight, _cycles(8, {7: 40 * int(PRIOR_CYCLES)}))
+    assert chooser(twelve, Load(0, 8, ())) == twelve
 
 
 def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():

@@ -50,9 +50,13 @@ sampled requests learn on their own to fall back to AR. A smaller size s than th
 ran at is estimated from its acceptance histogram, each cycle cut at s (min(a, s - 1) + 1): the
 drafter's first s - 1 proposals of a longer block stand for a block of s
 (trtspec.runtime.stats.cut_histogram). Until requests at the policy's choice (or a larger size)
-have shown PRIOR_CYCLES decode cycles, the choice is kept as it is: an engine that turned to AR on
-a guess would never see what speculation accepts (AR requests show no acceptance), so it explores
-first.
+have shown PRIOR_CYCLES decode cycles, a request is sent to explore that choice as it is: an engine
+that turned to AR on a guess would never see what speculation accepts (AR requests show no
+acceptance). One request explores at a time: while one decodes at that size or larger, the others
+are judged by the prior, so a burst of admissions (a load tool's first wave) does not all pay for
+the exploration. And a size is not explored where it could not pay: where a smaller size has the
+evidence, and even its cycles that accepted every draft extended to the whole larger block leave
+the larger size behind the best at this load.
 
 The choice is still made once per request, at admission, as in the research. Where the load
 settles the size whatever the policy answers (AR, or a size no larger than any of the policy's
@@ -215,8 +219,11 @@ class LoadAwareChooser:
 
     def _best(self, size: int, load, sampled: bool, rates: dict[int, float], expected: int) -> int:
         """Of `size`, the smaller sizes and AR, the one that pays for the batch this request joins."""
-        if self._evidence(size, sampled)[1] < PRIOR_CYCLES:  # explore: nothing to judge by yet
-            return size
+        if self._evidence(size, sampled)[1] < PRIOR_CYCLES and not any(b >= size for b in load.block_sizes):
+            bound = self._tau_bound(size, sampled)
+            rivals = [rates[b] for b in rates if b != size]
+            if bound is None or not rivals or expected * bound / self.cost(size, expected) >= max(rivals):
+                return size  # explore, one request at a time: nothing to judge by yet, and it could pay
         candidates = [size, *sorted((b for b in rates if 1 < b < size), reverse=True), 1]
         best = max(candidates, key=rates.get)  # ties: the earlier
         # the size the batch is heading to: the latest admission's, of those decoding (0: none decodes;
@@ -229,6 +236,21 @@ class LoadAwareChooser:
                 and (1, expected) not in self.measured():
             best = 1  # AR at this batch is the table's guess and close: run it (opening no second group) to know
         return best
+
+    def _tau_bound(self, size: int, sampled: bool) -> float | None:
+        """The most tau at `size` could be, from a smaller size with enough evidence: its cycles as
+        they were, except that those that accepted every draft (the only ones a longer block can
+        extend) accept all of the longer block's. None: no smaller size has the evidence."""
+        bounds = []
+        with self._lock:
+            seen = [(ran, histogram) for (ran, regime), histogram in self._seen.items()
+                    if regime == sampled and 1 < ran < size]
+        for ran, histogram in seen:
+            cycles = sum(histogram)
+            if cycles >= PRIOR_CYCLES:
+                ceilings = histogram[ran - 1] if len(histogram) >= ran else 0
+                bounds.append((committed_tokens(histogram) + ceilings * (size - ran)) / cycles)
+        return min(bounds, default=None)
 
     def _count(self, verdict: str) -> None:
         with self._lock:

@@ -1,0 +1,121 @@
+"""The serving benchmark with the load tool users run: NVIDIA's aiperf against `trtspec serve`.
+
+One server per setting of `--block-size` (default: AR, 8 and auto), each driven by `aiperf
+profile` at every concurrency (default 1, 4, 8, 16) with HumanEval prompts and a fixed output
+length (`ignore_eos` and `min_tokens` pin it, so every setting generates the same tokens); the
+figures side by side (requests/s, output tokens/s, TTFT and inter-token latency p50/p99), and per
+concurrency how `auto` compares with the better of AR and the best fixed size, in the same run.
+Servers start on free loopback ports and are stopped by PID at the end (scripts/serve_load.py).
+
+aiperf is a client, not a dependency of trtspec: give it its own environment,
+
+    python -m venv .venv-load && .venv-load/bin/pip install 'aiperf==0.13.*'
+    python scripts/load_tools.py --aiperf .venv-load/bin/aiperf --concurrency 1,8 --json load.json
+    python scripts/load_tools.py --aiperf .venv-load/bin/aiperf -- --engine ENGINE_DIR   # serve args after --
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from serve_load import start_server, stop_server
+
+ROWS = ("requests/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms")
+
+
+def write_prompts(path: Path, count: int) -> None:
+    """The first `count` HumanEval prompts as aiperf's single_turn JSONL."""
+    from trtspec.perf.bench import load_prompts
+
+    _, prompts = load_prompts("humaneval", count)
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in prompts))
+
+
+def aiperf(tool: str, url: str, model: str, tokenizer: str, prompts: Path, concurrency: int, requests: int,
+           output_tokens: int, artifacts: Path) -> dict:
+    """One aiperf run; its figures from profile_export_aiperf.json."""
+    command = [tool, "profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
+               "--concurrency", str(concurrency), "--request-count", str(requests),
+               "--warmup-request-count", str(concurrency), "--input-file", str(prompts),
+               "--custom-dataset-type", "single_turn", "--output-tokens-mean", str(output_tokens),
+               "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{output_tokens}",
+               "--extra-inputs", "temperature:0", "--tokenizer", tokenizer, "--artifact-dir", str(artifacts),
+               "--ui-type", "none"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"aiperf failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    report = json.loads((artifacts / "profile_export_aiperf.json").read_text())
+    warnings = [line for line in (artifacts / "logs" / "aiperf.log").read_text().splitlines()
+                if " WARNING " in line and "Telemetry" not in line]
+    ttft, itl = report["time_to_first_token"], report["inter_token_latency"]
+    return {"requests/s": report["request_throughput"]["avg"], "output tok/s": report["output_token_throughput"]["avg"],
+            "TTFT p50 ms": ttft["p50"], "TTFT p99 ms": ttft["p99"], "ITL p50 ms": itl["p50"], "ITL p99 ms": itl["p99"],
+            "output tokens": report["output_sequence_length"]["avg"], "errors": report.get("error_summary") or [],
+            "warnings": warnings, "command": " ".join(command)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--aiperf", default=shutil.which("aiperf"), help="aiperf executable (default: on PATH).")
+    parser.add_argument("--settings", default="AR,8,auto", help="Comma-separated --block-size of each server.")
+    parser.add_argument("--concurrency", default="1,4,8,16", help="Comma-separated client counts.")
+    parser.add_argument("--requests", type=int, default=8, help="Requests per client at each level.")
+    parser.add_argument("--output-tokens", type=int, default=128, help="Tokens every request generates.")
+    parser.add_argument("--prompts", type=int, default=64, help="First N HumanEval prompts.")
+    parser.add_argument("--threads", type=int, help="trtspec --threads for the servers.")
+    parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
+    parser.add_argument("server_args", nargs="*", help="Arguments for trtspec serve (after --).")
+    args = parser.parse_args()
+    if not args.aiperf:
+        raise SystemExit("aiperf not found: pip install 'aiperf==0.13.*' (in its own venv) and pass --aiperf PATH")
+    from trtspec.assets import resolve_target
+
+    settings, levels = args.settings.split(","), [int(c) for c in args.concurrency.split(",")]
+    results: dict[str, dict[int, dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="trtspec-load-") as scratch:
+        work = Path(scratch)
+        prompts = work / "humaneval.jsonl"
+        write_prompts(prompts, args.prompts)
+        for setting in settings:
+            process, url = start_server(["--block-size", setting, "--max-concurrency", str(max(levels)),
+                                         *args.server_args], args.threads, work / f"server-{setting}.log")
+            try:
+                with urllib.request.urlopen(url + "/v1/models", timeout=30) as response:
+                    model = json.loads(response.read())["data"][0]["id"]
+                tokenizer = str(resolve_target(None))  # the served pair's tokenizer: the same for the demo pair
+                for level in levels:
+                    row = aiperf(args.aiperf, url, model, tokenizer, prompts, level, args.requests * level,
+                                 args.output_tokens, work / f"{setting}-c{level}")
+                    results.setdefault(setting, {})[level] = row
+                    print(f"{setting:>5} c={level:<3} " + "  ".join(f"{k} {row[k]:.1f}" for k in ROWS), flush=True)
+            finally:
+                stop_server(process)
+    print(table(results, settings, levels))
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2) + "\n")
+
+
+def table(results: dict, settings: list[str], levels: list[int]) -> str:
+    """Rows: concurrency x figure; columns: the settings; then auto against the best of the others."""
+    lines = [f"{'clients':>7} {'figure':<13}" + "".join(f"{s:>10}" for s in settings)]
+    for level in levels:
+        for figure in ROWS:
+            lines.append(f"{level:>7} {figure:<13}" + "".join(f"{results[s][level][figure]:>10.1f}" for s in settings))
+        if "auto" in settings and len(settings) > 1:
+            rivals = {s: results[s][level]["output tok/s"] for s in settings if s != "auto"}
+            best = max(rivals, key=rivals.get)
+            lines.append(f"{level:>7} auto / best ({best}): {results['auto'][level]['output tok/s'] / rivals[best]:.2f}x")
+    warned = sorted({w for s in settings for level in levels for w in results[s][level]["warnings"]})
+    lines.append("aiperf warnings: " + ("; ".join(warned) if warned else "none"))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
