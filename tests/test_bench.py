@@ -168,11 +168,13 @@ def test_bench_concurrency_through_the_cli(target_dir, drafter_dir, prompts_file
     assert result.returncode == 0, result.stderr
     assert b"clients" in result.stdout and b"TTFT" in result.stdout
     rows = json.loads(out.read_text())["runs"]
-    assert [(r["concurrency"], r["block_size"]) for r in rows] == [(c, b) for c in (1, 3) for b in ("AR", "4", "8")]
+    assert [(r["concurrency"], r["block_size"]) for r in rows] == [(c, b) for c in (1, 3)
+                                                                   for b in ("AR", "AR/pair", "4", "8")]
+    assert [r["engine"] for r in rows[:4]] == ["target", "pair", "pair", "pair"]  # AR/pair: AR as auto's engine runs it
     for row in rows:
         assert row["identical_to_serial"] == row["greedy_requests"] == 3  # greedy: equal to each request alone
         assert row["throughput_tokens_per_s"] > 0 and row["latency_p99_s"] >= row["latency_p50_s"] > 0
-        assert row["speedup_vs_ar"] == pytest.approx(row["throughput_tokens_per_s"] / rows[0 if row["concurrency"] == 1 else 3]["throughput_tokens_per_s"])
+        assert row["speedup_vs_ar"] == pytest.approx(row["throughput_tokens_per_s"] / rows[0 if row["concurrency"] == 1 else 4]["throughput_tokens_per_s"])
         if row["concurrency"] == 3:  # 3 prompts for 3 clients: no steady state without a drain, the whole run counts
             assert row["job_tokens_per_s"] == row["throughput_tokens_per_s"]
     assert max(r["batch_mean"] for r in rows if r["concurrency"] == 3) > 1.0

@@ -2,8 +2,10 @@
 
 For each concurrency c, c clients share one continuous-batching engine (c slots); each client
 sends the next prompt of the set as soon as its previous request finished, until every prompt
-ran once. That is done for AR (through the same backend: the pipeline without its drafter), each
-requested block size and `auto` (BlockPilot, load-aware), `repeats` times, each repeat in an order
+ran once. That is done for AR twice (through the same backend: the pipeline without its drafter,
+what `serve --block-size AR` runs, and as AR requests inside the speculative engine that `auto`
+runs, row "AR/pair", which is what an `auto` server's AR requests cost), each requested block
+size and `auto` (BlockPilot, load-aware), `repeats` times, each repeat in an order
 rotated by one (the host's state drifts over a run; no row should always run first or last), and the
 medians are reported, each row also against the fastest of AR and the fixed sizes (`vs_best`, and
 `vs_best_paired`: the median of the per-repeat ratios, and `vs_best_ci95`: how far the host's noise
@@ -39,6 +41,7 @@ class LoadRun:
 
     concurrency: int
     choice: BlockChoice
+    in_pair: bool = False  # an AR run inside the pair's (speculative) engine rather than the target's own
     seconds: list[float] = field(default_factory=list)            # wall time per repeat
     steady: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) while every client was busy
     generations: list[list[Generation]] = field(default_factory=list)
@@ -58,6 +61,10 @@ class LoadRun:
         return [sum(g.stats.new_tokens for g in run) / s for run, s in zip(self.generations, self.seconds)]
 
     @property
+    def name(self) -> str:
+        return self.choice.name + ("/pair" if self.choice.ar and self.in_pair else "")
+
+    @property
     def throughput(self) -> float:
         return statistics.median(self.throughput_repeats)
 
@@ -65,14 +72,15 @@ class LoadRun:
         stats = [g.stats for run in self.generations for g in run]
         return {
             "concurrency": self.concurrency,
-            "block_size": self.choice.name,
+            "block_size": self.name,
+            "engine": "pair" if self.in_pair or not self.choice.ar else "target",
             "throughput_tokens_per_s": self.throughput,
             "job_tokens_per_s": statistics.median(self.job_throughput_repeats),
             "speedup_vs_ar": self.throughput / ar.throughput,
             # against the fastest of AR and the fixed sizes at this concurrency: the ratio of the medians,
             # and the median of each repeat's ratio (a repeat's rows run back to back: a host whose speed
             # drifts over the run slows both sides of it alike)
-            "best_fixed": best.choice.name,
+            "best_fixed": best.name,
             "vs_best": self.throughput / best.throughput,
             "vs_best_paired": statistics.median(a / b for a, b in zip(self.throughput_repeats,
                                                                       best.throughput_repeats)),
@@ -149,17 +157,17 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
     rows = []
     for clients in concurrencies:
         config = EngineConfig(max_running=clients, max_queued=clients)
-        engines = {True: baseline.engine(config), False: pipeline.engine(config)}  # keyed by "is AR"
+        engines = {True: baseline.engine(config), False: pipeline.engine(config)}  # keyed by "the target's own"
         try:
-            runs = [LoadRun(clients, AR)] + [LoadRun(clients, c) for c in choices]
+            runs = [LoadRun(clients, AR), LoadRun(clients, AR, in_pair=True)] + [LoadRun(clients, c) for c in choices]
             warm = [ids[0]] * clients
             for run in runs:  # warm-up: each engine and block size once
-                closed_loop(engines[run.choice.ar], warm, _config(run.choice, 8, sampling), clients,
-                            LoadRun(clients, run.choice))
+                closed_loop(engines[run.choice.ar and not run.in_pair], warm, _config(run.choice, 8, sampling),
+                            clients, LoadRun(clients, run.choice))
             for repeat in range(repeats):
                 for run in runs[repeat % len(runs):] + runs[:repeat % len(runs)]:  # none always first or last
-                    closed_loop(engines[run.choice.ar], ids, _config(run.choice, max_new_tokens, sampling),
-                                clients, run)
+                    closed_loop(engines[run.choice.ar and not run.in_pair], ids,
+                                _config(run.choice, max_new_tokens, sampling), clients, run)
                     if progress is not None:
                         progress(run)
         finally:
@@ -190,11 +198,11 @@ def _config(choice: BlockChoice, max_new_tokens: int, sampling: SamplingConfig) 
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'clients':>7}  {'B':>6}  {'tok/s':>8}  {'vs AR':>6}  {'vs best':>7}  {'95% interval':>12}  {'job tok/s':>9}  {'p50 s':>6}  {'p99 s':>6}  "
+    lines = [f"{'clients':>7}  {'B':>7}  {'tok/s':>8}  {'vs AR':>6}  {'vs best':>7}  {'95% interval':>12}  {'job tok/s':>9}  {'p50 s':>6}  {'p99 s':>6}  "
              f"{'TTFT p50':>8}  {'tau':>5}  {'ceiling':>7}  {'batch':>5}  identical"]
     for r in rows:
         identical = "-" if r["identical_to_serial"] is None else f"{r['identical_to_serial']}/{r['greedy_requests']}"
-        lines.append(f"{r['concurrency']:>7}  {r['block_size']:>6}  {r['throughput_tokens_per_s']:>8.1f}  "
+        lines.append(f"{r['concurrency']:>7}  {r['block_size']:>7}  {r['throughput_tokens_per_s']:>8.1f}  "
                      f"{r['speedup_vs_ar']:>5.2f}x  {r['vs_best']:>6.2f}x  {_interval(r['vs_best_ci95']):>12}  {r['job_tokens_per_s']:>9.1f}  {r['latency_p50_s']:>6.2f}  "
                      f"{r['latency_p99_s']:>6.2f}  {r['ttft_p50_s']:>8.3f}  {r['tau']:>5.2f}  "
                      f"{r['ceiling_fraction']:>7.1%}  {r['batch_mean']:>5.1f}  {identical}")
