@@ -352,13 +352,14 @@ def test_load_aware_blockpilot_explores_before_it_judges():
     assert chooser(eight, Load(0, 8, ())) == eight  # the prior (2.74) would lose to AR at eight requests
     # one explores at a time: while it decodes, the next admission goes by the prior
     assert chooser(eight, Load(0, 8, (8,))) == BlockChoice(1)
+    assert chooser(eight, Load(0, 8, (1, 1))) == BlockChoice(1)  # nor beside a batch heading to AR
     chooser.observe(eight, _cycles(8, {1: int(PRIOR_CYCLES) - 1}))  # tau 2, one cycle short of enough
     assert chooser(eight, Load(0, 8, ())) == eight
     chooser.observe(eight, _cycles(8, {0: OBSERVED_MIN - 1}))  # a short request: counted, it would tip it to AR
     assert chooser.tau(8) > 2 and chooser(eight, Load(0, 8, ())) == eight
     chooser.observe(eight, _cycles(8, {1: OBSERVED_MIN}))
     assert chooser(eight, Load(0, 8, ())) == BlockChoice(1)  # 8 x 2 / 44 ms < 8 / 14 ms
-    assert chooser.decisions == {"kept": 3, "ar": 2}
+    assert chooser.decisions == {"kept": 3, "ar": 3}
     # 12, never run, is not explored where it could not pay: 8's cycles, ceilings extended to 12,
     # give at most tau 2 here; with every cycle a ceiling at 8 it could (tau up to 12), so it is
     twelve = BlockChoice(12)

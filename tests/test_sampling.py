@@ -170,9 +170,11 @@ def test_min_tokens_samples_from_the_target_without_its_stop_ids(pair):
 
 
 def test_one_request_at_a_time_samples_from_the_target(pair):
-    """The same check through a one-slot engine, one request at a time (what `trtspec run` decodes with)."""
+    """The same check through a one-slot engine, one request at a time (what `trtspec run` decodes with:
+    the same acceptance rule, whose power the batched checks show; what is particular to one slot is
+    how its buffers are passed, where a mistake shifts far more than 1%)."""
     joint = exact_three_token_distribution(pair[0])
-    results = pvalues(sample_three_tokens(pair, 4_000, batched=False), joint)
+    results = pvalues(sample_three_tokens(pair, 2_000, batched=False), joint)
     assert min(results.values()) > ALPHA, results
 
 

@@ -54,9 +54,11 @@ have shown PRIOR_CYCLES decode cycles, a request is sent to explore that choice 
 that turned to AR on a guess would never see what speculation accepts (AR requests show no
 acceptance). One request explores at a time: while one decodes at that size or larger, the others
 are judged by the prior, so a burst of admissions (a load tool's first wave) does not all pay for
-the exploration. And a size is not explored where it could not pay: where a smaller size has the
-evidence, and even its cycles that accepted every draft extended to the whole larger block leave
-the larger size behind the best at this load.
+the exploration; nor does one explore beside a batch heading to AR, where it would add a second
+call to every cycle of the batch for its whole life (a request admitted alone, or into a
+speculating batch, explores). And a size is not explored where it could not pay: where a smaller
+size has the evidence, and even its cycles that accepted every draft extended to the whole larger
+block leave the larger size behind the best at this load.
 
 The choice is still made once per request, at admission, as in the research. Where the load
 settles the size whatever the policy answers (AR, or a size no larger than any of the policy's
@@ -219,17 +221,18 @@ class LoadAwareChooser:
 
     def _best(self, size: int, load, sampled: bool, rates: dict[int, float], expected: int) -> int:
         """Of `size`, the smaller sizes and AR, the one that pays for the batch this request joins."""
-        if self._evidence(size, sampled)[1] < PRIOR_CYCLES and not any(b >= size for b in load.block_sizes):
+        # the size the batch is heading to: the latest admission's, of those decoding (0: none decodes;
+        # a size outside the table counts as AR, as before)
+        heading = load.block_sizes[-1] if load.block_sizes else 0
+        heading = heading if heading in self.costs.cycle_ms or heading == 0 else 1
+        if self._evidence(size, sampled)[1] < PRIOR_CYCLES and heading != 1 \
+                and not any(b >= size for b in load.block_sizes):
             bound = self._tau_bound(size, sampled)
             rivals = [rates[b] for b in rates if b != size]
             if bound is None or not rivals or expected * bound / self.cost(size, expected) >= max(rivals):
                 return size  # explore, one request at a time: nothing to judge by yet, and it could pay
         candidates = [size, *sorted((b for b in rates if 1 < b < size), reverse=True), 1]
         best = max(candidates, key=rates.get)  # ties: the earlier
-        # the size the batch is heading to: the latest admission's, of those decoding (0: none decodes;
-        # a size outside the table counts as AR, as before)
-        heading = load.block_sizes[-1] if load.block_sizes else 0
-        heading = heading if heading in self.costs.cycle_ms or heading == 0 else 1
         if heading in candidates and rates[heading] >= (1 - STAY_MARGIN) * rates[best]:
             best = heading  # near a tie, go where the batch goes: two groups cost two calls
         if best != 1 and heading in (0, 1) and rates[1] >= (1 - AR_EXPLORE) * rates[best] \
