@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from trtspec import limits
-from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
+from trtspec.commands.options import (THREADS, BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
                                       load_pipeline, model_options, policy_option)
 from trtspec.errors import TrtspecError
 from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
@@ -73,12 +73,73 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
                    "unchanged); trtspec's own families are always trtspec_.")
 @click.option("--graceful-shutdown", type=Ranged(limits.NON_NEGATIVE_REAL), default=10.0, show_default=True,
               metavar="S", help="On SIGINT/SIGTERM, seconds in-flight requests get to finish before they are cancelled.")
-def serve(target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts, host, port,
+@click.option("--replicas", type=Ranged(limits.COUNT), metavar="N",
+              help="Serve N replicas of the server on Ray Serve (each its own process and engine), on a local "
+                   "Ray cluster or the one --ray-address names; needs trtspec[ray]. [default: one process, no Ray]")
+@click.option("--ray-address", metavar="ADDR", help="A running Ray cluster to deploy on (e.g. 10.0.0.1:6379, auto).")
+@click.option("--min-replicas", type=Ranged(limits.COUNT), metavar="N",
+              help="With --replicas: autoscale from N replicas on ongoing requests.")
+@click.option("--max-replicas", type=Ranged(limits.COUNT), metavar="N", help="With --replicas: autoscale up to N.")
+@click.option("--target-ongoing-requests", type=Ranged(limits.POSITIVE_REAL), default=8.0, show_default=True,
+              metavar="N", help="With autoscaling: ongoing requests per replica it aims at.")
+@click.option("--replica-cpus", type=Ranged(limits.POSITIVE_REAL), default=1.0, show_default=True, metavar="N",
+              help="CPUs Ray reserves for each replica.")
+@click.option("--replica-gpus", type=Ranged(limits.NON_NEGATIVE_REAL), default=0.0, show_default=True, metavar="N",
+              help="GPUs Ray reserves for each replica (1 for an engine on its own GPU).")
+@click.option("--ray-config", type=click.Path(dir_okay=False), metavar="FILE",
+              help="With --replicas: write a `serve deploy` config (YAML) for an existing cluster to FILE and exit.")
+@click.pass_context
+def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts, host, port,
           max_concurrency, max_queued, block_size, max_context, served_model_name, api_key, max_body_bytes,
-          read_timeout, metrics_prefix, graceful_shutdown) -> None:
+          read_timeout, metrics_prefix, graceful_shutdown, replicas, ray_address, min_replicas, max_replicas,
+          target_ongoing_requests, replica_cpus, replica_gpus, ray_config) -> None:
     """Serve the model over HTTP with OpenAI's API (completions, chat completions, streaming),
     plus /health and Prometheus /metrics, until Ctrl-C or SIGTERM."""
     from pathlib import Path
+
+    if replicas is None and (ray_address or min_replicas or max_replicas or ray_config):
+        raise TrtspecError("--ray-address, --min-replicas, --max-replicas and --ray-config go with --replicas N")
+    if replicas is not None:
+        from trtspec.serving import ray_serve
+
+        if served_model_name is None:
+            from trtspec.assets import resolve_target
+
+            source = engine if engine is not None and target is None else resolve_target(target)
+            served_model_name = Path(source).resolve().name
+        if engine is not None:
+            from trtspec.engines.manifest import read_manifest
+
+            read_manifest(Path(engine))  # a bad engine directory: one line here, not a failing deployment
+        load = {"target": target, "drafter": drafter, "dtype": dtype, "device": device, "max_context": max_context,
+                "engine": engine, "policy": policy, "draft_vocab": draft_vocab, "draft_counts": draft_counts,
+                "backend": backend, "block_sizes": engine_sizes([block_size] if block_size else [])}
+        options = ray_serve.ReplicaOptions(
+            load=load, max_concurrency=max_concurrency, max_queued=max_queued,
+            block_size=block_size.name if block_size else None, served_model_name=served_model_name,
+            api_key=api_key or None, metrics_prefix=metrics_prefix, max_body_bytes=max_body_bytes,
+            read_timeout_s=read_timeout, threads=ctx.meta.get(THREADS))
+        scaling = ray_serve.Scaling(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas,
+                                    target_ongoing_requests=target_ongoing_requests, num_cpus=replica_cpus,
+                                    num_gpus=replica_gpus)
+        if ray_config:
+            import json
+
+            from trtspec.fileio import atomic_write_text
+
+            atomic_write_text(Path(ray_config), json.dumps(ray_serve.deploy_config(options, scaling, host, port),
+                                                           indent=2) + "\n")  # JSON is YAML
+            click.echo(f"trtspec serve: wrote {ray_config}; deploy it with: serve deploy {ray_config}", err=True)
+            return
+        if port == 0:  # Ray Serve's proxy binds the port itself: pick a free one now
+            from trtspec.serving.openai_server import listen_socket
+
+            with listen_socket(host, 0) as probe:
+                port = probe.getsockname()[1]
+        ray_serve.run(options, scaling, address=ray_address, host=host, port=port, on_ready=lambda: click.echo(
+            f"trtspec serve: {served_model_name}, {replicas} replicas on Ray Serve, on http://{host}:{port} "
+            f"(OpenAI API at /v1)", err=True))
+        return
 
     try:
         import prometheus_client

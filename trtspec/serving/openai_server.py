@@ -518,12 +518,13 @@ class OpenAIServer:
     def __init__(self, pipeline, engine_config, *, model_name: str, block_size: BlockChoice | None = None,
                  metrics: ServingMetrics | None = None, metrics_prefix: str = VLLM_PREFIX,
                  max_body_bytes: int = MAX_BODY_BYTES,
-                 read_timeout_s: float = READ_TIMEOUT_S, api_key: str | None = None):
+                 read_timeout_s: float = READ_TIMEOUT_S, api_key: str | None = None, replica: dict | None = None):
         self.pipeline, self.codec, self.engine_config = pipeline, pipeline.codec, engine_config
         self.model_name = model_name
         self.default_block = block_size or pipeline.default_block
         self.metrics = metrics or ServingMetrics(model_name=model_name, vllm_prefix=metrics_prefix)
         self.max_body_bytes, self.read_timeout_s, self.api_key = max_body_bytes, read_timeout_s, api_key
+        self.replica = replica  # on Ray Serve: which replica answered ({"id", "pid"}), in every trtspec object
         self.engine = None
         self.created = int(time.time())
         self.closing = False
@@ -819,11 +820,17 @@ class OpenAIServer:
                       "logprobs": self._logprobs(parsed, request, listed, 0, echo=parsed.echo is not None)}
             choice.update({"message": {"role": "assistant", "content": text}} if parsed.chat else {"text": text})
             if parsed.n > 1:
-                choice["trtspec"] = trtspec_extension(outcome.stats)
+                choice["trtspec"] = self._extension(outcome.stats)
             answers.append(choice)
         return {"id": ident, "object": "chat.completion" if parsed.chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": answers,
-                "usage": self._usage(parsed, outcomes), "trtspec": trtspec_extension(outcomes[0].stats)}
+                "usage": self._usage(parsed, outcomes), "trtspec": self._extension(outcomes[0].stats)}
+
+    def _extension(self, stats: DecodeStats | None) -> dict:
+        out = trtspec_extension(stats)
+        if self.replica is not None:
+            out["replica"] = self.replica
+        return out
 
     def _logprobs(self, parsed: ParsedRequest, request, listed: list, offset: int, echo: bool = False) -> dict | None:
         """The choice's logprobs object for these (token, logprob) entries; `echo`: the prompt's first."""
@@ -908,7 +915,7 @@ class OpenAIServer:
                     continue
                 running -= 1
                 outcome = outcomes[index]
-                yield chunk(index, None, outcome.finish_reason, trtspec=trtspec_extension(outcome.stats))
+                yield chunk(index, None, outcome.finish_reason, trtspec=self._extension(outcome.stats))
         finally:
             for task in tasks:
                 if not task.done():

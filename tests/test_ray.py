@@ -1,0 +1,196 @@
+"""`trtspec serve --replicas 2` on a real two-node Ray cluster on this machine.
+
+A head and a worker node are started as separate processes (`ray start`, one CPU each, so each
+node holds one replica), the server is deployed on them as a subprocess, driven by the `openai`
+client, and everything is stopped by the test. One cluster serves every test of the file.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the Ray tests need the [test] extra (openai)")
+pytest.importorskip("ray.serve", reason="trtspec serve --replicas needs the [ray] extra")
+
+MODEL = "demo-target"
+PROMPTS = [f"def task_{i}(values):\n    " for i in range(32)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ray_start(*args: str, env: dict) -> None:
+    done = subprocess.run([shutil.which("ray") or "ray", "start", "--num-cpus", "1", "--disable-usage-stats", *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(the server's URL, the two nodes' metrics URLs, the server process)."""
+    temp = tmp_path_factory.mktemp("ray")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp)}
+    port, metrics = free_port(), [free_port(), free_port()]
+    ray_start("--head", "--port", str(port), "--include-dashboard", "false", "--metrics-export-port", str(metrics[0]),
+              "--temp-dir", str(temp), env=env)
+    server = None
+    try:
+        ray_start("--address", f"127.0.0.1:{port}", "--metrics-export-port", str(metrics[1]), env=env)
+        http = free_port()
+        log = temp / "serve.log"
+        server = subprocess.Popen([sys.executable, "-m", "trtspec", "--threads", "1", "serve", "--replicas", "2",
+                                   "--ray-address", f"127.0.0.1:{port}", "--port", str(http)],
+                                  stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while "replicas on Ray Serve" not in log.read_text(errors="replace"):  # deployed and ready
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{http}", [f"http://127.0.0.1:{m}/metrics" for m in metrics], server
+    finally:
+        if server is not None and server.poll() is None:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+        subprocess.run([shutil.which("ray") or "ray", "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Each prompt's greedy completion from one process (the engine `trtspec serve` runs)."""
+    from trtspec.api import Pipeline
+    from trtspec.assets import resolve_drafter, resolve_target
+    from trtspec.runtime.request import GenerationConfig
+
+    pipeline = Pipeline(resolve_target(None), resolve_drafter(None, None))
+    config = GenerationConfig(block=pipeline.default_block, max_new_tokens=16)
+    return [r.text for r in pipeline.generate_batch(PROMPTS, [config] * len(PROMPTS))]
+
+
+def client(url: str) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def replica_counts(metrics_urls: list[str]) -> dict[str, float]:
+    """Finished requests per replica, from Ray's metrics export of every node."""
+    counts = collections.Counter()
+    for url in metrics_urls:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text = response.read().decode()
+        for match in re.finditer(r'^ray_vllm_request_success_total\{([^}]*)\} (\S+)$', text, re.M):
+            replica = re.search(r'replica="([^"]+)"', match.group(1)).group(1)
+            counts[replica] += float(match.group(2))
+    return counts
+
+
+def test_two_replicas_share_32_concurrent_requests_and_answer_like_one_process(cluster, reference):
+    url, metrics_urls, _ = cluster
+    api = client(url)
+
+    def one(index: int):
+        answer = api.completions.create(model=MODEL, prompt=PROMPTS[index], max_tokens=16, temperature=0)
+        return answer.choices[0].text, answer.model_extra["trtspec"]["replica"]["id"]
+
+    threads, answers = [], [None] * len(PROMPTS)
+    for index in range(len(PROMPTS)):
+        threads.append(threading.Thread(target=lambda i=index: answers.__setitem__(i, one(i))))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(300)
+    assert [text for text, _ in answers] == reference
+    served = collections.Counter(replica for _, replica in answers)
+    assert len(served) == 2, served
+    deadline = time.monotonic() + 30  # the replicas mirror their metrics into Ray's every 2 s
+    while time.monotonic() < deadline and not all(replica_counts(metrics_urls).get(r, 0) >= n for r, n in served.items()):
+        time.sleep(1)
+    counts = replica_counts(metrics_urls)
+    assert all(counts[replica] >= n for replica, n in served.items()), (counts, served)
+
+
+def test_a_killed_replica_is_restarted_and_the_other_keeps_serving(cluster, reference):
+    url, _, server = cluster
+    api, pids = client(url), {}
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:  # concurrent requests reach both replicas (alone,
+        answers = []                                       # a request goes to the proxy's own node's replica)
+        threads = [threading.Thread(target=lambda: answers.append(
+            api.completions.create(model=MODEL, prompt="x", max_tokens=8).model_extra["trtspec"]["replica"]))
+            for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        pids.update({replica["id"]: replica["pid"] for replica in answers})
+    assert len(pids) == 2, pids
+    victim = sorted(pids)[0]
+    results: dict[int, tuple] = {}
+
+    def stream(index: int) -> None:
+        text, replica, done = "", None, False
+        try:
+            for chunk in api.completions.create(model=MODEL, prompt=PROMPTS[index], max_tokens=16, temperature=0,
+                                                stream=True, extra_body={"block_size": "AR"}):
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    extension = chunk.model_extra.get("trtspec") or {}
+                    replica, done = extension.get("replica", {}).get("id", replica), bool(chunk.choices[0].finish_reason)
+            results[index] = ("ok" if done else "cut", text, replica)
+        except Exception as error:  # noqa: BLE001 - what the client sees is the result
+            results[index] = ("error", type(error).__name__, None)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    os.kill(pids[victim], signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads)  # nothing hangs
+    for index, (state, text, replica) in results.items():
+        if state == "ok":  # a finished answer is the right one, whichever replica gave it
+            assert text == reference[index], (index, replica)
+    assert any(state == "ok" and replica != victim for state, _, replica in results.values()), results
+    # Ray restarts the replica: two replicas answer again, one of them new
+    deadline, seen = time.monotonic() + 120, set()
+    while time.monotonic() < deadline and len(seen - {victim}) < 2:
+        answers = []
+
+        def ask() -> None:
+            try:
+                answers.append(api.completions.create(model=MODEL, prompt="x", max_tokens=8))
+            except openai.APIError:
+                pass
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        seen |= {answer.model_extra["trtspec"]["replica"]["id"] for answer in answers}
+        time.sleep(0.5)
+    assert len(seen - {victim}) == 2, seen
+    assert server.poll() is None
+
+
+def test_a_bad_engine_directory_is_one_line_before_any_deployment(tmp_path):
+    from helpers import assert_one_line_error, trtspec
+
+    result = trtspec("serve", "--replicas", "2", "--engine", tmp_path / "nothing")
+    assert_one_line_error(result, "nothing")
+    assert_one_line_error(trtspec("serve", "--ray-address", "127.0.0.1:1"), "go with --replicas N")
