@@ -8,6 +8,7 @@ client, and everything is stopped by the test. One cluster serves every test of 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import shutil
@@ -194,3 +195,19 @@ def test_a_bad_engine_directory_is_one_line_before_any_deployment(tmp_path):
     result = trtspec("serve", "--replicas", "2", "--engine", tmp_path / "nothing")
     assert_one_line_error(result, "nothing")
     assert_one_line_error(trtspec("serve", "--ray-address", "127.0.0.1:1"), "go with --replicas N")
+
+
+def test_the_serve_deploy_config_builds_the_same_application(tmp_path):
+    """--ray-config writes what `serve deploy` needs; its import path builds the application from it."""
+    from helpers import trtspec
+    from trtspec.serving.ray_serve import app_builder
+
+    config = tmp_path / "serve.json"
+    result = trtspec("serve", "--replicas", "3", "--replica-gpus", "1", "--max-concurrency", "4", "--ray-config", config)
+    assert result.returncode == 0, result.stderr.decode()
+    application = json.loads(config.read_text())["applications"][0]
+    assert application["import_path"] == "trtspec.serving.ray_serve:app_builder"
+    assert application["deployments"][0]["num_replicas"] == 3
+    assert application["deployments"][0]["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+    built = app_builder(application["args"])
+    assert type(built).__name__ == "Application"
