@@ -45,7 +45,8 @@ def ray_start(*args: str, env: dict) -> None:
 def cluster(tmp_path_factory):
     """(the server's URL, the two nodes' metrics URLs, the server process)."""
     temp = tmp_path_factory.mktemp("ray")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp)}
+    # a home of its own: Ray keeps the cluster's auth token in ~/.ray, which an earlier cluster may have left
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp), "HOME": str(temp)}
     port, metrics = free_port(), [free_port(), free_port()]
     ray_start("--head", "--port", str(port), "--include-dashboard", "false", "--metrics-export-port", str(metrics[0]),
               "--temp-dir", str(temp), env=env)
