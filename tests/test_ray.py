@@ -16,9 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -42,9 +44,10 @@ def ray_start(*args: str, env: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """(the server's URL, the two nodes' metrics URLs, the server process)."""
-    temp = tmp_path_factory.mktemp("ray")
+    # short: Ray's unix sockets live under it, and a socket path is at most 107 bytes (pytest's are long)
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     # a home of its own: Ray keeps the cluster's auth token in ~/.ray, which an earlier cluster may have left
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp), "HOME": str(temp)}
     port, metrics = free_port(), [free_port(), free_port()]
@@ -71,6 +74,7 @@ def cluster(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
         subprocess.run([shutil.which("ray") or "ray", "stop", "--force"], capture_output=True, env=env, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
