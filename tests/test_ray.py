@@ -28,6 +28,8 @@ openai = pytest.importorskip("openai", reason="the Ray tests need the [test] ext
 pytest.importorskip("ray.serve", reason="trtspec serve --replicas needs the [ray] extra")
 
 MODEL = "demo-target"
+# the `ray` command of this interpreter's environment, activated or not
+RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray") or "ray"
 PROMPTS = [f"def task_{i}(values):\n    " for i in range(32)]
 
 
@@ -38,7 +40,7 @@ def free_port() -> int:
 
 
 def ray_start(*args: str, env: dict) -> None:
-    done = subprocess.run([shutil.which("ray") or "ray", "start", "--num-cpus", "1", "--disable-usage-stats", *args],
+    done = subprocess.run([RAY, "start", "--num-cpus", "1", "--disable-usage-stats", *args],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -73,7 +75,7 @@ def cluster():
                 server.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
-        subprocess.run([shutil.which("ray") or "ray", "stop", "--force"], capture_output=True, env=env, timeout=120)
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
 
 
