@@ -31,7 +31,7 @@ from pathlib import Path
 from serve_load import start_server, stop_server
 
 # aiperf's warnings about its own side (no GPU telemetry endpoint, its event loop on a busy machine)
-CLIENT_WARNINGS = ("GPU Telemetry", "EventLoopMonitor")
+CLIENT_WARNINGS = ("GPU Telemetry", "gpu_telemetry_manager", "EventLoopMonitor")
 ROWS = ("requests/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms")
 
 
