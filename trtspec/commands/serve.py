@@ -99,21 +99,22 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
 
     if replicas is None and (ray_address or min_replicas or max_replicas or ray_config):
         raise TrtspecError("--ray-address, --min-replicas, --max-replicas and --ray-config go with --replicas N")
+    if served_model_name is None:
+        from trtspec.assets import resolve_target
+
+        source = engine if engine is not None and target is None else resolve_target(target)
+        served_model_name = Path(source).resolve().name
+    # load_pipeline's arguments: this process loads them, or each Ray Serve replica does
+    load = {"target": target, "drafter": drafter, "dtype": dtype, "device": device, "max_context": max_context,
+            "engine": engine, "policy": policy, "draft_vocab": draft_vocab, "draft_counts": draft_counts,
+            "backend": backend, "block_sizes": engine_sizes([block_size] if block_size else [])}
     if replicas is not None:
         from trtspec.serving import ray_serve
 
-        if served_model_name is None:
-            from trtspec.assets import resolve_target
-
-            source = engine if engine is not None and target is None else resolve_target(target)
-            served_model_name = Path(source).resolve().name
         if engine is not None:
             from trtspec.engines.manifest import read_manifest
 
             read_manifest(Path(engine))  # a bad engine directory: one line here, not a failing deployment
-        load = {"target": target, "drafter": drafter, "dtype": dtype, "device": device, "max_context": max_context,
-                "engine": engine, "policy": policy, "draft_vocab": draft_vocab, "draft_counts": draft_counts,
-                "backend": backend, "block_sizes": engine_sizes([block_size] if block_size else [])}
         options = ray_serve.ReplicaOptions(
             load=load, max_concurrency=max_concurrency, max_queued=max_queued,
             block_size=block_size.name if block_size else None, served_model_name=served_model_name,
@@ -154,16 +155,9 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
     config = EngineConfig(max_running=max_concurrency, max_queued=max_queued)
     sock = listen_socket(host, port)  # before the model loads: a port in use is refused at once
     try:
-        pipeline = load_pipeline(target, drafter, dtype, device, max_context=max_context, engine=engine,
-                                 policy=policy, draft_vocab=draft_vocab, draft_counts=draft_counts, backend=backend,
-                                 block_sizes=engine_sizes([block_size] if block_size else []))
+        pipeline = load_pipeline(**load)
         if block_size is not None:
             _check_block_size(pipeline, block_size)
-        if served_model_name is None:
-            from trtspec.assets import resolve_target
-
-            source = engine if engine is not None and target is None else resolve_target(target)
-            served_model_name = Path(source).resolve().name
         server = OpenAIServer(pipeline, config, model_name=served_model_name, block_size=block_size,
                               max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, api_key=api_key or None,
                               metrics_prefix=metrics_prefix)
