@@ -531,6 +531,11 @@ class Engine:
         return self.core.load()
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine still takes and decodes requests (its thread runs and it is not closed)."""
+        return self._thread.is_alive() and not self.core.closed
+
+    @property
     def runner(self) -> BatchRunner:
         return self.core.runner
 

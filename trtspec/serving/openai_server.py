@@ -465,6 +465,28 @@ def _refuse_lone_surrogates(body) -> None:
                 raise _bad(str(exc), named) from None
 
 
+async def read_body(http: HttpRequest, max_bytes: int, timeout_s: float) -> bytes:
+    """The body, refused (413) past max_bytes, declared or sent, and (408) when it has not arrived
+    within timeout_s: a client sending slowly cannot hold the door."""
+    declared = http.headers.get("content-length", "")
+    too_large = ApiError(413, f"the request body is larger than this server's limit of {max_bytes} "
+                              "bytes (--max-body-bytes)", code="request_too_large")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > max_bytes):
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s (--read-timeout)",
+                       code="request_timeout") from None
+    return b"".join(chunks)
+
+
 @dataclass
 class _Outcome:
     text_parts: list[str] = field(default_factory=list)
@@ -631,25 +653,7 @@ class OpenAIServer:
 
     # -- requests ------------------------------------------------------------------------------
     async def _read_body(self, http: HttpRequest) -> bytes:
-        """The body, refused (413) past max_body_bytes, declared or sent, and (408) when it has not
-        arrived within read_timeout_s: a client sending slowly cannot hold the door."""
-        declared = http.headers.get("content-length", "")
-        too_large = ApiError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} "
-                                  "bytes (--max-body-bytes)", code="request_too_large")
-        if declared.isdigit() and (len(declared) > 18 or int(declared) > self.max_body_bytes):
-            raise too_large
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(self.read_timeout_s):
-                async for chunk in http.stream():
-                    size += len(chunk)
-                    if size > self.max_body_bytes:
-                        raise too_large
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.read_timeout_s:g} s (--read-timeout)",
-                           code="request_timeout") from None
-        return b"".join(chunks)
+        return await read_body(http, self.max_body_bytes, self.read_timeout_s)
 
     async def _at_door(self, http: HttpRequest, work):
         """`work(body)` on the door's threads for one of vLLM's utility routes."""

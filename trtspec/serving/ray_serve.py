@@ -1,22 +1,31 @@
 """`trtspec serve --replicas N`: the same OpenAI-compatible app as replicas on Ray Serve.
 
-Each replica is one process that owns one engine: `build_app` (run on the replica, by Ray Serve's
-ingress) loads the pipeline with the options `trtspec serve` was given and returns
-`OpenAIServer`'s FastAPI app, so routes, request checks, streaming and metrics are those of the
-single-process server. Ray Serve's proxy spreads requests over the replicas by their queue length
-(its default router), restarts a replica whose process dies (its health check), and scales their
-number between `min_replicas` and `max_replicas` on ongoing requests when autoscaling is asked.
+Two deployments. `trtspec-engine`: N replicas, each one process that owns one engine and runs
+`OpenAIServer`'s FastAPI app (loaded with the options `trtspec serve` was given), so routes,
+request checks, streaming and metrics are those of the single-process server. `trtspec-server`:
+the HTTP ingress, a thin forwarder without a model (no CPU reserved), that hands each request to
+an engine replica through a deployment handle, where Ray Serve's router picks the replica with
+the shorter queue (of two drawn), and streams its answer back. Ray Serve restarts a replica
+whose process dies (its health check asks the engine) and scales the engine replicas between
+`min_replicas` and `max_replicas` on ongoing requests when autoscaling is asked.
+
+Why the ingress is separate: a replica that dies takes its connections with it, and the proxy
+would end those answers as if they were complete. The ingress outlives it: a request that has
+not sent its client anything yet is retried on another replica (RETRIES), and a stream that has
+started ends with an error event (`data: {"error": ...}`, then `[DONE]`), which OpenAI's clients
+raise as an error.
 
 Metrics: each replica's families (vLLM's and trtspec's) are mirrored every METRICS_PERIOD_S into
 Ray's metrics (`ray.util.metrics` gauges, names with ':' written '_', Ray's `ray_` prefix in front)
 with the replica's id as the `engine` label and a `replica` tag, so the scrape of Ray's metrics
-export sees every replica of the deployment; a replica's own `/metrics` is still served.
+export sees every replica of the deployment; `/metrics` through the ingress is one replica's own.
 
 Ray is an optional extra (`pip install 'trtspec[ray]'`), imported only here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -28,6 +37,8 @@ from trtspec.errors import TrtspecError
 
 METRICS_PERIOD_S = 2.0
 APP_NAME = "trtspec"
+ENGINE, INGRESS = "trtspec-engine", "trtspec-server"  # the deployments' names
+RETRIES = 3  # further replicas a request is offered when the one serving it dies before answering
 
 
 @dataclass(frozen=True)
@@ -59,18 +70,24 @@ class Scaling:
     num_gpus: float = 0.0
     extra: dict = field(default_factory=dict)
 
-    def deployment_options(self, max_ongoing: int) -> dict:
-        options = {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
-                   # requests a replica takes at once: its slots and queue (beyond, Ray Serve queues them)
-                   "max_ongoing_requests": max_ongoing, "health_check_period_s": 2.0,
-                   "health_check_timeout_s": 30.0}
+    def _replica_count(self) -> dict:
         if self.min_replicas is not None or self.max_replicas is not None:
-            options["autoscaling_config"] = {"min_replicas": self.min_replicas or 1,
-                                             "max_replicas": self.max_replicas or max(self.replicas, 1),
-                                             "target_ongoing_requests": self.target_ongoing_requests}
-        else:
-            options["num_replicas"] = self.replicas
-        return {**options, **self.extra}
+            return {"autoscaling_config": {"min_replicas": self.min_replicas or 1,
+                                           "max_replicas": self.max_replicas or max(self.replicas, 1),
+                                           "target_ongoing_requests": self.target_ongoing_requests}}
+        return {"num_replicas": self.replicas}
+
+    def engine_options(self, options: ReplicaOptions) -> dict:
+        """The engine deployment's: its replicas' resources, the requests one takes at once (its
+        slots and queue; beyond, Ray Serve queues them) and a health check that asks the engine."""
+        return {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+                "max_ongoing_requests": options.max_concurrency + options.max_queued,
+                "health_check_period_s": 2.0, "health_check_timeout_s": 30.0, **self._replica_count(), **self.extra}
+
+    def ingress_options(self) -> dict:
+        """The ingress's: as many replicas as the engine (a forwarder per engine spreads the
+        streaming work over the nodes), no CPU reserved (it only forwards bytes)."""
+        return {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 1024, **self._replica_count()}
 
 
 def _ray():
@@ -82,9 +99,9 @@ def _ray():
     return ray, serve
 
 
-def build_app(options: ReplicaOptions):
-    """On a replica: the pipeline, its server (started: a replica that cannot load fails here, and
-    Ray Serve reports it), and the FastAPI app; its metrics mirrored into Ray's."""
+def build_server(options: ReplicaOptions):
+    """On a replica: the pipeline and its server, started (a replica that cannot load fails here,
+    and Ray Serve reports it), with its metrics mirrored into Ray's."""
     import torch
 
     from trtspec.commands.options import load_pipeline
@@ -107,7 +124,114 @@ def build_app(options: ReplicaOptions):
     server.start()
     threading.Thread(target=_mirror_metrics, args=(metrics.registry, replica), name="trtspec-ray-metrics",
                      daemon=True).start()
-    return server.app
+    return server
+
+
+class EngineReplica:
+    """The `trtspec-engine` deployment: one engine and its OpenAI app, which answers the requests
+    the ingress forwards."""
+
+    def __init__(self, options: ReplicaOptions):
+        self.server = build_server(options)
+
+    async def forward(self, request: dict, body: bytes):
+        """The app's ASGI messages for one request (`request`: method, path, query_string and
+        headers), as the app sends them. When the ingress stops reading (its client left), the app
+        sees the client disconnect, which cancels the request's engine work."""
+        messages: asyncio.Queue = asyncio.Queue()
+        gone, delivered = asyncio.Event(), False
+
+        async def receive() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
+                 "method": request["method"], "path": request["path"], "raw_path": request["path"].encode(),
+                 "query_string": request["query_string"], "headers": request["headers"], "root_path": "",
+                 "client": None, "server": None}
+        app = asyncio.ensure_future(self.server.app(scope, receive, messages.put))
+        app.add_done_callback(lambda task: messages.put_nowait(None if task.cancelled() or task.exception() is None
+                                                               else task.exception()))
+        try:
+            while (message := await messages.get()) is not None:
+                if isinstance(message, BaseException):  # the app failed before answering: a bug, reported as 500
+                    raise message
+                yield message
+        finally:
+            gone.set()
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine has stopped is restarted."""
+        engine = self.server.engine
+        if engine is None or not engine.alive:
+            raise RuntimeError("the engine has stopped")
+
+
+def ingress_app():
+    """The `trtspec-server` deployment's FastAPI app: every route forwarded to an engine replica."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response, StreamingResponse
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+
+    from trtspec.serving.openai_server import MAX_BODY_BYTES, READ_TIMEOUT_S, ApiError, read_body
+
+    _, serve = _ray()
+    engines = serve.get_deployment_handle(ENGINE, app_name=APP_NAME).options(stream=True)
+    app = FastAPI(title="trtspec", docs_url=None, redoc_url=None, openapi_url=None)
+    lost = (RayActorError, ReplicaUnavailableError)  # the replica's process died or cannot be reached
+    replica_died = ApiError(503, "the replica serving this request stopped; try again", "service_unavailable",
+                            code="replica_died")
+
+    async def forward(http: Request):
+        try:  # the engine's limits are checked there again; these keep a huge body off the cluster
+            body = await read_body(http, MAX_BODY_BYTES, READ_TIMEOUT_S) if http.method in ("POST", "PUT", "PATCH") else b""
+        except ApiError as error:
+            return error.response()
+        request = {"method": http.method, "path": http.url.path, "query_string": http.url.query.encode(),
+                   "headers": list(http.headers.raw)}
+        for attempt in range(RETRIES + 1):
+            answer = engines.forward.remote(request, body)
+            try:  # the status and the first piece of the body: until the client has these, a retry is safe
+                start = await answer.__anext__()
+                first = await answer.__anext__() if start["type"] == "http.response.start" else start
+            except lost:
+                answer.cancel()
+                await asyncio.sleep(0.5 * (attempt + 1))  # the router learns the replica is gone
+                continue
+            except BackPressureError:
+                return ApiError(429, "every replica's queue is full", "rate_limit_exceeded", code="queue_full").response()
+            break
+        else:
+            return replica_died.response()
+        if not first.get("more_body"):
+            return _raw(Response(first.get("body", b""), status_code=start["status"]), start["headers"])
+
+        async def rest():
+            try:
+                yield first.get("body", b"")
+                async for message in answer:
+                    yield message.get("body", b"")
+            except lost:  # the stream has started: it ends with an error event, as OpenAI's streams do
+                error = replica_died.response().body.decode()
+                yield f"data: {error}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                answer.cancel()  # the client left early: the replica's app sees it disconnect
+        return _raw(StreamingResponse(rest(), status_code=start["status"]), start["headers"])
+
+    forward.__annotations__ = {"http": Request}  # this module's annotations are strings; FastAPI needs the class
+    app.add_api_route("/{path:path}", forward, methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
+    return app
+
+
+def _raw(response, headers: list):
+    """The response with the engine replica's headers, as it sent them."""
+    response.raw_headers = [(bytes(k), bytes(v)) for k, v in headers]
+    return response
 
 
 def _mirror_metrics(registry, replica: str) -> None:
@@ -133,24 +257,20 @@ def _mirror_metrics(registry, replica: str) -> None:
 
 
 def application(options: ReplicaOptions, scaling: Scaling):
-    """The Ray Serve application: one ingress deployment whose replicas each serve `build_app`."""
+    """The Ray Serve application: the ingress, bound to the engine deployment's replicas."""
     _, serve = _ray()
-
-    def builder():  # a plain function: Ray Serve calls it on each replica (a partial would pass for an ASGI app)
-        return build_app(options)
-    replica_class = serve.ingress(builder)()
-    return serve.deployment(replica_class, name="trtspec-server",
-                            **scaling.deployment_options(options.max_concurrency + options.max_queued)).bind()
+    engines = serve.deployment(EngineReplica, name=ENGINE, **scaling.engine_options(options)).bind(options)
+    return serve.deployment(serve.ingress(ingress_app)(), name=INGRESS, **scaling.ingress_options()).bind(engines)
 
 
 def deploy_config(options: ReplicaOptions, scaling: Scaling, host: str, port: int) -> dict:
     """A `serve deploy` config for an existing cluster: the application is built by
     `trtspec.serving.ray_serve:app_builder` from these arguments."""
-    deployment = {"name": "trtspec-server", **scaling.deployment_options(options.max_concurrency + options.max_queued)}
+    deployments = [{"name": ENGINE, **scaling.engine_options(options)}, {"name": INGRESS, **scaling.ingress_options()}]
     return {"proxy_location": "EveryNode", "http_options": {"host": host, "port": port},
             "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "trtspec.serving.ray_serve:app_builder",
                               "args": {"options": asdict(options), "scaling": asdict(scaling)},
-                              "deployments": [deployment]}]}
+                              "deployments": deployments}]}
 
 
 def app_builder(args: dict):
