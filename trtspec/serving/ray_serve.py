@@ -181,7 +181,7 @@ def ingress_app():
     from trtspec.serving.openai_server import MAX_BODY_BYTES, READ_TIMEOUT_S, ApiError, read_body
 
     _, serve = _ray()
-    engines = serve.get_deployment_handle(ENGINE, app_name=APP_NAME).options(stream=True)
+    engines = serve.get_deployment_handle(ENGINE, app_name=APP_NAME).options(stream=True, _by_reference=False)
     app = FastAPI(title="trtspec", docs_url=None, redoc_url=None, openapi_url=None)
     lost = (RayActorError, ReplicaUnavailableError)  # the replica's process died or cannot be reached
     replica_died = ApiError(503, "the replica serving this request stopped; try again", "service_unavailable",
