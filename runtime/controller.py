@@ -30,6 +30,7 @@ class Controller(Protocol):
     running: int                # requests not yet finished
 
     def begin(self, request: int, token: int, start: int) -> None: ...
+    def set_block_size(self, request: int, size: int) -> None: ...  # from the next cycle on (1: AR)
     def step(self, posterior) -> int: ...        # posterior tokens [B] or [R, B]
     def step_greedy(self, logits) -> int: ...    # float32 logits [B, V] or [R, B, V], argmax taken
     def block_size(self, request: int) -> int: ...    # the next cycle's (a growing block changes it)

@@ -147,6 +147,7 @@ class _Active:
     calls: int = 0          # verify calls this request took part in
     shared: int = 0         # requests in those calls, summed
     emitted: int = 0        # committed tokens already handed to on_commit
+    speculated: tuple | None = None  # (histogram, grown cycles, ceilings, tokens) when it turned AR under load
 
 
 class EngineCore:
@@ -172,6 +173,7 @@ class EngineCore:
         # before this one drafts from it, so its features need no copy.
         self._exclusive = config.max_running == 1
         self._timed = hasattr(chooser, "observe_cycle")  # load-aware BlockPilot times every cycle
+        self._turn_ar = False  # the latest `auto` admission was sent to AR by the load: the others follow
 
     # ---- front-end side ------------------------------------------------------------------------
 
@@ -287,6 +289,8 @@ class EngineCore:
     def _iteration(self) -> None:
         if any(a.core is None for a in self._active):
             self._prefill()
+        if self._turn_ar:
+            self._follow_to_ar()
         groups: dict[int, list[_Active]] = {}
         if len(self._active) == 1:  # one request (`trtspec run`): its own group, without the scan
             only = self._active[0]
@@ -308,6 +312,24 @@ class EngineCore:
                 self.chooser.observe_cycle(size, len(members), (time.perf_counter() - began) * 1e3)
         for active in [a for a in self._active if a.core is not None and not a.core.running]:
             self._emit(active)  # any that finished without a cycle
+
+    def _follow_to_ar(self) -> None:
+        """The load-aware chooser sent the latest `auto` admission to AR: it judged the whole batch
+        better off autoregressive at its size. The `auto` requests still speculating turn AR from
+        their next cycle, rather than keep a second call per iteration for the rest of their lives
+        (a batch of 4 greedy requests at B = 8 beside 4 at AR serves 0.73x of one kind per batch:
+        docs/serving.md, "Replicas on Ray Serve: routing"). Lossless: every token after the turn is
+        the target's own, greedy or sampled. Their statistics keep the speculative cycles only."""
+        self._turn_ar = False
+        for active in self._active:
+            core = active.core
+            if core is None or not core.running or not active.request.config.block.auto or core.block_size(0) == 1:
+                continue
+            width = max(active.stats.block_size, active.stats.grow_to)
+            active.speculated = (core.histograms[0, :width].tolist(), core.grown_cycles(0), core.ceilings(0),
+                                 core.count(0))
+            core.set_block_size(0, 1)
+            active.context = None  # the drafter is not asked again
 
     def _prefill(self) -> None:
         """The next chunk of each new request's prompt, `prefill_chunk` tokens in all (so a long prompt
@@ -371,6 +393,7 @@ class EngineCore:
             choice = ask_policy() if self.chooser is None else \
                 self.chooser(ask_policy, self.load(), not config.sampling.greedy)
             check_built_sizes(self.runner, choice)
+            self._turn_ar = self._timed and choice.size == 1
         active.stats = DecodeStats(block_size=choice.size, grow_to=choice.grow_to, prompt_tokens=len(request.prompt),
                                    prefill_s=active.prefill_s, auto=config.block.auto,
                                    policy_s=time.perf_counter() - began if config.block.auto else 0.0,
@@ -489,6 +512,8 @@ class EngineCore:
         if stats is not None and core is not None:
             stats.histogram = core.histograms[0, :max(stats.block_size, stats.grow_to)].tolist()
             stats.grown_cycles, stats.ceilings = core.grown_cycles(0), core.ceilings(0)
+            if active.speculated is not None:  # turned AR under load: its speculative cycles
+                stats.histogram, stats.grown_cycles, stats.ceilings, stats.turned_ar_at = active.speculated
             stats.new_tokens = core.count(0)
             stats.finish_reason = "cancelled" if error is not None else core.finish_reason(0)
             stats.decode_s = time.perf_counter() - active.decoding_since

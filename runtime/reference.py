@@ -89,6 +89,12 @@ class PythonController:
         self.verify_blocks[request, 0] = self.draft_blocks[request, 0] = token
         self.begun[request] = True
 
+    def set_block_size(self, request: int, size: int) -> None:
+        if not 1 <= size <= self.verify_blocks.shape[1]:
+            raise ValueError(f"block size {size} is outside 1..{self.verify_blocks.shape[1]}")
+        self.block_sizes[request] = self.active[request] = size
+        self.grow_to[request] = 0
+
     def _running(self, request: int) -> bool:
         return self.begun[request] and not self.outputs[request].finish_reason
 

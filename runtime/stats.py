@@ -41,6 +41,7 @@ class DecodeStats:
     batch_mean: float = 0.0
     queue_s: float = 0.0    # submitted -> admitted into a slot
     ttft_s: float = 0.0     # submitted -> first token
+    turned_ar_at: int = 0   # `auto` under load: tokens committed when it turned AR (0: it never did)
 
     def __post_init__(self) -> None:
         if not self.histogram:

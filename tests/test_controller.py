@@ -65,7 +65,12 @@ def test_native_controller_matches_the_python_oracle(batch):
         for r, start in enumerate(starts):
             core.begin(r, int(rng.integers(0, VOCAB)) if core is cores[0] else int(cores[0].tokens[r, 0]), start)
     _assert_same(*cores, requests)
+    cycle = 0
     while cores[1].running:
+        cycle += 1
+        if cycle == 3:  # the first request turns autoregressive mid-way (auto under load)
+            for core in cores:
+                core.set_block_size(0, 1)
         if greedy:  # small integers: ties are common, and both must take the first maximum
             logits = rng.integers(0, 3, (requests, width, LOGITS_VOCAB)).astype(np.float32)
             posterior = logits.argmax(axis=-1)
@@ -111,6 +116,8 @@ def test_a_growing_block_grows_after_a_full_base_block_and_shrinks_after_a_short
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError):
         native_controller([0], [5], [[]], MASK)
+    with pytest.raises(ValueError):  # a block wider than the controller's buffers
+        native_controller([4], [5], [[]], MASK).set_block_size(0, 5)
     for base, grown in ((4, 4), (4, 2), (1, 4)):  # a block grows from B >= 2 to a larger size
         with pytest.raises(ValueError):
             native_controller([base], [5], [[]], MASK, [grown])

@@ -238,6 +238,42 @@ def _cycles(size: int, accepted: dict[int, int]) -> list[int]:
     return [accepted.get(a, 0) for a in range(size)]
 
 
+def test_auto_requests_still_speculating_turn_ar_when_the_load_sends_a_later_one_to_ar(demo_eager):
+    """A burst of `auto` requests went to B = 8; then the load-aware chooser sends the next `auto`
+    admission to AR (it judged the batch better off AR): the speculating `auto` requests turn AR
+    from their next cycle (one call per iteration, not two), a request with a fixed size keeps it,
+    every output is still exactly AR's, and their statistics keep their speculative cycles."""
+    from trtspec.runtime.stats import committed_tokens
+
+    core = demo_eager.engine_core(EngineConfig(max_running=8))
+    admissions = []
+
+    def first_wave_then_ar(choice, load, sampled=False):  # the chooser's verdicts, in a fixed order
+        admissions.append(load)
+        return BlockChoice(8) if len(admissions) <= 3 else AR
+    first_wave_then_ar.observe, first_wave_then_ar.observe_cycle = core.chooser.observe, core.chooser.observe_cycle
+    core.chooser = first_wave_then_ar
+    prompts = [demo_eager.codec.encode(p) for p in load_prompts("humaneval", 5)[1]]
+    auto, fixed = GenerationConfig(block=AUTO, max_new_tokens=48), GenerationConfig(block=BlockChoice(8), max_new_tokens=48)
+    requests = [core.submit(prompt, auto) for prompt in prompts[:3]] + [core.submit(prompts[3], fixed)]
+    for _ in range(4):
+        core.step()
+    assert core.load().block_sizes == (8, 8, 8, 8)  # prefilled and speculating, none finished
+    requests.append(core.submit(prompts[4], auto))
+    core.step()
+    assert core.load().block_sizes == (1, 1, 1, 8, 1)  # the burst followed the late one; the fixed one did not
+    while core.busy:
+        core.step()
+    expected = demo_eager.core.generate(prompts, [GenerationConfig(block=AR, max_new_tokens=48)] * 5)
+    assert [r.result(timeout=0).tokens for r in requests] == [g.tokens for g in expected]
+    for request in requests[:3]:
+        stats = request.stats
+        assert stats.block_size == 8 and stats.auto and stats.new_tokens == 48 and sum(stats.histogram) >= 3
+        assert stats.turned_ar_at == 1 + committed_tokens(stats.histogram) < 48  # its cycles: those before it
+    assert requests[3].stats.turned_ar_at == 0 and 1 + committed_tokens(requests[3].stats.histogram) >= 48
+    assert requests[4].stats.block_size == 1 and requests[4].stats.turned_ar_at == 0
+
+
 def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
     from trtspec.blockpilot.costs import CostTable
     from trtspec.blockpilot.load import LoadAwareChooser

@@ -112,6 +112,13 @@ void Controller::begin(size_t r, int64_t token, int64_t start) {
     verify_blocks_[r * width_] = draft_blocks_[r * width_] = token;
 }
 
+void Controller::set_block_size(size_t r, int64_t size) {
+    if (r >= requests()) throw std::out_of_range("no request " + std::to_string(r));
+    if (size < 1 || static_cast<size_t>(size) > width_)
+        throw std::invalid_argument("block size " + std::to_string(size) + " is outside 1.." + std::to_string(width_));
+    block_sizes_[r] = grow_to_[r] = active_[r] = size;
+}
+
 // Accept the longest prefix of drafts that the target agrees with (draft k against the target's
 // token for its position, posterior(k-1)), commit it and the bonus posterior(a), choose the next
 // cycle's block size, move on.

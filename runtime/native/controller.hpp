@@ -40,6 +40,10 @@ public:
     // Commit the prefill's token for request r, whose position is `start`.
     void begin(size_t r, int64_t token, int64_t start);
 
+    // From the next cycle on, request r runs blocks of `size` (1: autoregressive), never growing:
+    // what it has committed, its position and its statistics so far stay.
+    void set_block_size(size_t r, int64_t size);
+
     // One cycle for every running request from its posterior tokens (row r: block positions
     // 0..B-1). The drafts are those in the verify block. Returns how many requests still run.
     size_t step(const Rows<int64_t>& posterior);

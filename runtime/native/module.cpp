@@ -62,6 +62,7 @@ NB_MODULE(_native, m) {
              nb::arg("block_sizes"), nb::arg("limits"), nb::arg("stop_ids"), nb::arg("mask_token_id"),
              nb::arg("grow_to") = std::vector<int64_t>())
         .def("begin", &Controller::begin, nb::arg("request"), nb::arg("token"), nb::arg("start"))
+        .def("set_block_size", &Controller::set_block_size, nb::arg("request"), nb::arg("size"))
         .def("step", [](Controller& c, const Int64Array& posterior) { return c.step(rows(posterior)); },
              nb::arg("posterior"), nb::call_guard<nb::gil_scoped_release>())
         .def("step_greedy", &step_greedy, nb::arg("logits"), nb::call_guard<nb::gil_scoped_release>())

@@ -509,6 +509,8 @@ def trtspec_extension(stats: DecodeStats | None) -> dict:
     for name in ("queue_s", "ttft_s", "batch_mean"):  # the batched engine's fields
         if getattr(stats, name, None) is not None:
             out[name] = getattr(stats, name)
+    if stats.turned_ar_at:  # `auto` turned AR under load after this many tokens (its cycles: before it)
+        out["turned_ar_at"] = stats.turned_ar_at
     return out
 
 
