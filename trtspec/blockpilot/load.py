@@ -60,7 +60,11 @@ speculating batch, explores). And a size is not explored where it could not pay:
 size has the evidence, and even its cycles that accepted every draft extended to the whole larger
 block leave the larger size behind the best at this load.
 
-The choice is still made once per request, at admission, as in the research. Where the load
+The choice is made once per request, at admission, as in the research, with one exception: when
+the chooser sends an `auto` admission to AR, it has judged the whole batch better off AR at its
+size, so the `auto` requests still speculating turn AR from their next cycle (the engine's
+`_follow_to_ar`) instead of keeping a second call in every iteration for the rest of their lives;
+a request with a fixed size keeps it. Where the load
 settles the size whatever the policy answers (AR, or a size no larger than any of the policy's
 choices), the policy is not asked: its forward (mostly the prompt's confidence over the prefill's
 tail logits) runs on the engine thread, and no request decodes meanwhile.
