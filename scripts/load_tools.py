@@ -8,12 +8,18 @@ figures side by side (requests/s, output tokens/s, TTFT and inter-token latency 
 concurrency how `auto` compares with the better of AR and the best fixed size, in the same run.
 Servers start on free loopback ports and are stopped by PID at the end (scripts/serve_load.py).
 
+With --one-server (aiperf only), one server (its default block size) serves every setting, sent as
+each request's `block_size` field, and the settings take turns at each concurrency: two server
+processes started one after the other differ by about 10% on a small machine, more than the
+settings may (docs/benchmarks.md).
+
 The tools are clients, not dependencies of trtspec: give them their own environment,
 
     python -m venv .venv-load && .venv-load/bin/pip install 'aiperf==0.13.*' 'guidellm==0.8.*'
     python scripts/load_tools.py --aiperf .venv-load/bin/aiperf --guidellm .venv-load/bin/guidellm \
         --concurrency 1,8 --json load.json
     python scripts/load_tools.py --aiperf .venv-load/bin/aiperf -- --engine ENGINE_DIR   # serve args after --
+    python scripts/load_tools.py --aiperf .venv-load/bin/aiperf --one-server --concurrency 8
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ def write_prompts(work: Path, count: int, output_tokens: int) -> tuple[Path, Pat
 
 
 def aiperf(tool: str, url: str, model: str, tokenizer: str, prompts: Path, concurrency: int, requests: int,
-           output_tokens: int, artifacts: Path) -> dict:
-    """One aiperf run; its figures from profile_export_aiperf.json."""
+           output_tokens: int, artifacts: Path, block_size: str | None = None) -> dict:
+    """One aiperf run (`block_size`: every request's field; None: the server's); its figures from
+    profile_export_aiperf.json."""
     command = [tool, "profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
                "--concurrency", str(concurrency), "--request-count", str(requests),
                "--warmup-request-count", str(concurrency), "--input-file", str(prompts),
@@ -57,6 +64,8 @@ def aiperf(tool: str, url: str, model: str, tokenizer: str, prompts: Path, concu
                "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{output_tokens}",
                "--extra-inputs", "temperature:0", "--tokenizer", tokenizer, "--artifact-dir", str(artifacts),
                "--ui-type", "none"]
+    if block_size is not None:
+        command += ["--extra-inputs", f"block_size:{block_size}"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"aiperf failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -103,13 +112,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--aiperf", default=shutil.which("aiperf"), help="aiperf executable (default: on PATH).")
     parser.add_argument("--guidellm", help="Also run guidellm (this executable) at every level.")
-    parser.add_argument("--settings", default="AR,8,auto", help="Comma-separated --block-size of each server.")
+    parser.add_argument("--settings", default="AR,8,auto", help="Comma-separated block sizes: each server's --block-size (or, with --one-server, each request's).")
     parser.add_argument("--concurrency", default="1,4,8,16", help="Comma-separated client counts.")
     parser.add_argument("--requests", type=int, default=8, help="Requests per client at each level.")
     parser.add_argument("--output-tokens", type=int, default=128, help="Tokens every request generates.")
     parser.add_argument("--prompts", type=int, default=64, help="First N HumanEval prompts.")
     parser.add_argument("--threads", type=int, help="trtspec --threads for the servers.")
     parser.add_argument("--json", metavar="FILE", help="Also write the figures as JSON.")
+    parser.add_argument("--one-server", action="store_true",
+                        help="One server for every setting (each request's block_size field), settings in turn.")
     parser.add_argument("server_args", nargs="*", help="Arguments for trtspec serve (after --).")
     args = parser.parse_args()
     if not args.aiperf:
@@ -117,32 +128,39 @@ def main() -> None:
     from trtspec.assets import resolve_target
 
     settings, levels = args.settings.split(","), [int(c) for c in args.concurrency.split(",")]
+    if args.one_server and args.guidellm:
+        raise SystemExit("--one-server sends block_size in aiperf's requests; guidellm cannot: run it without --one-server")
     results: dict[str, dict[str, dict[int, dict]]] = {"aiperf": {}, "guidellm": {}}
+    tokenizer = str(resolve_target(None))  # the served pair's tokenizer: the same for the demo pair
     with tempfile.TemporaryDirectory(prefix="trtspec-load-") as scratch:
         work = Path(scratch)
         prompts, rows = write_prompts(work, args.prompts, args.output_tokens)
-        for setting in settings:
-            process, url = start_server(["--block-size", setting, "--max-concurrency", str(max(levels)),
-                                         *args.server_args], args.threads, work / f"server-{setting}.log")
+
+        def measure(url: str, model: str, setting: str, level: int, per_request: bool) -> None:
+            runs = {"aiperf": lambda: aiperf(args.aiperf, url, model, tokenizer, prompts, level, args.requests * level,
+                                             args.output_tokens, work / f"{setting}-c{level}",
+                                             setting if per_request else None)}
+            if args.guidellm:
+                runs["guidellm"] = lambda: guidellm(args.guidellm, url, rows, level, args.requests * level,
+                                                    work / f"{setting}-c{level}-guidellm.json")
+            for tool, run in runs.items():
+                before = blockpilot_choices(url)
+                row = results[tool].setdefault(setting, {})[level] = run()
+                after = blockpilot_choices(url)  # warm-up requests included
+                row["blockpilot choices"] = {b: after[b] - before.get(b, 0) for b in after if after[b] > before.get(b, 0)}
+                print(f"{tool:>8} {setting:>5} c={level:<3} " + "  ".join(f"{k} {row[k]:.1f}" for k in ROWS), flush=True)
+
+        servers = [None] if args.one_server else settings
+        for server_setting in servers:
+            flags = [] if server_setting is None else ["--block-size", server_setting]
+            process, url = start_server([*flags, "--max-concurrency", str(max(levels)), *args.server_args], args.threads,
+                                        work / f"server-{server_setting or 'one'}.log")
             try:
                 with urllib.request.urlopen(url + "/v1/models", timeout=30) as response:
                     model = json.loads(response.read())["data"][0]["id"]
-                tokenizer = str(resolve_target(None))  # the served pair's tokenizer: the same for the demo pair
                 for level in levels:
-                    runs = {"aiperf": lambda: aiperf(args.aiperf, url, model, tokenizer, prompts, level,
-                                                     args.requests * level, args.output_tokens,
-                                                     work / f"{setting}-c{level}")}
-                    if args.guidellm:
-                        runs["guidellm"] = lambda: guidellm(args.guidellm, url, rows, level, args.requests * level,
-                                                            work / f"{setting}-c{level}-guidellm.json")
-                    for tool, run in runs.items():
-                        before = blockpilot_choices(url)
-                        row = results[tool].setdefault(setting, {})[level] = run()
-                        after = blockpilot_choices(url)  # warm-up requests included
-                        row["blockpilot choices"] = {b: after[b] - before.get(b, 0) for b in after
-                                                     if after[b] > before.get(b, 0)}
-                        print(f"{tool:>8} {setting:>5} c={level:<3} " + "  ".join(f"{k} {row[k]:.1f}" for k in ROWS),
-                              flush=True)
+                    for setting in settings if server_setting is None else [server_setting]:
+                        measure(url, model, setting, level, per_request=server_setting is None)
             finally:
                 stop_server(process)
     for tool in [t for t in results if results[t]]:
