@@ -147,7 +147,6 @@ class _Active:
     calls: int = 0          # verify calls this request took part in
     shared: int = 0         # requests in those calls, summed
     emitted: int = 0        # committed tokens already handed to on_commit
-    speculated: tuple | None = None  # (histogram, grown cycles, ceilings, tokens) when it turned AR under load
 
 
 class EngineCore:
@@ -325,9 +324,8 @@ class EngineCore:
             core = active.core
             if core is None or not core.running or not active.request.config.block.auto or core.block_size(0) == 1:
                 continue
-            width = max(active.stats.block_size, active.stats.grow_to)
-            active.speculated = (core.histograms[0, :width].tolist(), core.grown_cycles(0), core.ceilings(0),
-                                 core.count(0))
+            self._record_cycles(active)
+            active.stats.turned_ar_at = core.count(0)
             core.set_block_size(0, 1)
             active.context = None  # the drafter is not asked again
 
@@ -501,6 +499,13 @@ class EngineCore:
         if not core.running:
             self._retire(active)
 
+    @staticmethod
+    def _record_cycles(active: _Active) -> None:
+        """The request's cycles so far (acceptance histogram, grown cycles, ceilings) in its statistics."""
+        stats, core = active.stats, active.core
+        stats.histogram = core.histograms[0, :max(stats.block_size, stats.grow_to)].tolist()
+        stats.grown_cycles, stats.ceilings = core.grown_cycles(0), core.ceilings(0)
+
     def _retire(self, active: _Active, error: BaseException | None = None) -> None:
         """Free the slot at once and finish the request (with its statistics, or its error)."""
         with self.lock:
@@ -510,10 +515,8 @@ class EngineCore:
             self._free.append(active.slot)
         stats, core = active.stats, active.core
         if stats is not None and core is not None:
-            stats.histogram = core.histograms[0, :max(stats.block_size, stats.grow_to)].tolist()
-            stats.grown_cycles, stats.ceilings = core.grown_cycles(0), core.ceilings(0)
-            if active.speculated is not None:  # turned AR under load: its speculative cycles
-                stats.histogram, stats.grown_cycles, stats.ceilings, stats.turned_ar_at = active.speculated
+            if not stats.turned_ar_at:  # one that turned AR under load keeps its speculative cycles
+                self._record_cycles(active)
             stats.new_tokens = core.count(0)
             stats.finish_reason = "cancelled" if error is not None else core.finish_reason(0)
             stats.decode_s = time.perf_counter() - active.decoding_since
