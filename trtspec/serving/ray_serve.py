@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from trtspec.errors import TrtspecError
+from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
 
 METRICS_PERIOD_S = 2.0
 APP_NAME = "trtspec"
@@ -52,8 +53,8 @@ class ReplicaOptions:
     served_model_name: str = "model"
     api_key: str | None = None
     metrics_prefix: str = "vllm:"
-    max_body_bytes: int = 0
-    read_timeout_s: float = 0.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    read_timeout_s: float = READ_TIMEOUT_S
     threads: int | None = None
 
 
@@ -171,14 +172,14 @@ class EngineReplica:
             raise RuntimeError("the engine has stopped")
 
 
-def ingress_app():
+def ingress_app(options: ReplicaOptions):
     """The `trtspec-server` deployment's FastAPI app: every route forwarded to an engine replica."""
     from fastapi import FastAPI, Request
     from fastapi.responses import Response, StreamingResponse
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 
-    from trtspec.serving.openai_server import MAX_BODY_BYTES, READ_TIMEOUT_S, ApiError, read_body
+    from trtspec.serving.openai_server import ApiError, read_body
 
     _, serve = _ray()
     engines = serve.get_deployment_handle(ENGINE, app_name=APP_NAME).options(stream=True, _by_reference=False)
@@ -189,7 +190,8 @@ def ingress_app():
 
     async def forward(http: Request):
         try:  # the engine's limits are checked there again; these keep a huge body off the cluster
-            body = await read_body(http, MAX_BODY_BYTES, READ_TIMEOUT_S) if http.method in ("POST", "PUT", "PATCH") else b""
+            body = await read_body(http, options.max_body_bytes, options.read_timeout_s) \
+                if http.method in ("POST", "PUT", "PATCH") else b""
         except ApiError as error:
             return error.response()
         request = {"method": http.method, "path": http.url.path, "query_string": http.url.query.encode(),
@@ -260,7 +262,9 @@ def application(options: ReplicaOptions, scaling: Scaling):
     """The Ray Serve application: the ingress, bound to the engine deployment's replicas."""
     _, serve = _ray()
     engines = serve.deployment(EngineReplica, name=ENGINE, **scaling.engine_options(options)).bind(options)
-    return serve.deployment(serve.ingress(ingress_app)(), name=INGRESS, **scaling.ingress_options()).bind(engines)
+    def builder():  # a plain function: Ray Serve calls it on each ingress replica (a partial would pass for an ASGI app)
+        return ingress_app(options)
+    return serve.deployment(serve.ingress(builder)(), name=INGRESS, **scaling.ingress_options()).bind(engines)
 
 
 def deploy_config(options: ReplicaOptions, scaling: Scaling, host: str, port: int) -> dict:
