@@ -1,8 +1,10 @@
-"""`trtspec serve --replicas 2` on a real two-node Ray cluster on this machine.
+"""`trtspec serve --replicas 2` on a real Ray cluster on this machine.
 
-A head and a worker node are started as separate processes (`ray start`, one CPU each, so each
-node holds one replica), the server is deployed on them as a subprocess, driven by the `openai`
-client, and everything is stopped by the test. One cluster serves every test of the file.
+The cluster is started as a separate process (`ray start --head`, two CPUs: one replica each; a
+cluster joined over --ray-address, as in production), the server is deployed on it as a
+subprocess, driven by the `openai` client, and everything is stopped by the test. One cluster
+serves every test of the file. (Until 2026-12-04 a second node joined it, one replica per node:
+its start-up cost the suite's time budget, and nothing the tests check relied on it.)
 """
 
 from __future__ import annotations
@@ -40,24 +42,23 @@ def free_port() -> int:
 
 
 def ray_start(*args: str, env: dict) -> None:
-    done = subprocess.run([RAY, "start", "--num-cpus", "1", "--disable-usage-stats", *args],
+    done = subprocess.run([RAY, "start", "--num-cpus", "2", "--disable-usage-stats", *args],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """(the server's URL, the two nodes' metrics URLs, the server process)."""
+    """(the server's URL, the node's metrics URL, the server process)."""
     # short: Ray's unix sockets live under it, and a socket path is at most 107 bytes (pytest's are long)
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     # a home of its own: Ray keeps the cluster's auth token in ~/.ray, which an earlier cluster may have left
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp), "HOME": str(temp)}
-    port, metrics = free_port(), [free_port(), free_port()]
-    ray_start("--head", "--port", str(port), "--include-dashboard", "false", "--metrics-export-port", str(metrics[0]),
+    port, metrics = free_port(), free_port()
+    ray_start("--head", "--port", str(port), "--include-dashboard", "false", "--metrics-export-port", str(metrics),
               "--temp-dir", str(temp), env=env)
     server = None
     try:
-        ray_start("--address", f"127.0.0.1:{port}", "--metrics-export-port", str(metrics[1]), env=env)
         http = free_port()
         log = temp / "serve.log"
         server = subprocess.Popen([sys.executable, "-m", "trtspec", "--threads", "1", "serve", "--replicas", "2",
@@ -67,7 +68,7 @@ def cluster():
         while "replicas on Ray Serve" not in log.read_text(errors="replace"):  # deployed and ready
             assert server.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.5)
-        yield f"http://127.0.0.1:{http}", [f"http://127.0.0.1:{m}/metrics" for m in metrics], server
+        yield f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics", server
     finally:
         if server is not None and server.poll() is None:
             server.send_signal(signal.SIGINT)
@@ -95,20 +96,19 @@ def client(url: str) -> "openai.OpenAI":
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def replica_counts(metrics_urls: list[str]) -> dict[str, float]:
-    """Finished requests per replica, from Ray's metrics export of every node."""
+def replica_counts(metrics_url: str) -> dict[str, float]:
+    """Finished requests per replica, from Ray's metrics export of the node."""
     counts = collections.Counter()
-    for url in metrics_urls:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            text = response.read().decode()
-        for match in re.finditer(r'^ray_vllm_request_success_total\{([^}]*)\} (\S+)$', text, re.M):
-            replica = re.search(r'replica="([^"]+)"', match.group(1)).group(1)
-            counts[replica] += float(match.group(2))
+    with urllib.request.urlopen(metrics_url, timeout=30) as response:
+        text = response.read().decode()
+    for match in re.finditer(r'^ray_vllm_request_success_total\{([^}]*)\} (\S+)$', text, re.M):
+        replica = re.search(r'replica="([^"]+)"', match.group(1)).group(1)
+        counts[replica] += float(match.group(2))
     return counts
 
 
 def test_two_replicas_share_32_concurrent_requests_and_answer_like_one_process(cluster, reference):
-    url, metrics_urls, _ = cluster
+    url, metrics_url, _ = cluster
     api = client(url)
 
     def one(index: int):
@@ -125,9 +125,9 @@ def test_two_replicas_share_32_concurrent_requests_and_answer_like_one_process(c
     served = collections.Counter(replica for _, replica in answers)
     assert len(served) == 2, served
     deadline = time.monotonic() + 30  # the replicas mirror their metrics into Ray's every 2 s
-    while time.monotonic() < deadline and not all(replica_counts(metrics_urls).get(r, 0) >= n for r, n in served.items()):
+    while time.monotonic() < deadline and not all(replica_counts(metrics_url).get(r, 0) >= n for r, n in served.items()):
         time.sleep(1)
-    counts = replica_counts(metrics_urls)
+    counts = replica_counts(metrics_url)
     assert all(counts[replica] >= n for replica, n in served.items()), (counts, served)
 
 
@@ -135,8 +135,8 @@ def test_a_killed_replica_is_restarted_and_the_other_keeps_serving(cluster, refe
     url, _, server = cluster
     api, pids = client(url), {}
     deadline = time.monotonic() + 60
-    while len(pids) < 2 and time.monotonic() < deadline:  # concurrent requests reach both replicas (alone,
-        answers = []                                       # a request goes to the proxy's own node's replica)
+    while len(pids) < 2 and time.monotonic() < deadline:  # concurrent requests reach both replicas
+        answers = []
         threads = [threading.Thread(target=lambda: answers.append(
             api.completions.create(model=MODEL, prompt="x", max_tokens=8).model_extra["trtspec"]["replica"]))
             for _ in range(8)]
@@ -203,20 +203,20 @@ def test_a_killed_replica_is_restarted_and_the_other_keeps_serving(cluster, refe
 
 
 def test_a_bad_engine_directory_is_one_line_before_any_deployment(tmp_path):
-    from helpers import assert_one_line_error, trtspec
+    from helpers import assert_one_line_error, trtspec_in_process
 
-    result = trtspec("serve", "--replicas", "2", "--engine", tmp_path / "nothing")
+    result = trtspec_in_process("serve", "--replicas", "2", "--engine", tmp_path / "nothing")
     assert_one_line_error(result, "nothing")
-    assert_one_line_error(trtspec("serve", "--ray-address", "127.0.0.1:1"), "go with --replicas N")
+    assert_one_line_error(trtspec_in_process("serve", "--ray-address", "127.0.0.1:1"), "go with --replicas N")
 
 
 def test_the_serve_deploy_config_builds_the_same_application(tmp_path):
     """--ray-config writes what `serve deploy` needs; its import path builds the application from it."""
-    from helpers import trtspec
+    from helpers import trtspec_in_process
     from trtspec.serving.ray_serve import app_builder
 
     config = tmp_path / "serve.json"
-    result = trtspec("serve", "--replicas", "3", "--replica-gpus", "1", "--max-concurrency", "4", "--ray-config", config)
+    result = trtspec_in_process("serve", "--replicas", "3", "--replica-gpus", "1", "--max-concurrency", "4", "--ray-config", config)
     assert result.returncode == 0, result.stderr.decode()
     application = json.loads(config.read_text())["applications"][0]
     assert application["import_path"] == "trtspec.serving.ray_serve:app_builder"
