@@ -4,7 +4,7 @@ import json
 import statistics
 
 import pytest
-from helpers import assert_one_line_error, trtspec
+from helpers import assert_one_line_error, trtspec, trtspec_in_process
 
 from trtspec.perf.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, run_bench,
                            speedups)
@@ -153,7 +153,8 @@ def test_cli_end_to_end(target_dir, drafter_dir, prompts_file, tmp_path):
     (("--seed", 2**64), "--seed must be an integer in [0, 2**63-1]"),
 ])
 def test_bad_input_gives_one_clear_line(args, message, target_dir, drafter_dir):
-    result = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, *args)
+    """In-process (the entry point's own subprocess tests: test_cli.py, test_inputs.py)."""
+    result = trtspec_in_process("bench", "--target", target_dir, "--drafter", drafter_dir, *args)
     stderr = result.stderr.decode()
     assert result.returncode == 1 and "Traceback" not in stderr
     assert len(stderr.strip().splitlines()) == 1 and message in stderr, stderr

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_one_line_error, trtspec
+from helpers import assert_one_line_error, trtspec, trtspec_in_process
 
 from trtspec.dbloom.histogram import Preflight, per_position_acceptance
 from trtspec.training.blocks import position_weights
@@ -136,9 +136,9 @@ def test_teacher_forced_acceptance_equals_drafting_each_context_through_the_infe
 
 
 def test_teacher_forced_preflight_refuses_sampling_and_engines(tmp_path):
-    result = trtspec("preflight", "--teacher-forced", "--temperature", 1, "--limit", 1)
+    result = trtspec_in_process("preflight", "--teacher-forced", "--temperature", 1, "--limit", 1)
     assert_one_line_error(result, "--teacher-forced", "greedy")
-    result = trtspec("preflight", "--teacher-forced", "--engine", tmp_path, "--limit", 1)
+    result = trtspec_in_process("preflight", "--teacher-forced", "--engine", tmp_path, "--limit", 1)
     assert_one_line_error(result, "--teacher-forced", "--engine")
 
 

@@ -216,9 +216,9 @@ def test_engine_from_other_checkpoints_is_refused_on_the_command_line(ort_engine
     other = save_random_drafter(tmp_path / "other-drafter", pair[0], seed=7)
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def add(a, b):\n")
-    assert_one_line_error(trtspec("run", prompt, "--engine", ort_engine, "--target", target_dir, "--drafter", other),
-                          "built from another drafter checkpoint")
-    assert_one_line_error(trtspec("run", prompt, "--engine", _damaged(ort_engine, tmp_path, "corrupted graph")),
+    assert_one_line_error(trtspec_in_process("run", prompt, "--engine", ort_engine, "--target", target_dir,
+                                             "--drafter", other), "built from another drafter checkpoint")
+    assert_one_line_error(trtspec_in_process("run", prompt, "--engine", _damaged(ort_engine, tmp_path, "corrupted graph")),
                           "does not match its SHA-256")
 
 

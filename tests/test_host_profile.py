@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers import trtspec
+from helpers import trtspec, trtspec_in_process
 
 
 def test_profile_host_end_to_end(ort_engine_dir, tmp_path):
@@ -25,7 +25,7 @@ def test_profile_host_end_to_end(ort_engine_dir, tmp_path):
 
 
 def test_profile_needs_a_built_engine(target_dir, drafter_dir):
-    result = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--profile-host")  # the old name too
+    result = trtspec_in_process("bench", "--target", target_dir, "--drafter", drafter_dir, "--profile-host")  # the old name too
     stderr = result.stderr.decode()
     assert result.returncode == 1 and "Traceback" not in stderr and "--engine DIR" in stderr, stderr
 

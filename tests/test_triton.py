@@ -529,7 +529,7 @@ def test_triton_repo_refuses_a_damaged_engine(tmp_path, ort_engine_dir):
     engine = tmp_path / "engine"
     shutil.copytree(ort_engine_dir, engine)
     (engine / "draft.onnx").write_bytes(b"broken")
-    result = trtspec("triton-repo", "--engine", engine, "-o", tmp_path / "repo")
+    result = trtspec_in_process("triton-repo", "--engine", engine, "-o", tmp_path / "repo")
     assert result.returncode == 1 and b"rebuild the engine" in result.stderr
     assert not (tmp_path / "repo").exists()
 
