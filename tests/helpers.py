@@ -163,15 +163,26 @@ def trtspec(*args, stdin: bytes | None = None, timeout: int = 300,
                           capture_output=True, timeout=timeout, env=environment)
 
 
-def trtspec_in_process(*args) -> subprocess.CompletedProcess:
-    """Invoke the real `trtspec` command through click's CliRunner (no interpreter start-up: for
-    commands that refuse before any work). An exception other than click's exit is a bug (it
-    would have been a traceback) and is raised."""
+def trtspec_in_process(*args, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """Invoke the real `trtspec` command through click's CliRunner: the same command as the entry
+    point, without an interpreter's start-up (~4 s here, most of a small command's time). For
+    commands that need no process of their own (no stdin, signals or servers). An exception other
+    than click's exit is a bug (it would have been a traceback) and is raised. `env`: variables set
+    (or, with None, unset) for the call; torch's thread count is restored after it."""
     from click.testing import CliRunner
 
     from trtspec.cli import cli
 
-    result = CliRunner().invoke(cli, [str(a) for a in args])
+    saved = {name: os.environ.get(name) for name in env or {}}
+    threads = torch.get_num_threads()
+    try:
+        for name, value in (env or {}).items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        result = CliRunner().invoke(cli, [str(a) for a in args])
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        torch.set_num_threads(threads)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout_bytes, result.stderr_bytes)

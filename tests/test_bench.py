@@ -4,7 +4,7 @@ import json
 import statistics
 
 import pytest
-from helpers import assert_one_line_error, trtspec, trtspec_in_process
+from helpers import assert_one_line_error, trtspec_in_process
 
 from trtspec.perf.bench import (BenchConfig, BenchReport, BenchRun, load_prompts, run_bench,
                            speedups)
@@ -117,7 +117,7 @@ def test_greedy_speculation_matches_ar_and_sampling_reproduces(pipeline):
 
 def test_cli_end_to_end(target_dir, drafter_dir, prompts_file, tmp_path):
     out = tmp_path / "out" / "bench.json"
-    result = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts_file,
+    result = trtspec_in_process("bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts_file,
                      "--limit", 2, "--repeats", 2, "--block-sizes", "4,8", "--max-new-tokens", 16, "--json", out)
     assert result.returncode == 0, result.stderr.decode()
     data = json.loads(out.read_text())
@@ -163,7 +163,7 @@ def test_bad_input_gives_one_clear_line(args, message, target_dir, drafter_dir):
 
 def test_bench_concurrency_through_the_cli(target_dir, drafter_dir, prompts_file, tmp_path):
     out = tmp_path / "load.json"
-    result = trtspec("--threads", "1", "bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts",
+    result = trtspec_in_process("--threads", "1", "bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts",
                      prompts_file, "--block-sizes", "4,8", "--concurrency", "1,3", "--max-new-tokens", "12",
                      "--repeats", "1", "--json", out)
     assert result.returncode == 0, result.stderr
@@ -186,7 +186,7 @@ def test_bench_concurrency_through_the_cli(target_dir, drafter_dir, prompts_file
         assert best["vs_best"] == best["vs_best_paired"] == 1 and best["vs_best_ci95"] == [1, 1]
         assert all(r["vs_best"] == pytest.approx(r["throughput_tokens_per_s"] / best["throughput_tokens_per_s"])
                    for r in cell)
-    bad = trtspec("bench", "--target", target_dir, "--drafter", drafter_dir, "--concurrency", "0,4")
+    bad = trtspec_in_process("bench", "--target", target_dir, "--drafter", drafter_dir, "--concurrency", "0,4")
     assert_one_line_error(bad, "--concurrency takes client counts")
 
 

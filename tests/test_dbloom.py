@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_one_line_error, trtspec, trtspec_in_process
+from helpers import assert_one_line_error, trtspec_in_process
 
 from trtspec.dbloom.histogram import Preflight, per_position_acceptance
 from trtspec.training.blocks import position_weights
@@ -59,7 +59,7 @@ def test_preflight_command_writes_the_documented_json_and_plot(target_dir, draft
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):\n", "import os\n"]))
     out, png = tmp_path / "pre.json", tmp_path / "pre.png"
-    result = trtspec("preflight", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts,
+    result = trtspec_in_process("preflight", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts,
                      "--block-size", 8, "--max-new-tokens", 24, "--json", out, "--plot", png)
     assert result.returncode == 0, result.stderr.decode()
     data = json.loads(out.read_text())
@@ -84,7 +84,7 @@ def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, dr
     args = ("expand-block", "--target", target_dir, "--drafter", drafter_dir, "--to", 20, "--data", data,
             "-o", output, "--steps", 4, "--stages", 2, "--continue-steps", 2, "--batch-size", 2, "--anchors", 2,
             "--distill", 0.5, "--settle-steps", 2)
-    result = trtspec("--threads", 1, *args)
+    result = trtspec_in_process("--threads", 1, *args)
     assert result.returncode == 0, result.stderr.decode()
     config = json.loads((output / "config.json").read_text())
     assert config["block_size"] == 20
@@ -93,7 +93,7 @@ def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, dr
     assert config["trtspec_lineage"]["distill_weight"] == 0.5  # early positions kept close to the source
     stage = output.parent / "b20.work" / "stage1-b18" / "config.json"
     before = stage.stat().st_mtime_ns
-    assert trtspec("--threads", 1, *args).returncode == 0  # finished stages are reused, not retrained
+    assert trtspec_in_process("--threads", 1, *args).returncode == 0  # finished stages are reused, not retrained
     assert stage.stat().st_mtime_ns == before
     pipeline = Pipeline(target_dir, output)
     assert pipeline.drafter_block_size == 20
@@ -101,7 +101,7 @@ def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, dr
         spec = pipeline.generate(prompt, GenerationConfig(block=BlockChoice(20), max_new_tokens=24)).tokens
         ar = pipeline.autoregressive().generate(prompt, GenerationConfig(block=AR, max_new_tokens=24)).tokens
         assert spec == ar
-    assert_one_line_error(trtspec(*args[:5], "--to", 8, *args[7:]), "larger than the drafter's block size 16")
+    assert_one_line_error(trtspec_in_process(*args[:5], "--to", 8, *args[7:]), "larger than the drafter's block size 16")
 
 
 def test_teacher_forced_acceptance_equals_drafting_each_context_through_the_inference_path():

@@ -1,11 +1,10 @@
 """The bundled demo pair: it ships, fits the size budget, and decodes losslessly out of the box."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import trtspec_in_process
 
 from trtspec.api import Pipeline
 from trtspec.assets import ASSETS, resolve_drafter, resolve_target
@@ -48,8 +47,7 @@ def test_demo_speculative_equals_autoregressive_on_humaneval(demo):
 
 
 def _trtspec_json(*args) -> dict:
-    result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", *map(str, args)],
-                            capture_output=True, timeout=600)
+    result = trtspec_in_process("--threads", "1", *args)
     assert result.returncode == 0, result.stderr.decode()
     return json.loads(result.stdout)
 
@@ -80,9 +78,8 @@ def test_auto_works_out_of_the_box(tmp_path):
     assert _trtspec_json("run", EXAMPLE, "--json", "--max-new-tokens", "24", "--block-size", "auto")[
         "stats"]["block_size_auto"]
     report = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", "bench", "--block-sizes", "12,16,auto",
-                             "--limit", "2", "--max-new-tokens", "16", "--repeats", "1", "--json", report],
-                            capture_output=True, timeout=600)
+    result = trtspec_in_process("--threads", "1", "bench", "--block-sizes", "12,16,auto", "--limit", "2",
+                                "--max-new-tokens", "16", "--repeats", "1", "--json", report)
     assert result.returncode == 0, result.stderr.decode()
     assert "auto" in result.stdout.decode() and report.is_file()
 
@@ -91,8 +88,7 @@ def test_demo_engine_built_with_defaults_reproduces_eager(demo, tmp_path):
     """`trtspec build` with its defaults (demo pair, 8/12/16/20/24, best backend here), then the
     ONNX Runtime engine's greedy output equals eager PyTorch's on HumanEval prompts."""
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
-    result = subprocess.run([sys.executable, "-m", "trtspec", "--threads", "1", "build", "-o", tmp_path / "engine"],
-                            capture_output=True, timeout=600)
+    result = trtspec_in_process("--threads", "1", "build", "-o", tmp_path / "engine")
     assert result.returncode == 0, result.stderr.decode()
     assert "B=12 (target profile 3, draft profile 1)" in result.stdout.decode()
     engine = Pipeline(resolve_target(None), resolve_drafter(None, None), engine=tmp_path / "engine")

@@ -5,14 +5,14 @@ import json
 import subprocess
 
 import pytest
-from helpers import assert_one_line_error, trtspec
+from helpers import assert_one_line_error, trtspec_in_process
 
 pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
 
 
 def _run(cache, *args, backend: str | None = None) -> subprocess.CompletedProcess:
     # backend None: not the suite's eager default but the CLI's own default
-    return trtspec(*args, env={"TRTSPEC_CACHE": str(cache), "TRTSPEC_BACKEND": backend}, timeout=600)
+    return trtspec_in_process(*args, env={"TRTSPEC_CACHE": str(cache), "TRTSPEC_BACKEND": backend})
 
 
 def _engines(cache) -> list:

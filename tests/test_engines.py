@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import ar_of, assert_one_line_error, generate, opened, save_random_drafter, single, trtspec, trtspec_in_process
+from helpers import ar_of, assert_one_line_error, generate, opened, save_random_drafter, single, trtspec_in_process
 
 from trtspec.build import BuildConfig, build_engine
 from trtspec.engines import tensorrt as trt_engine
@@ -165,13 +165,13 @@ def test_cli_build_run_and_block_sizes_the_engine_lacks(target_dir, drafter_dir,
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def add(a, b):\n")
     common = ("--max-new-tokens", 20, "--json")
-    eager = trtspec("run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--block-size", 8, *common)
-    built = trtspec("run", prompt, "--engine", ort_engine, "--block-size", 8, *common)
+    eager = trtspec_in_process("run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--block-size", 8, *common)
+    built = trtspec_in_process("run", prompt, "--engine", ort_engine, "--block-size", 8, *common)
     assert eager.returncode == 0 and built.returncode == 0, built.stderr.decode()
     assert json.loads(built.stdout)["tokens"] == json.loads(eager.stdout)["tokens"]
-    ar = trtspec("run", prompt, "--engine", ort_engine, "--ar", *common)
+    ar = trtspec_in_process("run", prompt, "--engine", ort_engine, "--ar", *common)
     assert json.loads(ar.stdout)["tokens"] == json.loads(eager.stdout)["tokens"]  # greedy spec == AR
-    assert_one_line_error(trtspec("run", prompt, "--engine", ort_engine, "--block-size", 16),
+    assert_one_line_error(trtspec_in_process("run", prompt, "--engine", ort_engine, "--block-size", 16),
                           "built for block sizes 4, 8")
 
 

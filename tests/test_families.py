@@ -13,8 +13,7 @@ import json
 import pytest
 import torch
 from helpers import ar_of, generate, opened, single
-from helpers import (assert_one_line_error, random_drafter, save_drafter, save_hf_target, trtspec,
-                     trtspec_in_process)
+from helpers import (assert_one_line_error, random_drafter, save_drafter, save_hf_target, trtspec_in_process)
 
 from trtspec.build import BuildConfig, build_engine
 from trtspec.errors import CheckpointError
@@ -144,7 +143,7 @@ def test_cli_run_eager_and_engine_agree(family_pair, family_engine, tmp_path):
     eager = trtspec_in_process("run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--block-size", 4,
                                *common)
     assert eager.returncode == 0, eager.stderr.decode()
-    built = trtspec("run", prompt, "--engine", family_engine, "--block-size", 8, *common)
+    built = trtspec_in_process("run", prompt, "--engine", family_engine, "--block-size", 8, *common)
     assert built.returncode == 0, built.stderr.decode()
     assert json.loads(built.stdout)["tokens"] == json.loads(eager.stdout)["tokens"]
 

@@ -3,14 +3,14 @@
 import json
 
 import pytest
-from helpers import trtspec, trtspec_in_process
+from helpers import trtspec_in_process
 
 
 def test_profile_host_end_to_end(ort_engine_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):\n", "class Point:\n"]))
     out = tmp_path / "profile.json"
-    result = trtspec("--threads", 1, "bench", "--engine", ort_engine_dir, "--prompts", prompts, "--block-sizes", "4,8",
+    result = trtspec_in_process("--threads", 1, "bench", "--engine", ort_engine_dir, "--prompts", prompts, "--block-sizes", "4,8",
                      "--max-new-tokens", 12, "--repeats", 1, "--profile", "--json", out)
     assert result.returncode == 0, result.stderr.decode()
     rows = json.loads(out.read_text())["host_profile"]
@@ -36,8 +36,8 @@ def test_profile_runs_on_the_cached_engine_of_the_onnxruntime_backend(target_dir
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
-    result = trtspec("--threads", 1, "bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts,
-                     "--block-sizes", 4, "--max-new-tokens", 8, "--repeats", 1, "--profile", timeout=600,
-                     env={"TRTSPEC_CACHE": str(empty_cache), "TRTSPEC_BACKEND": "onnxruntime"})
+    result = trtspec_in_process("--threads", 1, "bench", "--target", target_dir, "--drafter", drafter_dir,
+                                "--prompts", prompts, "--block-sizes", 4, "--max-new-tokens", 8, "--repeats", 1, "--profile",
+                                env={"TRTSPEC_CACHE": str(empty_cache), "TRTSPEC_BACKEND": "onnxruntime"})
     assert result.returncode == 0, result.stderr.decode()
     assert "building an ONNX Runtime engine" in result.stderr.decode() and "draft ms" in result.stdout.decode()

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_one_line_error, generate, single, trtspec
+from helpers import assert_one_line_error, generate, single, trtspec_in_process
 
 from trtspec.errors import TrtspecError
 from trtspec.blockpilot.policy import load_policy, summarize_prefill
@@ -77,10 +77,10 @@ def trained(target_dir, drafter_dir, tmp_path_factory):
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     labels = work / "not-yet" / "labels.jsonl"  # the output's directory is created
-    result = trtspec("--threads", 1, "label-blocks", "--target", target_dir, "--drafter", drafter_dir,
+    result = trtspec_in_process("--threads", 1, "label-blocks", "--target", target_dir, "--drafter", drafter_dir,
                      "--prompts", prompts, "--block-sizes", "4,8,4:8", "--max-new-tokens", 16, "-o", labels)
     assert result.returncode == 0, result.stderr.decode()
-    result = trtspec("train-policy", labels, "-o", work / "policy", "--steps", 50, "--ablation")
+    result = trtspec_in_process("train-policy", labels, "-o", work / "policy", "--steps", 50, "--ablation")
     assert result.returncode == 0, result.stderr.decode()
     assert "cross-validated modelled speed-up" in result.stderr.decode()
     return work, prompts, labels
@@ -111,7 +111,7 @@ def test_label_blocks_records_every_block_size_and_the_cost_table(trained):
 def test_eval_policy_reports_fixed_blockpilot_and_oracle(trained):
     work, _, labels = trained
     out = work / "eval.json"
-    result = trtspec("eval-policy", "--policy", work / "policy", "--labels", labels, "--json", out)
+    result = trtspec_in_process("eval-policy", "--policy", work / "policy", "--labels", labels, "--json", out)
     assert result.returncode == 0, result.stderr.decode()
     report = json.loads(out.read_text())
     strategies = report["strategies"]
@@ -183,27 +183,27 @@ def test_a_policy_may_choose_not_to_speculate(target_dir, drafter_dir, tmp_path)
 
 def test_train_policy_ar_auto_needs_the_ablation(trained):
     work, _, labels = trained
-    assert_one_line_error(trtspec("train-policy", labels, "-o", work / "x", "--ar", "auto"), "add --ablation")
+    assert_one_line_error(trtspec_in_process("train-policy", labels, "-o", work / "x", "--ar", "auto"), "add --ablation")
     assert not (work / "x").exists()
 
 
 def test_engine_ships_the_policy_and_refuses_one_it_cannot_serve(trained, target_dir, drafter_dir, tmp_path):
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
     work, prompts, _ = trained
-    assert_one_line_error(trtspec("build", "--target", target_dir, "--drafter", drafter_dir, "--block-sizes", "4,12",
+    assert_one_line_error(trtspec_in_process("build", "--target", target_dir, "--drafter", drafter_dir, "--block-sizes", "4,12",
                                   "--policy", work / "policy", "-o", tmp_path / "bad"),
                           "8 is not in the engine")
     assert not (tmp_path / "bad").exists()
     engine = tmp_path / "engine"
-    result = trtspec("--threads", 1, "build", "--target", target_dir, "--drafter", drafter_dir,
+    result = trtspec_in_process("--threads", 1, "build", "--target", target_dir, "--drafter", drafter_dir,
                      "--block-sizes", "4,8", "--policy", work / "policy", "-o", engine)
     assert result.returncode == 0 and "BlockPilot policy over B=4,8" in result.stdout.decode()
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPTS[0])
-    run = trtspec("run", prompt, "--engine", engine, "--max-new-tokens", 12, "--json")  # auto by default
+    run = trtspec_in_process("run", prompt, "--engine", engine, "--max-new-tokens", 12, "--json")  # auto by default
     stats = json.loads(run.stdout)["stats"]
     assert stats["block_size_auto"] and stats["block_size"] in (4, 8)
-    bench = trtspec("bench", "--engine", engine, "--prompts", prompts, "--block-sizes", "4,4:8,auto", "--repeats", 1,
+    bench = trtspec_in_process("bench", "--engine", engine, "--prompts", prompts, "--block-sizes", "4,4:8,auto", "--repeats", 1,
                     "--max-new-tokens", 12, "--json", tmp_path / "bench.json")
     assert bench.returncode == 0, bench.stderr.decode()
     runs = json.loads((tmp_path / "bench.json").read_text())["runs"]

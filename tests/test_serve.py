@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import trtspec
+from helpers import trtspec_in_process
 from trtspec import __version__
 
 openai = pytest.importorskip("openai", reason="the serve tests need the [test] extra (openai)")
@@ -149,7 +149,7 @@ def reference(tmp_path_factory):
     """`trtspec run --json` on the same prompt: the greedy text and tokens the server must reproduce."""
     prompt = tmp_path_factory.mktemp("prompt") / "prompt.txt"
     prompt.write_text(PROMPT)
-    result = trtspec("--threads", 1, "run", prompt, "--max-new-tokens", MAX_TOKENS, "--json")
+    result = trtspec_in_process("--threads", 1, "run", prompt, "--max-new-tokens", MAX_TOKENS, "--json")
     assert result.returncode == 0, result.stderr.decode()
     return json.loads(result.stdout)
 

@@ -351,11 +351,24 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
 def test_fuzzed_bodies_never_get_a_500(door, route, changes, dropped, wrap):
     body = {key: value for key, value in {**_good(route), **changes}.items() if key not in dropped}
     body.setdefault("max_tokens", 2) if isinstance(body.get("max_tokens", 2), int) else None
+    for key, most in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 4)):
+        # A valid long request is a decode, not a body to check: a null max_tokens (decode to the
+        # context, test_a_null_max_tokens_decodes_to_the_context_or_a_stop) swung this test from 2 s to
+        # 30 s. The edges (<= 0, 10**30, 2**63, wrong types) stay as drawn.
+        if key in body and (body[key] is None or type(body[key]) is int and most < body[key] < 2**31):
+            body[key] = most
     text = json.dumps(body, allow_nan=True)
     raw = {"none": text, "deep": text[:-1] + ', "x": ' + "[" * 5000 + "]" * 5000 + "}", "list": f"[{text}]",
            "huge-int": text[:-1] + ', "seed": 1' + "0" * 5000 + "}", "garbage": text[: len(text) // 2]}[wrap]
     status, answer = post(f"{door.url}/v1/{route}", raw.encode("utf-8", "surrogatepass"), timeout=120)
     assert status < 500 and ("error" in answer) == (status != 200), (body, answer)
+
+
+def test_a_null_max_tokens_decodes_to_the_context_or_a_stop(door):
+    """OpenAI's default: no limit but the context; a stop at the first newline keeps it short."""
+    for route in ("completions", "chat/completions"):
+        status, answer = post(f"{door.url}/v1/{route}", {**_good(route), "max_tokens": None, "stop": ["\n"]})
+        assert status == 200 and answer["choices"][0]["finish_reason"] == "stop", answer
 
 
 def test_after_the_fuzzing_the_server_still_serves(door):

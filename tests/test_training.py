@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import generate, random_drafter, single
+from helpers import generate, random_drafter, single, trtspec_in_process
 from trtspec.api import Pipeline
 from trtspec.errors import TrtspecError
 from trtspec.models import load_drafter, load_target
@@ -163,9 +163,7 @@ def test_generate_data_and_train_drafter_commands(target_dir, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(6)))
     data = tmp_path / "train.jsonl"
 
-    def trtspec(*args):
-        return subprocess.run([sys.executable, "-m", "trtspec", *map(str, args)], capture_output=True, timeout=300)
-
+    trtspec = trtspec_in_process  # the entry point's own subprocess: the DDP test below, test_inputs.py
     made = trtspec("generate-data", "--target", target_dir, "--prompts", prompts, "-o", data, "--max-new-tokens", 24)
     assert made.returncode == 0, made.stderr.decode()
     records = [json.loads(line) for line in data.read_text().splitlines()]

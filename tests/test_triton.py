@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import assert_one_line_error, trtspec, trtspec_in_process
+from helpers import assert_one_line_error, trtspec_in_process
 
 pytest.importorskip("pytriton", reason="the Triton tests need the [triton] extra (nvidia-pytriton)")
 http = pytest.importorskip("tritonclient.http", reason="the Triton tests need tritonclient[http,grpc]")
@@ -52,7 +52,7 @@ def _free_ports(count: int) -> list[int]:
 @pytest.fixture(scope="module")
 def server(ort_engine_dir, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton") / "repo"
-    made = trtspec("triton-repo", "--engine", ort_engine_dir, "-o", repo, "--threads", 1)
+    made = trtspec_in_process("triton-repo", "--engine", ort_engine_dir, "-o", repo, "--threads", 1)
     assert made.returncode == 0, made.stderr.decode()
     http_port, grpc_port, metrics_port = _free_ports(3)
     log = open(repo.parent / "server.log", "wb")
@@ -119,7 +119,7 @@ def _ask(client, prompt=PROMPT, **scalars):
 def test_http_greedy_output_equals_trtspec_run(server, client, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPT)
-    local = trtspec("run", prompt, "--engine", server["engine"], "--block-size", 8, "--max-new-tokens", MAX_TOKENS,
+    local = trtspec_in_process("run", prompt, "--engine", server["engine"], "--block-size", 8, "--max-new-tokens", MAX_TOKENS,
                     "--json")
     assert local.returncode == 0, local.stderr.decode()
     text, stats = _ask(client, block_size=np.int32(8))
