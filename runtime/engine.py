@@ -38,7 +38,7 @@ from trtspec.runtime.controller import Controller, Stepper, native_controller
 from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
 from trtspec.runtime.runner import BatchRunner
-from trtspec.runtime.sampling import Sampler
+from trtspec.runtime.sampling import Sampler, sample_requests
 from trtspec.runtime.schedule import BlockChoice, BlockPolicy
 from trtspec.runtime.stats import DecodeStats
 
@@ -446,11 +446,18 @@ class EngineCore:
             return
         blocks = torch.cat([self._rows(a, size)[0] for a in members])
         logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
+        asked = [self._process(active, logits[row], size) for row, active in enumerate(members)]
+        # the sampled rows are drawn together (per row, a small model's batch is mostly dispatch cost)
+        sampled = [row for row, active in enumerate(members) if active.stepper.posterior_of is not None]
+        drawn = dict(zip(sampled, sample_requests([members[row].sampler for row in sampled], logits[sampled]).cpu())) \
+            if len(sampled) > 1 else {}
         for row, active in enumerate(members):
-            asked = self._process(active, logits[row], size)
-            active.stepper(logits[row])
-            if asked is not None:
-                self._record_logprobs(active, *asked)
+            if row in drawn:
+                active.core.step(drawn[row])
+            else:
+                active.stepper(logits[row])
+            if asked[row] is not None:
+                self._record_logprobs(active, *asked[row])
             active.calls += 1
             active.shared += len(members)
             if drafting:

@@ -42,6 +42,11 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def distribution(self) -> tuple[float, int, float, float]:
+        """What shapes the sampled distribution (not the seed): rows with equal ones are processed together."""
+        return self.temperature, self.top_k, self.top_p, self.min_p
+
 
 class Sampler:
     """Draws posterior tokens from the target's logits, one independent draw per row."""
@@ -81,16 +86,44 @@ class Sampler:
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
+    def uniforms(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """This request's next `rows` uniforms [rows, 1], from its own generator."""
+        return torch.rand(rows, 1, generator=self.generator, device=like.device, dtype=like.dtype)
+
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """One token per row of `logits` [N, V] -> [N]: inverse-CDF draws, one uniform per row (several
         times faster than torch.multinomial over a large vocabulary)."""
         if self.config.greedy:
             return logits.argmax(dim=-1)
         probs = self.probabilities(logits)
-        cdf = probs.cumsum(dim=-1)
-        uniform = torch.rand(probs.shape[0], 1, generator=self.generator, device=probs.device, dtype=cdf.dtype)
-        tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)[:, 0]
-        return tokens.clamp_(max=probs.shape[-1] - 1)
+        return _inverse_cdf(probs, self.uniforms(probs.shape[0], probs))
+
+
+def sample_requests(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
+    """Each request's rows of `logits` [R, N, V] sampled by its sampler (none greedy) -> [R, N].
+
+    Requests whose distributions are configured alike are processed in one computation (the per-row
+    work of a small model's batch is mostly launch and dispatch cost); each request still draws its
+    uniforms from its own generator, in the same order, so a seeded request draws the same tokens
+    as it would alone."""
+    tokens = torch.empty(logits.shape[:2], dtype=torch.long, device=logits.device)
+    groups: dict[tuple, list[int]] = {}
+    for index, sampler in enumerate(samplers):
+        groups.setdefault(sampler.config.distribution, []).append(index)
+    rows, vocab = logits.shape[1], logits.shape[2]
+    for members in groups.values():
+        chosen = logits[members] if len(members) < len(samplers) else logits
+        probs = samplers[members[0]].probabilities(chosen.reshape(-1, vocab))
+        uniform = torch.cat([samplers[i].uniforms(rows, probs) for i in members])
+        tokens[members] = _inverse_cdf(probs, uniform).view(len(members), rows)
+    return tokens
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token whose cumulative probability first exceeds each row's uniform [N, 1] -> [N]."""
+    cdf = probs.cumsum(dim=-1)
+    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)[:, 0]
+    return tokens.clamp_(max=probs.shape[-1] - 1)
 
 
 def derive_seed(base: int | None, offset: int) -> int:

@@ -26,7 +26,7 @@ from trtspec.runtime.engine import EngineConfig, EngineCore
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.reference import PythonController, accepted_length
 from trtspec.runtime.processing import Processing
-from trtspec.runtime.sampling import Sampler, SamplingConfig
+from trtspec.runtime.sampling import Sampler, SamplingConfig, sample_requests
 from trtspec.runtime.schedule import BlockChoice
 
 VOCAB, PROMPT, SAMPLES, ALPHA = 8, [2, 3, 4, 5], 30_000, 1e-3
@@ -261,6 +261,18 @@ def test_seeded_sampling_is_reproducible(pair):
     config = GenerationConfig(block=BlockChoice(4), max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=7))
     one = single(*pair)
     assert generate(one, PROMPT, config).tokens == generate(one, PROMPT, config).tokens
+
+
+def test_requests_sampled_together_draw_what_each_draws_alone():
+    """The engine draws a batch's sampled rows together (sample_requests), grouped by distribution:
+    each seeded request gets the tokens its own sampler gives, whatever its neighbours."""
+    configs = [SamplingConfig(temperature=1.0, seed=1), SamplingConfig(temperature=0.7, top_k=5, seed=2),
+               SamplingConfig(temperature=1.0, seed=3), SamplingConfig(temperature=0.7, top_k=5, top_p=0.9, seed=4),
+               SamplingConfig(temperature=1.0, min_p=0.1, seed=5)]
+    logits = torch.randn(len(configs), 6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    together, alone = [Sampler(c) for c in configs], [Sampler(c) for c in configs]
+    for _ in range(3):  # the generators advance alike, cycle after cycle
+        assert torch.equal(sample_requests(together, logits), torch.stack([s.sample(r) for s, r in zip(alone, logits)]))
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1e-50, seed=3),
