@@ -117,8 +117,9 @@ def test_greedy_speculation_matches_ar_and_sampling_reproduces(pipeline):
 
 def test_cli_end_to_end(target_dir, drafter_dir, prompts_file, tmp_path):
     out = tmp_path / "out" / "bench.json"
-    result = trtspec_in_process("bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts_file,
-                     "--limit", 2, "--repeats", 2, "--block-sizes", "4,8", "--max-new-tokens", 16, "--json", out)
+    result = trtspec_in_process("bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts",
+                                prompts_file, "--limit", 2, "--repeats", 2, "--block-sizes", "4,8",
+                                "--max-new-tokens", 16, "--json", out)
     assert result.returncode == 0, result.stderr.decode()
     data = json.loads(out.read_text())
     assert {"runs", "machine", "prompts", "n_prompts"} <= set(data)
@@ -163,9 +164,9 @@ def test_bad_input_gives_one_clear_line(args, message, target_dir, drafter_dir):
 
 def test_bench_concurrency_through_the_cli(target_dir, drafter_dir, prompts_file, tmp_path):
     out = tmp_path / "load.json"
-    result = trtspec_in_process("--threads", "1", "bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts",
-                     prompts_file, "--block-sizes", "4,8", "--concurrency", "1,3", "--max-new-tokens", "12",
-                     "--repeats", "1", "--json", out)
+    result = trtspec_in_process("--threads", "1", "bench", "--target", target_dir, "--drafter", drafter_dir,
+                                "--prompts", prompts_file, "--block-sizes", "4,8", "--concurrency", "1,3",
+                                "--max-new-tokens", "12", "--repeats", "1", "--json", out)
     assert result.returncode == 0, result.stderr
     assert b"clients" in result.stdout and b"TTFT" in result.stdout
     rows = json.loads(out.read_text())["runs"]

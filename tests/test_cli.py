@@ -25,7 +25,7 @@ def test_json_output_and_ar_baseline(target_dir, drafter_dir, prompt_file):
     """In-process, as the other `run` checks that need no interpreter of their own; the entry point's
     subprocess tests: streaming below, SUBPROCESS_CASES, the debug switch, test_inputs.py."""
     spec = trtspec_in_process("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir,
-                   "--block-size", 8, "--max-new-tokens", 40, "--json")
+                              "--block-size", 8, "--max-new-tokens", 40, "--json")
     assert spec.returncode == 0, spec.stderr.decode()
     result = json.loads(spec.stdout)
     stats = result["stats"]
@@ -54,14 +54,14 @@ def test_streams_text_to_stdout_and_stats_to_stderr(target_dir, drafter_dir, pro
 
 def test_chat_template_and_extra_stop(target_dir, drafter_dir, prompt_file):
     plain = json.loads(trtspec_in_process("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir,
-                               "--json", "--max-new-tokens", 30).stdout)
+                                          "--json", "--max-new-tokens", 30).stdout)
     stop = plain["tokens"][4]
     stopped = trtspec_in_process("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--json",
-                      "--max-new-tokens", 30, "--stop-token-id", stop)
+                                 "--max-new-tokens", 30, "--stop-token-id", stop)
     tokens = json.loads(stopped.stdout)["tokens"]
     assert tokens == plain["tokens"][:plain["tokens"].index(stop) + 1]
     chat = trtspec_in_process("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--chat",
-                   "--json", "--max-new-tokens", 5)
+                              "--json", "--max-new-tokens", 5)
     assert chat.returncode == 0, chat.stderr.decode()
 
 
@@ -133,8 +133,8 @@ def test_run_batch_decodes_a_file_of_prompts_together(target_dir, drafter_dir, p
     prompts = ["def add(a, b):\n", "class Point:\n", "import os\n", "for i in range(3):\n"]
     batch = tmp_path / "prompts.jsonl"
     batch.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    result = trtspec_in_process("run", "--batch", batch, "--target", target_dir, "--drafter", drafter_dir, "--block-size", 4,
-                     "--max-new-tokens", 20, "--max-running", 3)
+    result = trtspec_in_process("run", "--batch", batch, "--target", target_dir, "--drafter", drafter_dir,
+                                "--block-size", 4, "--max-new-tokens", 20, "--max-running", 3)
     assert result.returncode == 0, result.stderr.decode()
     lines = [json.loads(line) for line in result.stdout.decode().splitlines()]
     assert len(lines) == len(prompts) and b"4 prompts" in result.stderr

@@ -60,7 +60,7 @@ def test_preflight_command_writes_the_documented_json_and_plot(target_dir, draft
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):\n", "import os\n"]))
     out, png = tmp_path / "pre.json", tmp_path / "pre.png"
     result = trtspec_in_process("preflight", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts,
-                     "--block-size", 8, "--max-new-tokens", 24, "--json", out, "--plot", png)
+                                "--block-size", 8, "--max-new-tokens", 24, "--json", out, "--plot", png)
     assert result.returncode == 0, result.stderr.decode()
     data = json.loads(out.read_text())
     assert set(data) == {"block_size", "histogram", "ceiling_fraction", "per_position_acceptance", "tau",
@@ -101,7 +101,8 @@ def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, dr
         spec = pipeline.generate(prompt, GenerationConfig(block=BlockChoice(20), max_new_tokens=24)).tokens
         ar = pipeline.autoregressive().generate(prompt, GenerationConfig(block=AR, max_new_tokens=24)).tokens
         assert spec == ar
-    assert_one_line_error(trtspec_in_process(*args[:5], "--to", 8, *args[7:]), "larger than the drafter's block size 16")
+    assert_one_line_error(trtspec_in_process(*args[:5], "--to", 8, *args[7:]),
+                          "larger than the drafter's block size 16")
 
 
 def test_teacher_forced_acceptance_equals_drafting_each_context_through_the_inference_path():

@@ -11,7 +11,7 @@ def test_profile_host_end_to_end(ort_engine_dir, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):\n", "class Point:\n"]))
     out = tmp_path / "profile.json"
     result = trtspec_in_process("--threads", 1, "bench", "--engine", ort_engine_dir, "--prompts", prompts, "--block-sizes", "4,8",
-                     "--max-new-tokens", 12, "--repeats", 1, "--profile", "--json", out)
+                                "--max-new-tokens", 12, "--repeats", 1, "--profile", "--json", out)
     assert result.returncode == 0, result.stderr.decode()
     rows = json.loads(out.read_text())["host_profile"]
     assert [(r["block_size"], r["controller"]) for r in rows] == [

@@ -78,7 +78,7 @@ def trained(target_dir, drafter_dir, tmp_path_factory):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     labels = work / "not-yet" / "labels.jsonl"  # the output's directory is created
     result = trtspec_in_process("--threads", 1, "label-blocks", "--target", target_dir, "--drafter", drafter_dir,
-                     "--prompts", prompts, "--block-sizes", "4,8,4:8", "--max-new-tokens", 16, "-o", labels)
+                                "--prompts", prompts, "--block-sizes", "4,8,4:8", "--max-new-tokens", 16, "-o", labels)
     assert result.returncode == 0, result.stderr.decode()
     result = trtspec_in_process("train-policy", labels, "-o", work / "policy", "--steps", 50, "--ablation")
     assert result.returncode == 0, result.stderr.decode()
@@ -191,12 +191,12 @@ def test_engine_ships_the_policy_and_refuses_one_it_cannot_serve(trained, target
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
     work, prompts, _ = trained
     assert_one_line_error(trtspec_in_process("build", "--target", target_dir, "--drafter", drafter_dir, "--block-sizes", "4,12",
-                                  "--policy", work / "policy", "-o", tmp_path / "bad"),
+                                             "--policy", work / "policy", "-o", tmp_path / "bad"),
                           "8 is not in the engine")
     assert not (tmp_path / "bad").exists()
     engine = tmp_path / "engine"
     result = trtspec_in_process("--threads", 1, "build", "--target", target_dir, "--drafter", drafter_dir,
-                     "--block-sizes", "4,8", "--policy", work / "policy", "-o", engine)
+                                "--block-sizes", "4,8", "--policy", work / "policy", "-o", engine)
     assert result.returncode == 0 and "BlockPilot policy over B=4,8" in result.stdout.decode()
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPTS[0])
@@ -204,7 +204,7 @@ def test_engine_ships_the_policy_and_refuses_one_it_cannot_serve(trained, target
     stats = json.loads(run.stdout)["stats"]
     assert stats["block_size_auto"] and stats["block_size"] in (4, 8)
     bench = trtspec_in_process("bench", "--engine", engine, "--prompts", prompts, "--block-sizes", "4,4:8,auto", "--repeats", 1,
-                    "--max-new-tokens", 12, "--json", tmp_path / "bench.json")
+                               "--max-new-tokens", 12, "--json", tmp_path / "bench.json")
     assert bench.returncode == 0, bench.stderr.decode()
     runs = json.loads((tmp_path / "bench.json").read_text())["runs"]
     assert [r["block_size"] for r in runs] == [1, 4, "4:8", "auto"]

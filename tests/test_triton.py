@@ -120,7 +120,7 @@ def test_http_greedy_output_equals_trtspec_run(server, client, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPT)
     local = trtspec_in_process("run", prompt, "--engine", server["engine"], "--block-size", 8, "--max-new-tokens", MAX_TOKENS,
-                    "--json")
+                               "--json")
     assert local.returncode == 0, local.stderr.decode()
     text, stats = _ask(client, block_size=np.int32(8))
     assert text == json.loads(local.stdout)["text"]
