@@ -173,15 +173,20 @@ def trtspec_in_process(*args, env: dict[str, str | None] | None = None) -> subpr
 
     from trtspec.cli import cli
 
+    def set_variables(values: dict[str, str | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
     saved = {name: os.environ.get(name) for name in env or {}}
     threads = torch.get_num_threads()
     try:
-        for name, value in (env or {}).items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        set_variables(env or {})
         result = CliRunner().invoke(cli, [str(a) for a in args])
     finally:
-        for name, value in saved.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        set_variables(saved)
         torch.set_num_threads(threads)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
