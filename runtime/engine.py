@@ -449,8 +449,11 @@ class EngineCore:
         asked = [self._process(active, logits[row], size) for row, active in enumerate(members)]
         # the sampled rows are drawn together (per row, a small model's batch is mostly dispatch cost)
         sampled = [row for row, active in enumerate(members) if active.stepper.posterior_of is not None]
-        drawn = dict(zip(sampled, sample_requests([members[row].sampler for row in sampled], logits[sampled]).cpu())) \
-            if len(sampled) > 1 else {}
+        if len(sampled) > 1:  # all of them: the logits as they are (indexing copies [R, B, V])
+            rows = logits if len(sampled) == len(members) else logits[sampled]
+            drawn = dict(zip(sampled, sample_requests([members[row].sampler for row in sampled], rows).cpu()))
+        else:
+            drawn = {}
         for row, active in enumerate(members):
             if row in drawn:
                 active.core.step(drawn[row])
