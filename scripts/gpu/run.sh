@@ -148,18 +148,91 @@ stage_cycle_costs() {
   "$PY" scripts/gpu/cycle_costs.py --out "$OUT" "${size[@]}"
 }
 
+# --- the demo pair (--plan demo): target, its continuations, demo-b16, demo-b24 (scripts/demo/README.md)
+# Inputs carried beside the tree in build/demo-gpu/: corpus.jsonl.xz + corpus.json (scripts/demo/corpus.py
+# --pack) and drafter-prompts.jsonl (scripts/demo/drafter_prompts.py). Everything is written under
+# $WORK/demo; the last stage packs what comes back into OUT_DIR as demo.tar.xz.part-* (16 MB each).
+DEMO_IN="$root/build/demo-gpu"
+trtspec_cli() { "$PY" -P -m trtspec --threads "$([[ "$DRY_RUN" == 1 ]] && echo 1 || echo 3)" "$@"; }  # -P: the installed trtspec, not the tree's trtspec/
+
+stage_demo_target() {
+  local size=(--device cuda --minutes "${TRTSPEC_DEMO_MINUTES:-2.25}" --batch 128 --seq 1024 --lr 3e-3
+              --warmup 0.03 --checkpoint-minutes 1.5)
+  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --minutes 0.1 --batch 2 --seq 64 --threads 2 --valid-windows 8)
+  "$PY" scripts/demo/train_target.py --work "$WORK/demo/target-work" --out "$WORK/demo/demo-target" \
+      --pack "$DEMO_IN/corpus.jsonl.xz" --reuse-tokenizer trtspec/assets/demo-target/tokenizer.json \
+      --hidden 512 --intermediate 1024 --heads 8 --kv-heads 2 --head-dim 64 --layers 6 "${size[@]}"
+}
+
+stage_demo_data() {  # greedy, T = 0.7 / top-p 0.8 and T = 1 continuations, side by side on the GPU
+  local size=(--device cuda --gpu-memory-fraction 0.15 --batch-size 256 --max-new-tokens 128 --limit 2500) name rc=0
+  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --batch-size 4 --max-new-tokens 8 --limit 8)
+  local -A sampling=([greedy]="" [t0.7]="--temperature 0.7 --top-p 0.8 --seed 1" [t1]="--temperature 1 --seed 2")
+  for name in greedy t0.7 t1; do
+    # shellcheck disable=SC2086  # the sampling options are words
+    trtspec_cli generate-data --target "$WORK/demo/demo-target" --prompts "$DEMO_IN/drafter-prompts.jsonl" \
+        -o "$WORK/demo/data-$name.jsonl" --dtype float32 "${size[@]}" ${sampling[$name]} &
+  done
+  # HumanEval's greedy completions (pass@1 is scored off the GPU), the new target and the one it replaces
+  local limit=() target
+  [[ "$DRY_RUN" == 1 ]] && limit=(--limit 2)
+  for target in new old; do
+    trtspec_cli generate-data --target "$([[ $target == new ]] && echo "$WORK/demo/demo-target" || echo trtspec/assets/demo-target)" \
+        --prompts "$DEMO_IN/humaneval-prompts.jsonl" -o "$WORK/demo/humaneval-$target.jsonl" "${size[@]}" \
+        --max-new-tokens 256 --dtype float32 "${limit[@]}" &
+  done
+  for name in greedy t0.7 t1 new old; do wait -n || rc=1; done
+  ((rc == 0)) || return 1
+  cat "$WORK/demo/data-greedy.jsonl" "$WORK/demo/data-t0.7.jsonl" "$WORK/demo/data-t1.jsonl" > "$WORK/demo/drafter-data.jsonl"
+  wc -l "$WORK/demo"/*.jsonl
+}
+
+stage_demo_drafter() {  # the DFlash recipe at B = 16: one layer, taps spread over the target's six
+  local size=(--device cuda --steps "${TRTSPEC_DEMO_DRAFTER_STEPS:-800}" --batch-size 32 --anchors 32)
+  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --steps 4 --batch-size 2 --anchors 4)
+  trtspec_cli train-drafter --target "$WORK/demo/demo-target" --data "$WORK/demo/drafter-data.jsonl" \
+      --block-size 16 --target-layer-ids 1,3,5 --lr 1e-3 --dtype float32 --seed 0 --checkpoint-every 250 \
+      --work "$WORK/demo/drafter-work" -o "$WORK/demo/demo-b16" "${size[@]}"
+}
+
+stage_demo_expand() {  # DBloom: demo-b16 post-trained to B = 24 (make_drafter.sh step 4, larger batches)
+  local size=(--device cuda --steps 200 --continue-steps 50 --settle-steps 50 --batch-size 32 --anchors 32)
+  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --steps 2 --continue-steps 1 --settle-steps 1 --batch-size 2 --anchors 4)
+  trtspec_cli expand-block --target "$WORK/demo/demo-target" --drafter "$WORK/demo/demo-b16" --to 24 \
+      --data "$WORK/demo/drafter-data.jsonl" --stages 2 --lr 1e-4 --distill 5 --dtype float32 \
+      --work "$WORK/demo/expand-work" -o "$WORK/demo/demo-b24" "${size[@]}"
+}
+
+stage_demo_pack() {  # what exists of the pair, bf16 drafters, the data and logs: <= 5 files of 16 MB
+  local name items=()
+  for name in demo-b16 demo-b24; do
+    [[ -f "$WORK/demo/$name/model.safetensors" ]] && "$PY" scripts/demo/ship_drafter.py "$WORK/demo/$name" "$WORK/demo/ship-$name"
+  done
+  for name in demo-target ship-demo-b16 ship-demo-b24 target-work/final.json drafter-data.jsonl humaneval-new.jsonl humaneval-old.jsonl; do
+    [[ -e "$WORK/demo/$name" ]] && items+=("$name")
+  done
+  ((${#items[@]})) || { echo "pack: nothing to pack"; return 1; }
+  tar -C "$WORK/demo" -cf - "${items[@]}" | xz -1 -T0 | split -b 16000000 -d - "$OUT/demo.tar.xz.part-"
+  ls -l "$OUT"/demo.tar.xz.part-*
+}
+
 if [[ "${1:-}" == "--stage" ]]; then
   "stage_$2"
   exit $?
 fi
 
 # --- the run -------------------------------------------------------------------------------------
-usage="usage: bash scripts/gpu/run.sh OUT_DIR [--dry-run]"
+usage="usage: bash scripts/gpu/run.sh OUT_DIR [--dry-run] [--plan check|demo]"
 DRY_RUN=0
+PLAN=check
 positional=()
-for arg in "$@"; do
+while (($#)); do
+  arg=$1
+  shift
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
+    --plan) PLAN=${1:-}; shift || true
+      [[ "$PLAN" == check || "$PLAN" == demo ]] || { echo "Error: --plan is check or demo; $usage" >&2; exit 2; } ;;
     -h|--help) echo "$usage"; exit 0 ;;
     -*) echo "Error: unknown option $arg; $usage" >&2; exit 2 ;;
     *) positional+=("$arg") ;;
@@ -224,13 +297,27 @@ say "python=$PY wheelhouse=$WHEELHOUSE ($(ls "$WHEELHOUSE"/*.whl 2>/dev/null | w
 # AOTInductor compile of the 4B-shaped graphs is most of it), gpu_check 60-150 s, cycle costs
 # 60-120 s; each reserve keeps time for the stages after it. The engine goes first: it is what
 # serve and Triton run.
-stage env 45 440
-stage install 90 400
-stage native 240 380
-stage engine_costs 200 180
-stage gpu_check 150 60
-[[ -f "$WORK/gpu-check/gpu-check.json" ]] && cp "$WORK/gpu-check/gpu-check.json" "$OUT/gpu-check.json"
-stage cycle_costs 120 0
+if [[ "$PLAN" == demo ]]; then
+  # Expected on an H200 (a first run: 0.9M training tokens/s): env+install+native 25 s, target
+  # 2.25 min of training + 30 s, data 50 s, drafter 60 s, expansion 30 s, pack 15 s
+  # (TRTSPEC_GPU_BUDGET_S=400). The pack stage always keeps its time: the target comes back.
+  stage env 45 360
+  stage install 90 350
+  stage native 240 340
+  stage demo_target 190 190
+  stage demo_data 75 125
+  stage demo_drafter 85 50
+  stage demo_expand 40 20
+  stage demo_pack 60 0
+else
+  stage env 45 440
+  stage install 90 400
+  stage native 240 380
+  stage engine_costs 200 180
+  stage gpu_check 150 60
+  [[ -f "$WORK/gpu-check/gpu-check.json" ]] && cp "$WORK/gpu-check/gpu-check.json" "$OUT/gpu-check.json"
+  stage cycle_costs 120 0
+fi
 
 # run.json and summary.txt (the stage table is also written by bash first, should Python be unusable)
 { echo "stage        status   exit  seconds  limit"
