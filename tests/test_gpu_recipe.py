@@ -107,8 +107,11 @@ def test_prepare_refuses_to_replace_a_folder_that_is_not_a_wheelhouse(tmp_path, 
 def test_run_refuses_a_missing_output_directory_in_one_line():
     result = subprocess.run(["bash", str(SCRIPTS / "run.sh"), "--dry-run"], capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == ["Error: give one output directory; usage: bash "
-                                                  "scripts/gpu/run.sh OUT_DIR [--dry-run]"]
+    usage = "usage: bash scripts/gpu/run.sh OUT_DIR [--dry-run] [--plan check|demo]"
+    assert result.stderr.strip().splitlines() == [f"Error: give one output directory; {usage}"]
+    result = subprocess.run(["bash", str(SCRIPTS / "run.sh"), "out", "--plan", "train"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"Error: --plan is check or demo; {usage}"]
 
 
 @pytest.mark.slow
