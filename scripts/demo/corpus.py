@@ -219,6 +219,18 @@ def pack(path: Path) -> dict:
     return manifest
 
 
+def read_pack(pack: Path) -> dict[str, list[str]]:
+    """The texts of a packed corpus (`pack`) by split."""
+    import json
+    import lzma
+    splits: dict[str, list[str]] = {"train": [], "valid": [], "valid-stdlib": []}
+    with lzma.open(pack, "rt", encoding="utf-8") as stream:
+        for line in stream:
+            row = json.loads(line)
+            splits[row["split"]].append(row["text"])
+    return splits
+
+
 if __name__ == "__main__":
     import json
     import sys

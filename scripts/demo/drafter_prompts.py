@@ -26,7 +26,7 @@ from trtspec.perf.bench import load_prompts
 from trtspec.fileio import atomic_write_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import all_corpus_files, corpus_files, read_text, stdlib_root  # noqa: E402
+from corpus import all_corpus_files, corpus_files, humaneval_leaks, read_text, stdlib_root  # noqa: E402
 
 PROMPT_TOKENS = 64
 DEF_LINE = re.compile(r"^[ \t]*def [^\n]*:[ \t]*\n", re.MULTILINE)
@@ -72,9 +72,9 @@ def check_disjoint(prompts: list[dict]) -> dict:
     leaked = [t for t in texts if t in corpus]
     if leaked:
         raise SystemExit(f"{len(leaked)} drafter prompts occur verbatim in the target corpus")
-    humaneval = load_prompts("humaneval")[1]
-    if any(h in corpus for h in humaneval):
+    if humaneval_leaks([corpus]):
         raise SystemExit("a HumanEval prompt occurs in the target corpus")
+    humaneval = load_prompts("humaneval")[1]
     if any(h in t or t in h for h in humaneval for t in texts):
         raise SystemExit("a HumanEval prompt overlaps a drafter prompt")
     return {"drafter_prompts": len(texts), "humaneval_prompts": len(humaneval), "corpus_chars": len(corpus)}

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import corpus_manifest, read_text, split_files  # noqa: E402
+from corpus import corpus_manifest, read_pack, read_text, split_files  # noqa: E402
 
 from trtspec.models import Qwen3Config, Qwen3Target, load_target  # noqa: E402
 from trtspec.models.checkpoint import save_checkpoint  # noqa: E402
@@ -71,17 +71,6 @@ def train_tokenizer(files: list[Path], vocab_size: int):
     tokenizer.train_from_iterator((read_text(p) for p in files), trainer=trainer, length=len(files))
     assert tokenizer.token_to_id(EOS) == 0 and tokenizer.token_to_id(MASK) == 1
     return tokenizer
-
-
-def read_pack(pack: Path) -> dict[str, list[str]]:
-    """The texts of a packed corpus (scripts/demo/corpus.py --pack) by split."""
-    import lzma
-    splits: dict[str, list[str]] = {"train": [], "valid": [], "valid-stdlib": []}
-    with lzma.open(pack, "rt", encoding="utf-8") as stream:
-        for line in stream:
-            row = json.loads(line)
-            splits[row["split"]].append(row["text"])
-    return splits
 
 
 def encode_texts(tokenizer, texts: list[str]) -> torch.Tensor:
