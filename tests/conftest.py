@@ -16,6 +16,19 @@ torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to a b
 os.environ.setdefault("TRTSPEC_BACKEND", "eager")
 
 
+# The files that take longest (seconds on a quiet 2-core machine, `--durations`), longest first. xdist
+# hands each worker whole files (--dist=loadfile) in collection order, so these start first and the
+# short files fill the end of the run instead of one long file running alone at the end.
+LONGEST_FILES = ("test_engines.py", "test_engine.py", "test_gpu_recipe.py", "test_ray.py", "test_sampling.py",
+                 "test_families.py", "test_serve.py", "test_triton.py", "test_serve_door.py", "test_training.py",
+                 "test_decode.py", "test_demo.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def suite_cache(tmp_path_factory) -> Path:
     """The suite's cache directory ($TRTSPEC_CACHE), never the user's, and one for all xdist workers

@@ -96,6 +96,9 @@ def test_zlab_layout_round_trip(target_dir, tmp_path):
 def test_default_target_layer_ids():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(28, 1) == [14]
+    # targets too shallow for DFlash's spread: every layer in range, rising (2 layers gave [1, -1])
+    assert default_target_layer_ids(2, 2) == [0, 1] and default_target_layer_ids(3, 2) == [0, 2]
+    assert default_target_layer_ids(3, 3) == [0, 1, 2]
 
 
 def _edit_config(directory, **changes):
