@@ -41,22 +41,25 @@ def _mid_block_cut(stats) -> bool:
 
 @pytest.mark.parametrize("engine_name", ["predictable", "unhelpful"])
 def test_greedy_speculative_equals_autoregressive(engine_name, request):
-    """AR one request at a time (the engine's batch-1 path); every speculative schedule of a prompt
-    decoded together, one slot each (its batched path: test_engine.py checks that each request
-    decodes there exactly as alone)."""
+    """AR one request at a time (the engine's batch-1 path); every speculative schedule of every
+    prompt decoded together, one slot each (its batched path: test_engine.py checks that each request
+    decodes there exactly as alone). One batch for all the prompts: a batch of one prompt's schedules
+    per prompt cost the unhelpful pair 20 s, nearly all of it per-iteration overhead."""
     engine = request.getfixturevalue(engine_name)
     schedules = [(b, 0) for b in BLOCK_SIZES] + list(GROWING)
-    together = EngineCore(engine.runner.with_slots(len(schedules)), config=EngineConfig(max_running=len(schedules)))
-    configs = [GenerationConfig(block=BlockChoice(b, g), max_new_tokens=70) for b, g in schedules]
+    prompts = _prompts(8, 64)
+    jobs = [(prompt, b, g) for prompt in prompts for b, g in schedules]
+    together = EngineCore(engine.runner.with_slots(len(jobs)), config=EngineConfig(max_running=len(jobs)))
+    configs = [GenerationConfig(block=BlockChoice(b, g), max_new_tokens=70) for _, b, g in jobs]
+    expected = {tuple(prompt): generate(engine, prompt, GenerationConfig(block=AR, max_new_tokens=70)).tokens
+                for prompt in prompts}
     totals, grown = {b: [0] * b for b in BLOCK_SIZES}, 0
-    for prompt in _prompts(8, 64):
-        expected = generate(engine, prompt, GenerationConfig(block=AR, max_new_tokens=70)).tokens
-        for (block_size, grow_to), result in zip(schedules, together.generate([prompt] * len(configs), configs)):
-            assert result.tokens == expected, f"B={block_size}:{grow_to} prompt={prompt}"
-            if grow_to:
-                grown += result.stats.grown_cycles
-            else:
-                totals[block_size] = [x + y for x, y in zip(totals[block_size], result.stats.histogram)]
+    for (prompt, block_size, grow_to), result in zip(jobs, together.generate([p for p, _, _ in jobs], configs)):
+        assert result.tokens == expected[tuple(prompt)], f"B={block_size}:{grow_to} prompt={prompt}"
+        if grow_to:
+            grown += result.stats.grown_cycles
+        else:
+            totals[block_size] = [x + y for x, y in zip(totals[block_size], result.stats.histogram)]
     if engine_name == "predictable":
         # the drafter exercises every kind of cycle: none, part of the block, the whole block
         for block_size in (4, 8, 12):

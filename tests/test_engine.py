@@ -101,10 +101,10 @@ def _sample_in_batches(pair, count: int, controller=None, static: bool = False) 
     requests at other block sizes and other sampled ones (`static`: in the CUDA-graph binding mode,
     rows padded to batch buckets)."""
     options = {"controller": controller} if controller is not None else {}
-    runner = BatchRunner.eager(*pair, slots=16)
+    runner = BatchRunner.eager(*pair, slots=64)
     runner.static = static
     engine = Engine(EngineCore(runner,
-                               config=EngineConfig(max_running=16, max_queued=count * 2), **options))
+                               config=EngineConfig(max_running=64, max_queued=count * 2), **options))
     try:
         sampled = []
         for seed in range(count):
