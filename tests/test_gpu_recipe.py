@@ -145,7 +145,7 @@ def test_dry_run_installs_from_the_wheelhouse_alone_in_a_fresh_venv(wheelhouse, 
     costs = json.loads((out / "cycle-costs.json").read_text())
     assert not costs["errors"]
     assert {(s["step"], s["block_size"]) for s in costs["steps"]} == {
-        ("verify", 1), *((step, b) for step in ("draft", "verify") for b in (8, 12, 16, 20, 24))}
+        ("verify", 1), *((step, b) for step in ("draft", "verify") for b in (8, 16))}
     assert all(s["eager_ms"] > 0 and s["graph_ms"] is None for s in costs["steps"])
     assert all(loop["cycle_ms"] > 0 and loop["cycles"] > 0 for loop in costs["loops"])
     assert "AR" in (out / "cycle-costs.txt").read_text() and "gpu_check on cpu: passed=True" in (

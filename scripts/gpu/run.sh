@@ -132,7 +132,7 @@ stage_native() {  # trtspec itself, its C++ core compiled here by CMake (no buil
 
 stage_gpu_check() {
   local size=(--prompts 12)
-  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --block-sizes 4,8 --prompts 2 --max-new-tokens 16)
+  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --block-sizes 4,8 --prompts 2 --max-new-tokens 16 --past 64)
   "$PY" scripts/gpu_check.py --out "$WORK/gpu-check" "${size[@]}"
 }
 
@@ -144,7 +144,7 @@ stage_engine_costs() {
 
 stage_cycle_costs() {
   local size=()
-  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --shape tiny)
+  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --shape tiny --block-sizes 8,16 --repeats 2)
   "$PY" scripts/gpu/cycle_costs.py --out "$OUT" "${size[@]}"
 }
 
