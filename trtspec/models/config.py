@@ -249,7 +249,7 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
                            f"a drafter taps each layer at most once; give at most {num_target_layers}")
     if num_features == 1:
         return [num_target_layers // 2]
-    span = num_target_layers - 4  # from layer 1 to the fourth from last
+    span = num_target_layers - 4  # from layer 1 to layer L - 3
     ids = [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
     if span < 0 or len(set(ids)) < num_features:  # (a 2- or 3-layer target gave -1 or a falling list)
         ids = [round(i * (num_target_layers - 1) / (num_features - 1)) for i in range(num_features)]
