@@ -11,6 +11,7 @@ comparable. Later tools (the drafter's prompt sampler, the HumanEval overlap che
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import sysconfig
@@ -81,7 +82,12 @@ def package_files(root: Path | None = None) -> list[Path]:
     package that copies a module would otherwise be trained on twice and could hide a
     validation file in the training set.
     """
-    root = root or package_root()
+    return list(_unique_package_files(root or package_root()))
+
+
+@functools.cache
+def _unique_package_files(root: Path) -> tuple[Path, ...]:
+    """package_files, hashed once per process (a pack asks for the split three times)."""
     chosen = []
     for package in PACKAGES:
         for path in (root / package).rglob("*.py"):
@@ -95,7 +101,7 @@ def package_files(root: Path | None = None) -> list[Path]:
         if digest not in seen:
             seen.add(digest)
             unique.append(root / relative)
-    return unique
+    return tuple(unique)
 
 
 def _content_hash(path: Path) -> str:
@@ -200,7 +206,8 @@ def pack(path: Path) -> dict:
     smaller than the text. Refuses when a HumanEval prompt leaks into it."""
     import json
     import lzma
-    import os
+
+    from trtspec.fileio import atomic_write_text, staged_file
     train, valid = split_files()
     stdlib_valid = set(split_files(with_packages=False)[1])
     rows = [(p, "train") for p in train] + [(p, "valid-stdlib" if p in stdlib_valid else "valid") for p in valid]
@@ -208,14 +215,12 @@ def pack(path: Path) -> dict:
     leaks = humaneval_leaks(texts)
     if leaks:
         raise SystemExit(f"{len(leaks)} HumanEval prompts occur in the corpus, e.g. {leaks[0][:80]!r}")
-    tmp = path.with_name(path.name + ".tmp")
-    with lzma.open(tmp, "wt", encoding="utf-8", preset=6) as stream:
+    with staged_file(path) as temporary, lzma.open(temporary, "wt", encoding="utf-8", preset=6) as stream:
         for (p, split), text in zip(rows, texts):
             stream.write(json.dumps({"name": corpus_name(p), "split": split, "text": text}) + "\n")
-    os.replace(tmp, path)
     manifest = corpus_manifest()
     manifest["humaneval_leaks"] = 0
-    path.with_name("corpus.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write_text(path.with_name("corpus.json"), json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

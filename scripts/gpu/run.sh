@@ -4,8 +4,10 @@
 # through the batched engine (scripts/gpu/engine_costs.py: CUDA graphs and AOTInductor, per block size
 # and batch), run scripts/gpu_check.py, and time the step costs (scripts/gpu/cycle_costs.py).
 #
-#   bash scripts/gpu/run.sh OUT_DIR [--dry-run]
+#   bash scripts/gpu/run.sh OUT_DIR [--dry-run] [--plan check|demo]
 #
+# --plan check (the default) runs the stages above; --plan demo trains the demo pair instead (target,
+# its continuations, demo-b16, demo-b24; below, and scripts/gpu/README.md "The demo plan").
 # --dry-run: the same stages on a machine without a GPU (gpu_check and the timings on the CPU, at
 # small sizes). Each stage runs under `timeout` inside one budget (TRTSPEC_GPU_BUDGET_S, default
 # 480 s) and logs to OUT_DIR/run.log; a stage that fails or times out is recorded, and the later
