@@ -16,7 +16,6 @@ self-check against eager PyTorch runs on a cached graph as on a fresh one.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib
@@ -24,14 +23,14 @@ import json
 import shutil
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from trtspec import __version__
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import GraphSpec
-from trtspec.fileio import atomic_write_text, cache_root, file_sha256, staged_file
+from trtspec.fileio import atomic_write_text, cache_root, file_sha256, staged_file, take_turns
 
 GRAPHS_DIR = "graphs"
 MAX_CACHED_BYTES = 1 << 30
@@ -55,7 +54,7 @@ def export_cached(destination: Path, key: str, export: Callable[[Path], None]) -
     terminals, a server starting while a build runs) take turns, so the graph is exported once."""
     cached = cache_root() / GRAPHS_DIR / key
     digest = cached.with_name(cached.name + ".sha256")
-    with _turn(cached.with_name(cached.name + ".lock")):
+    with take_turns(cached.with_name(cached.name + ".lock")):
         with contextlib.suppress(OSError):
             if cached.is_file() and digest.is_file() and file_sha256(cached) == digest.read_text().strip():
                 shutil.copyfile(cached, destination)
@@ -68,25 +67,12 @@ def export_cached(destination: Path, key: str, export: Callable[[Path], None]) -
                 atomic_write_text(digest, file_sha256(destination))
 
 
-@contextlib.contextmanager
-def _turn(lock: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `lock` (released by the OS if the process dies); no lock where the
-    cache cannot be written."""
-    try:
-        handle = open(lock, "a")
-    except OSError:
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-
-
 @functools.cache
-def code_sha256() -> str:
-    """Of the code that decides what a graph computes: a change to it makes graphs built before stale."""
+def code_sha256(packages: tuple[str, ...] = SOURCES) -> str:
+    """Of the code that decides what a graph computes (or, given `packages`, what else is kept on
+    the strength of the code: BlockPilot's cost tables): a change to it makes entries kept before stale."""
     digest = hashlib.sha256()
-    for package in SOURCES:
+    for package in packages:
         folder = Path(importlib.import_module(f"trtspec.{package}").__file__).parent
         for path in sorted(folder.glob("*.py")):
             digest.update(path.name.encode() + b"\0" + path.read_bytes())

@@ -164,6 +164,37 @@ def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, dra
     assert "cycle_costs_ms" not in rows[0]  # AR judged nothing
 
 
+def test_the_cost_table_is_timed_once_per_machine_and_kept_in_the_cache(trained, target_dir, drafter_dir,
+                                                                      tmp_path, monkeypatch):
+    """An engine with a policy times its cost table the first time; the next engine of the same kind
+    reads it from the cache ($TRTSPEC_CACHE/costs) instead of timing it again; other slots (another
+    key) are timed afresh; a damaged entry is timed again and rewritten; an unwritable cache only
+    costs the timing."""
+    import trtspec.blockpilot.costs as costs
+    from trtspec.api import Pipeline
+    from trtspec.runtime.engine import EngineConfig
+
+    timed = []
+    real = costs.measure_costs
+    monkeypatch.setattr(costs, "measure_costs", lambda runner, sizes: timed.append(runner.slots) or real(runner, sizes))
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "cache"))
+    pipeline = Pipeline(target_dir, drafter_dir, policy=trained[0] / "policy")
+    first = pipeline.engine_core(EngineConfig(max_running=2)).chooser.costs
+    entries = list((tmp_path / "cache" / costs.COSTS_DIR).glob("*.json"))
+    assert timed == [2] and len(entries) == 1
+    assert sorted(first.cycle_ms) == [1, *pipeline.policy.block_sizes] and first.batches == (1, 2)
+    again = Pipeline(target_dir, drafter_dir, policy=trained[0] / "policy").engine_core(EngineConfig(max_running=2))
+    assert timed == [2] and again.chooser.costs == first  # read back, not timed
+    pipeline.engine_core(EngineConfig(max_running=3))
+    assert timed == [2, 3] and len(list(entries[0].parent.glob("*.json"))) == 2
+    entries[0].write_text(entries[0].read_text()[:-40])
+    assert pipeline.engine_core(EngineConfig(max_running=2)).chooser.costs.batches == (1, 2) and timed == [2, 3, 2]
+    assert json.loads(entries[0].read_text())["table"]["batches"] == [1, 2]  # rewritten whole
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "a-file"))
+    assert pipeline.engine_core(EngineConfig(max_running=2)).chooser is not None and timed == [2, 3, 2, 2]
+
+
 def test_a_policy_may_choose_not_to_speculate(target_dir, drafter_dir, tmp_path):
     """AR as a candidate: a policy that always prefers it decodes those requests with the target
     alone (the same tokens as AR), and an engine needs no block size for it."""

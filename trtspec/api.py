@@ -18,7 +18,7 @@ from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
 from trtspec.models.draft_vocab import ids_sha256, select as select_draft_vocab
 from trtspec.blockpilot.policy import drafter_policy, load_policy
-from trtspec.device import resolve_device, resolve_dtype
+from trtspec.device import describe_device, resolve_device, resolve_dtype
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.runtime.engine import Engine, EngineConfig, EngineCore
 from trtspec.runtime.request import Generation, GenerationConfig
@@ -143,7 +143,7 @@ class Pipeline:
         """A continuous-batching engine over this pair and backend on a background thread (its own
         caches, `config.max_running` slots); the tokenizer's stop ids apply to every request. With a
         policy and `load_aware`, the cycle costs of its block sizes are measured here (a few
-        seconds) and `auto` may choose AR when the batch is large enough that speculation no longer
+        seconds, the first time on a machine; then read from the cache) and `auto` may choose AR when the batch is large enough that speculation no longer
         pays (trtspec.blockpilot.load). Close it when done."""
         return Engine(self.engine_core(config, load_aware))
 
@@ -152,11 +152,23 @@ class Pipeline:
         runner = self._runner(config.max_running)
         chooser = None
         if self.policy is not None and load_aware:
-            from trtspec.blockpilot.costs import measure_costs
+            from trtspec.blockpilot.costs import cached_costs
             from trtspec.blockpilot.load import LoadAwareChooser
 
-            chooser = LoadAwareChooser(measure_costs(runner, self.policy.block_sizes), self.policy.choices)
+            costs = cached_costs(runner, self.policy.block_sizes, self._timing_identity(runner))
+            chooser = LoadAwareChooser(costs, self.policy.choices)
         return EngineCore(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
+
+    def _timing_identity(self, runner: BatchRunner) -> dict:
+        """What a cycle's time depends on besides the runner's own sizes: the graphs an engine was
+        built into (their hashes), or the eager models' configurations, and where they run."""
+        if runner.manifest is not None:
+            models = {"artifacts": runner.manifest.artifacts}
+        else:
+            models = {"target": self.target.config.to_dict(), "drafter": self.drafter.config.to_zlab(),
+                      "draft_vocab": self.draft_vocab_size}
+        return {**models, "backend": self.backend, "dtype": str(runner.dtype), "device": describe_device(runner.device),
+                "threads": torch.get_num_threads()}
 
     def prefill(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's prefill of `ids` alone: the logits of its last PREFILL_LOGITS positions and the

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import platform
+from pathlib import Path
+
 import torch
 
 from trtspec.errors import TrtspecError
@@ -29,3 +33,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in MODEL_DTYPES:
         raise TrtspecError(f"dtype must be one of auto, {', '.join(MODEL_DTYPES)}; got {dtype!r}")
     return MODEL_DTYPES[dtype]
+
+
+def describe_device(device: torch.device) -> str:
+    """The hardware behind a timing, for keys of what is measured once per machine: the GPU's name
+    and compute capability with the CUDA version, or the CPU's model, architecture and core count."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} sm_{major}{minor} cuda {torch.version.cuda}"
+    model = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text(errors="replace").splitlines()
+                      if line.startswith("model name")), model)
+    return f"{model} {platform.machine()} x{os.cpu_count()}"

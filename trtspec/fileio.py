@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -59,6 +60,22 @@ def cache_root() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtspec"
+
+
+@contextlib.contextmanager
+def take_turns(lock: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock` (released by the OS if the process dies), so processes that
+    would make the same cache entry at once make it one after the other and the later ones read it;
+    no lock where the cache cannot be written."""
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def file_sha256(path: Path) -> str:

@@ -1,18 +1,27 @@
 """BlockPilot's cost table: milliseconds per decode cycle by block size and batch, timed on the
-engine's runner when the engine starts (`measure_costs`), and the line that fits it to the cycles
-the engine then measures (`fit_host_work`). The load-aware chooser (trtspec.blockpilot.load) judges
-by them; `bench --concurrency --json` reports the table beside the cycles the engine measured."""
+engine's runner the first time an engine of its kind starts on a machine (`measure_costs`, kept by
+`cached_costs`), and the line that fits it to the cycles the engine then measures
+(`fit_host_work`). The load-aware chooser (trtspec.blockpilot.load) judges by them;
+`bench --concurrency --json` reports the table beside the cycles the engine measured."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from trtspec.errors import TrtspecError
+from trtspec.fileio import atomic_write_text, cache_root, take_turns
 from trtspec.timing import Timer
 
 BATCHES = (1, 2, 4, 8, 16)
+ROUNDS = 9
+CONTEXT = 256
+COSTS_DIR = "costs"  # under the cache directory ($TRTSPEC_CACHE): one JSON file per table
 
 
 @dataclass
@@ -29,9 +38,48 @@ class CostTable:
     def to_dict(self) -> dict:
         return {"batches": list(self.batches), "cycle_ms": {str(b): ms for b, ms in self.cycle_ms.items()}}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostTable":
+        """The inverse of `to_dict`; ValueError unless every row has one positive figure per batch."""
+        batches = tuple(int(b) for b in data["batches"])
+        cycle_ms = {int(size): [float(ms) for ms in row] for size, row in data["cycle_ms"].items()}
+        if not batches or any(len(row) != len(batches) or min(row) <= 0 for row in cycle_ms.values()):
+            raise ValueError("not a cost table")
+        return cls(batches, cycle_ms)
 
-def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...] = BATCHES, context: int = 256,
-                  rounds: int = 9) -> CostTable:
+
+def cached_costs(runner, block_sizes: tuple[int, ...], identity: dict) -> CostTable:
+    """`measure_costs`, kept: the first engine of its kind on a machine times the table (seconds:
+    a server's start-up, each Ray replica's), later ones read it from the cache. The entry's key is
+    everything the timing depends on: `identity` (what the caller runs: the models' configurations or
+    the engine's graphs, backend, dtype, device, threads), the runner's slots and context, the block
+    sizes and the trtspec code that runs the calls. Only relative costs matter: the engine replaces
+    the figures with its own cycles as they run (trtspec.blockpilot.load). Engines starting together
+    (a deployment's replicas) take turns: one times the table, alone on the machine, and the others
+    read it. An entry that cannot be read is timed again; a cache that cannot be written is skipped."""
+    from trtspec.export.cache import code_sha256
+
+    sizes = sorted(set(block_sizes) | {1})
+    key = json.loads(json.dumps({
+        **identity, "slots": runner.slots, "max_context": runner.max_context, "static": runner.static,
+        "block_sizes": sizes, "batches": BATCHES, "context": CONTEXT, "rounds": ROUNDS,
+        "torch": torch.__version__, "code": code_sha256(("blockpilot", "runtime", "engines", "export", "models"))},
+        default=str))
+    path = cache_root() / COSTS_DIR / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+    with take_turns(path.with_suffix(".lock")):  # replicas starting together: one times, the others read
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            entry = json.loads(path.read_text())
+            table = CostTable.from_dict(entry["table"])
+            if entry["key"] == key and sorted(table.cycle_ms) == sizes:
+                return table
+        table = measure_costs(runner, block_sizes)
+        with contextlib.suppress(OSError, TrtspecError):
+            atomic_write_text(path, json.dumps({"key": key, "table": table.to_dict()}, indent=1) + "\n")
+    return table
+
+
+def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...] = BATCHES, context: int = CONTEXT,
+                  rounds: int = ROUNDS) -> CostTable:
     """Time draft(B) + verify(B) on the runner itself, for every block size and batch (1 = AR), at
     `context` cached positions (what the caches hold is irrelevant to the timing). Each round times
     every cell once and a cell's figure is its median over the rounds: a host's speed drifts over
