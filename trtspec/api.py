@@ -143,8 +143,9 @@ class Pipeline:
         """A continuous-batching engine over this pair and backend on a background thread (its own
         caches, `config.max_running` slots); the tokenizer's stop ids apply to every request. With a
         policy and `load_aware`, the cycle costs of its block sizes are measured here (a few
-        seconds, the first time on a machine; then read from the cache) and `auto` may choose AR when the batch is large enough that speculation no longer
-        pays (trtspec.blockpilot.load). Close it when done."""
+        seconds, the first time on a machine; then read from the cache) and `auto` may choose AR
+        when the batch is large enough that speculation no longer pays (trtspec.blockpilot.load).
+        Close it when done."""
         return Engine(self.engine_core(config, load_aware))
 
     def engine_core(self, config: EngineConfig = EngineConfig(), load_aware: bool = True) -> EngineCore:
