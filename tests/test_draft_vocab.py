@@ -83,13 +83,21 @@ def test_greedy_with_a_draft_vocabulary_equals_autoregressive(target_dir, drafte
     assert torch.isin(drafts, ids).all()
 
 
-def test_an_onnxruntime_engine_built_with_a_draft_vocabulary(target_dir, drafter_dir, counts_dir, tmp_path):
+def test_an_onnxruntime_engine_built_with_a_draft_vocabulary(target_dir, drafter_dir, counts_dir, ort_engine_dir,
+                                                           tmp_path, monkeypatch):
+    """Also: the pair's target graph is taken from the graph cache (ort_engine_dir's build left it
+    there; its key is the target's and the feature layers', not the drafter's or its vocabulary's),
+    so only the draft graph is exported (a wrong reuse would fail the build's self-check)."""
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
+    import trtspec.build
     from trtspec.build import BuildConfig, build_engine
 
+    real_export, exported = trtspec.build.export_onnx, []
+    monkeypatch.setattr(trtspec.build, "export_onnx", lambda *args: exported.append(args[-1].name) or real_export(*args))
     engine = tmp_path / "engine"
     manifest = build_engine(target_dir, drafter_dir, engine, BuildConfig(block_sizes=(4,), backend="onnxruntime",
                             draft_vocab=K, draft_counts=counts_dir), progress=False)
+    assert exported == ["draft.onnx"]
     ids = load_counts(counts_dir, 320).top_ids(K)
     assert manifest.draft_vocab == {"dir": "draft_vocab", "size": K, "ids_sha256": ids_sha256(ids)}
     assert {"draft_vocab/counts.safetensors", "draft_vocab/draft_vocab.json"} <= set(manifest.artifacts)
