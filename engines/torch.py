@@ -10,6 +10,7 @@ bindings is captured once as a CUDA graph and replayed.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -19,6 +20,25 @@ from trtspec.engines.capture import CudaGraphs, binding_key
 from trtspec.engines.executor import PREFILL, ProfileKey
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import GraphSpec
+
+
+# Modules of the programs this process has loaded, by (file SHA-256, device), while something holds them.
+_LOADED: "weakref.WeakValueDictionary[tuple[str, str], torch.nn.Module]" = weakref.WeakValueDictionary()
+
+
+def load_module(path: Path, device: torch.device, sha256: str | None = None) -> torch.nn.Module:
+    """A saved program's module on `device`. A program of the same bytes that this process already
+    runs on that device (a build's self-check, then the user's open of the engine) is shared rather
+    than loaded again: `torch.export.load` takes seconds per graph, as it re-derives every node's
+    metadata (the demo target's graph ~5 s on a CPU). The modules are pure functions of their inputs,
+    so engines sharing one never see each other's state."""
+    key = (sha256, str(device))
+    module = _LOADED.get(key) if sha256 else None
+    if module is None:
+        module = torch.export.load(str(path)).module().to(device)
+        if sha256:
+            _LOADED[key] = module
+    return module
 
 
 class TorchExecutor:
@@ -36,9 +56,10 @@ class TorchExecutor:
 
     @classmethod
     def load(cls, graphs: Mapping[str, Path], device: torch.device, specs: Mapping[str, GraphSpec],
-             cuda_graphs: bool = False) -> "TorchExecutor":
-        """The programs that `trtspec build --backend torch` saved, on `device`."""
-        modules = {name: torch.export.load(str(path)).module().to(device) for name, path in graphs.items()}
+             cuda_graphs: bool = False, digests: Mapping[str, str] | None = None) -> "TorchExecutor":
+        """The programs that `trtspec build --backend torch` saved, on `device` (`digests`: their
+        files' SHA-256, verified by the caller, so a program this process holds is shared)."""
+        modules = {name: load_module(path, device, (digests or {}).get(name)) for name, path in graphs.items()}
         return cls(modules, device, specs, cuda_graphs=cuda_graphs)
 
     def run(self, graph: str, profile: ProfileKey, inputs: Mapping[str, torch.Tensor],

@@ -122,7 +122,8 @@ class BatchRunner:
             executor = TensorRTExecutor(graphs, device, manifest.profiles, cuda_graphs=cuda_graphs)
         elif manifest.backend == "torch":
             from trtspec.engines.torch import TorchExecutor
-            executor = TorchExecutor.load(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs)
+            executor = TorchExecutor.load(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs, digests={
+                graph: manifest.artifacts[info["file"]]["sha256"] for graph, info in manifest.graphs.items()})
         elif manifest.backend == "inductor":
             from trtspec.engines.torch import InductorExecutor
             executor = InductorExecutor.load(graphs, device, manifest.specs(), cuda_graphs=cuda_graphs)

@@ -9,6 +9,7 @@ import json
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,13 +127,18 @@ def test_onnxruntime_greedy_equals_eager(ort_engine, pair, block_size):
     assert _greedy(graph_engine, prompts, block_size) == _greedy(single(*pair), prompts, block_size)
 
 
-def test_torch_export_backend_equals_eager(target_dir, drafter_dir, pair, tmp_path):
+def test_torch_export_backend_equals_eager(target_dir, drafter_dir, pair, tmp_path, monkeypatch):
+    """Also: opening the engine right after its build shares the programs the build's self-check
+    loaded (same bytes, same device) instead of loading them again (seconds per graph)."""
+    loads, real_load = [], torch.export.load
+    monkeypatch.setattr(torch.export, "load", lambda path, *a, **k: loads.append(Path(path).name) or real_load(path, *a, **k))
     output = tmp_path / "torch-engine"
     manifest = build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4,), backend="torch"),
                             progress=False)
-    assert {"target.pt2", "draft.pt2"} <= set(manifest.artifacts)
+    assert {"target.pt2", "draft.pt2"} <= set(manifest.artifacts) and sorted(loads) == ["draft.pt2", "target.pt2"]
     prompts = [[5, 9, 33, 2, 7], [100]]
     assert _greedy(opened(output, torch.device("cpu")), prompts, 4) == _greedy(single(*pair), prompts, 4)
+    assert len(loads) == 2
 
 
 @pytest.mark.slow
