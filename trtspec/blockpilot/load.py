@@ -14,7 +14,7 @@ load-aware chooser: the evidence behind its rules"):
 
 * cost(s, n), one cycle at s for n requests, is what the engine measured for its own cycles of
   that shape (draft + verify + the rows' host work: the median of the latest WINDOW, once the
-  shape has run MEASURED_MIN cycles), else the cost table timed at start-up
+  shape has run MEASURED_MIN cycles), else the cost table (timed at the first start here, then kept)
   (trtspec.blockpilot.costs: bare draft(s) + verify(s) calls at a fixed context) fitted to the
   measured shapes as a line, measured = slope x table + host. The engine's own cycles are the real
   traffic's, and the start-up table alone moves between engine starts by more than a decision
@@ -100,7 +100,7 @@ class LoadAwareChooser:
     """(the policy's choice, the engine's load, sampled?) -> the choice to run; learns tau per block
     size, for greedy and sampled requests apart."""
 
-    costs: CostTable  # timed at start-up
+    costs: CostTable  # timed at the first start on this machine, then read from the cache
     choices: tuple[BlockChoice, ...] = ()  # what the policy can answer (unknown: only AR settles without it)
     _seen: dict[tuple[int, bool], list[int]] = field(default_factory=dict)  # pooled acceptance histograms
     _cycles: dict[tuple[int, int], deque] = field(default_factory=dict)  # (size, batch) -> the engine's cycle ms

@@ -182,7 +182,7 @@ def run_load(pipeline, prompts: list[str], choices: tuple[BlockChoice, ...], con
                 run.identical = sum(a == b for a, b in zip(outputs, serial * repeats))
             rows.append(run.to_dict(runs[0], best))
             if run.choice.auto and chooser is not None:  # what load-aware BlockPilot judged by
-                rows[-1]["cycle_costs_ms"] = chooser.costs.to_dict()  # timed at start-up
+                rows[-1]["cycle_costs_ms"] = chooser.costs.to_dict()  # timed at the first start here (then cached)
                 measured = {}  # and what the engine's own cycles took: size -> batch -> median ms
                 for (size, batch), ms in sorted(chooser.measured().items()):
                     measured.setdefault(str(size), {})[str(batch)] = ms
