@@ -14,8 +14,8 @@ load-aware chooser: the evidence behind its rules"):
 
 * cost(s, n), one cycle at s for n requests, is what the engine measured for its own cycles of
   that shape (draft + verify + the rows' host work: the median of the latest WINDOW, once the
-  shape has run MEASURED_MIN cycles), else the cost table (timed at the first start here, then kept)
-  (trtspec.blockpilot.costs: bare draft(s) + verify(s) calls at a fixed context) fitted to the
+  shape has run MEASURED_MIN cycles), else the cost table (trtspec.blockpilot.costs: bare draft(s)
+  + verify(s) calls at a fixed context, timed at the first start on a machine and kept) fitted to the
   measured shapes as a line, measured = slope x table + host. The engine's own cycles are the real
   traffic's, and the start-up table alone moves between engine starts by more than a decision
   turns on. A line, not a ratio: every real cycle carries host work that the table's bare calls
