@@ -19,7 +19,6 @@ import contextlib
 import functools
 import hashlib
 import importlib
-import json
 import shutil
 from importlib import metadata
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from trtspec import __version__
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import GraphSpec
-from trtspec.fileio import atomic_write_text, cache_root, file_sha256, staged_file, take_turns
+from trtspec.fileio import atomic_write_text, cache_root, file_sha256, key_digest, staged_file, take_turns
 
 GRAPHS_DIR = "graphs"
 MAX_CACHED_BYTES = 1 << 30
@@ -44,7 +43,7 @@ def graph_key(name: str, suffix: str, spec: GraphSpec, *, sources: dict[str, obj
     key = {"graph": name, "format": suffix, "spec": spec.to_dict(), "sources": sources, "max_context": max_context,
            "dtype": str(dtype), "device": device.type, "trtspec": __version__, "code": code_sha256(),
            "versions": {package: _version(package) for package in ("torch", "onnx", "onnxscript")}}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + suffix
+    return key_digest(key) + suffix
 
 
 def export_cached(destination: Path, key: str, export: Callable[[Path], None]) -> None:

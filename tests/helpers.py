@@ -193,6 +193,15 @@ def trtspec_in_process(*args, env: dict[str, str | None] | None = None) -> subpr
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout_bytes, result.stderr_bytes)
 
 
+def exported_graphs(monkeypatch) -> list[str]:
+    """The file names of the ONNX graphs a build exports from now on (cache hits are not exports)."""
+    import trtspec.build
+
+    real, exported = trtspec.build.export_onnx, []
+    monkeypatch.setattr(trtspec.build, "export_onnx", lambda *args: exported.append(args[-1].name) or real(*args))
+    return exported
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
     """A user error: exit 1, one `Error: ...` line naming every fragment, no traceback, empty stdout."""
     err = result.stderr.decode()

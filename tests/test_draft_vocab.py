@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_one_line_error, predictable_pair, trtspec_in_process
+from helpers import assert_one_line_error, exported_graphs, predictable_pair, trtspec_in_process
 from test_sampling import ALPHA, exact_three_token_distribution, pvalues, sample_three_tokens
 from trtspec.api import Pipeline
 from trtspec.models.draft_vocab import TokenCounts, ids_sha256, load_counts
@@ -89,11 +89,9 @@ def test_an_onnxruntime_engine_built_with_a_draft_vocabulary(target_dir, drafter
     there; its key is the target's and the feature layers', not the drafter's or its vocabulary's),
     so only the draft graph is exported (a wrong reuse would fail the build's self-check)."""
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
-    import trtspec.build
     from trtspec.build import BuildConfig, build_engine
 
-    real_export, exported = trtspec.build.export_onnx, []
-    monkeypatch.setattr(trtspec.build, "export_onnx", lambda *args: exported.append(args[-1].name) or real_export(*args))
+    exported = exported_graphs(monkeypatch)
     engine = tmp_path / "engine"
     manifest = build_engine(target_dir, drafter_dir, engine, BuildConfig(block_sizes=(4,), backend="onnxruntime",
                             draft_vocab=K, draft_counts=counts_dir), progress=False)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ar_of, assert_one_line_error, generate, opened, save_random_drafter, single, trtspec_in_process
+from helpers import (ar_of, assert_one_line_error, exported_graphs, generate, opened, save_random_drafter, single,
+                     trtspec_in_process)
 
 from trtspec.build import BuildConfig, build_engine
 from trtspec.engines import tensorrt as trt_engine
@@ -131,7 +132,8 @@ def test_torch_export_backend_equals_eager(target_dir, drafter_dir, pair, tmp_pa
     """Also: opening the engine right after its build shares the programs the build's self-check
     loaded (same bytes, same device) instead of loading them again (seconds per graph)."""
     loads, real_load = [], torch.export.load
-    monkeypatch.setattr(torch.export, "load", lambda path, *a, **k: loads.append(Path(path).name) or real_load(path, *a, **k))
+    monkeypatch.setattr(torch.export, "load",
+                        lambda path, *args, **kwargs: loads.append(Path(path).name) or real_load(path, *args, **kwargs))
     output = tmp_path / "torch-engine"
     manifest = build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4,), backend="torch"),
                             progress=False)
@@ -254,12 +256,9 @@ def test_a_rebuild_takes_its_graphs_from_the_cache_and_a_damaged_entry_is_export
     exports nothing and holds the cached graphs; an entry whose bytes changed is exported afresh.
     (That a new draft graph of the same target exports only itself is checked by the draft-vocabulary
     build, test_draft_vocab.py: one draft graph export fewer.)"""
-    import trtspec.build
     from trtspec.export.cache import GRAPHS_DIR
 
-    real_export, exported = trtspec.build.export_onnx, []
-    monkeypatch.setattr(trtspec.build, "export_onnx",
-                        lambda *args: exported.append(args[-1].name) or real_export(*args))
+    exported = exported_graphs(monkeypatch)
     rebuilt = tmp_path / "rebuilt"
     build_engine(target_dir, drafter_dir, rebuilt, BuildConfig(block_sizes=(6, 12), backend="onnxruntime"),
                  progress=False)

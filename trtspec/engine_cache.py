@@ -18,8 +18,6 @@ tensorrt|inductor`, then `--engine DIR`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
@@ -30,7 +28,7 @@ import torch
 from trtspec import __version__
 from trtspec.engines.manifest import MANIFEST_VERSION, checkpoint_sha256, read_manifest, record_artifacts
 from trtspec.errors import TrtspecError
-from trtspec.fileio import CACHE_ENV, ENGINE, cache_root, output_kind
+from trtspec.fileio import CACHE_ENV, ENGINE, cache_root, key_digest, output_kind
 
 ENGINES_DIR = "engines"
 
@@ -71,7 +69,7 @@ def engine_key(target_dir: Path, drafter_dir: Path, sizes: tuple[int, ...], draf
            "policy": record_artifacts(policy) if policy is not None else None,
            "block_sizes": sizes, "max_batch": MAX_BATCH, "trtspec": __version__, "graph_code": code_sha256(),
            "manifest_version": MANIFEST_VERSION}  # a new manifest format is a new entry, not a refused one
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return key_digest(key, 16)
 
 
 def _damage(path: Path) -> str | None:

@@ -62,6 +62,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtspec"
 
 
+def key_digest(key: dict, length: int = 24) -> str:
+    """A cache entry's name: the SHA-256 of `key` as sorted JSON (tuples as lists, other values by
+    str), cut to `length` hex digits."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:length]
+
+
 @contextlib.contextmanager
 def take_turns(lock: Path) -> Iterator[None]:
     """Hold an exclusive lock on `lock` (released by the OS if the process dies), so processes that

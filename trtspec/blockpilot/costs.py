@@ -7,7 +7,6 @@ engine's runner the first time an engine of its kind starts on a machine (`measu
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 
 from trtspec.errors import TrtspecError
-from trtspec.fileio import atomic_write_text, cache_root, take_turns
+from trtspec.fileio import atomic_write_text, cache_root, key_digest, take_turns
 from trtspec.timing import Timer
 
 BATCHES = (1, 2, 4, 8, 16)
@@ -60,21 +59,20 @@ def cached_costs(runner, block_sizes: tuple[int, ...], identity: dict) -> CostTa
     from trtspec.export.cache import code_sha256
 
     sizes = sorted(set(block_sizes) | {1})
-    key = json.loads(json.dumps({
-        **identity, "slots": runner.slots, "max_context": runner.max_context, "static": runner.static,
-        "block_sizes": sizes, "batches": BATCHES, "context": CONTEXT, "rounds": ROUNDS,
-        "torch": torch.__version__, "code": code_sha256(("blockpilot", "runtime", "engines", "export", "models"))},
-        default=str))
-    path = cache_root() / COSTS_DIR / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+    key = {**identity, "slots": runner.slots, "max_context": runner.max_context, "static": runner.static,
+           "block_sizes": sizes, "batches": BATCHES, "context": CONTEXT, "rounds": ROUNDS, "torch": torch.__version__,
+           "code": code_sha256(("blockpilot", "runtime", "engines", "export", "models"))}
+    digest = key_digest(key)
+    path = cache_root() / COSTS_DIR / f"{digest}.json"
     with take_turns(path.with_suffix(".lock")):  # replicas starting together: one times, the others read
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
             entry = json.loads(path.read_text())
             table = CostTable.from_dict(entry["table"])
-            if entry["key"] == key and sorted(table.cycle_ms) == sizes:
+            if key_digest(entry["key"]) == digest and sorted(table.cycle_ms) == sizes:
                 return table
         table = measure_costs(runner, block_sizes)
         with contextlib.suppress(OSError, TrtspecError):
-            atomic_write_text(path, json.dumps({"key": key, "table": table.to_dict()}, indent=1) + "\n")
+            atomic_write_text(path, json.dumps({"key": key, "table": table.to_dict()}, indent=1, default=str) + "\n")
     return table
 
 
