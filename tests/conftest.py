@@ -52,8 +52,9 @@ def empty_cache(tmp_path, suite_cache) -> Path:
 
 @pytest.fixture(scope="session")
 def target_dir(tmp_path_factory) -> Path:
-    """A random Qwen3 written by transformers (4096 positions), with a trained BPE tokenizer and chat template."""
-    return save_hf_target(tmp_path_factory.mktemp("ckpt") / "target")
+    """A random two-layer Qwen3 written by transformers (4096 positions), with a trained BPE tokenizer
+    and chat template."""
+    return save_hf_target(tmp_path_factory.mktemp("ckpt") / "target", layers=2)
 
 
 @pytest.fixture(scope="session")

@@ -85,7 +85,7 @@ def save_hf_target(directory: Path, *, vocab_size: int = 320, hidden: int = 64, 
     return directory
 
 
-def random_drafter(target: Qwen3Target, *, layers: int = 1, layer_ids=(0, 2), block_size: int = 16,
+def random_drafter(target: Qwen3Target, *, layers: int = 1, layer_ids=(0, 1), block_size: int = 16,
                    mask_token_id: int = 1, seed: int = 1, scale: float = 1.0) -> DFlashDrafter:
     t = target.config
     config = DFlashConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size,

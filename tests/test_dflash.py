@@ -55,11 +55,11 @@ def reference_block_logits(drafter, target, features, block, start):
 
 def test_drafter_matches_reference_with_incremental_context_cache(target_dir):
     target = load_target(target_dir)
-    drafter = random_drafter(target, layers=2, layer_ids=(0, 2), mask_token_id=1)
+    drafter = random_drafter(target, layers=2, layer_ids=(0, 1), mask_token_id=1)
     tokens = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(0))
     mask = drafter.config.mask_token_id
     with torch.no_grad():
-        _, features = target(tokens, 0, target.new_cache(1, 64), feature_layers=(0, 2))
+        _, features = target(tokens, 0, target.new_cache(1, 64), feature_layers=(0, 1))
         cache = drafter.new_cache(1, 64)
         for start, bonus in ((20, 17), (30, 5)):  # the second call adds 10 new context positions
             block = torch.tensor([[bonus] + [mask] * 7])
@@ -72,12 +72,12 @@ def test_drafter_matches_reference_with_incremental_context_cache(target_dir):
 
 def test_zlab_layout_round_trip(target_dir, tmp_path):
     target = load_target(target_dir)
-    drafter = random_drafter(target, layers=2, layer_ids=(1, 3), block_size=12, mask_token_id=1)
+    drafter = random_drafter(target, layers=2, layer_ids=(1, 0), block_size=12, mask_token_id=1)
     directory = save_drafter(drafter, tmp_path / "d")
     config = json.loads((directory / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
-    assert config["dflash_config"] == {"mask_token_id": 1, "target_layer_ids": [1, 3]}
-    assert config["block_size"] == 12 and config["num_target_layers"] == 4
+    assert config["dflash_config"] == {"mask_token_id": 1, "target_layer_ids": [1, 0]}
+    assert config["block_size"] == 12 and config["num_target_layers"] == 2
     from safetensors.torch import load_file
     names = set(load_file(directory / "model.safetensors"))
     assert "fc.weight" in names and "hidden_norm.weight" in names and "norm.weight" in names

@@ -96,7 +96,7 @@ def _edited_copy(source, copy, field, value):
 DRAFTER_CASES = [
     ("dflash_config", [1, 2], "config.json: dflash_config must be an object, got a list"),
     ("dflash_config.target_layer_ids", "0,2", 'dflash_config.target_layer_ids must be a list of integers, got "0,2"'),
-    ("dflash_config.target_layer_ids", [0, 9], "dflash_config.target_layer_ids [9] are out of range for a 4-layer"),
+    ("dflash_config.target_layer_ids", [0, 9], "dflash_config.target_layer_ids [9] are out of range for a 2-layer"),
     ("dflash_config.mask_token_id", 1.5, "config.json: dflash_config.mask_token_id must be an integer"),
     ("block_size", "16", 'config.json: block_size must be an integer >= 1, got "16"'),
     ("block_size", 80, "config.json: block_size must be an integer in [2, 64], got 80"),
@@ -308,7 +308,7 @@ def test_lone_surrogates_in_jsonl_text_are_refused_at_the_door(command, target_d
             "bench": ["bench", "--prompts", data, "--target", target_dir, "--drafter", drafter_dir,
                       "--block-sizes", "4", "--max-new-tokens", "4", "--json", out],
             "train-drafter": ["train-drafter", "--data", data, "--target", target_dir, "--block-size", "4",
-                              "-o", out]}[command]
+                              "--num-features", "2", "-o", out]}[command]
     character = "U+DFFF at character 9" if field == "prompt" else "U+D800 at character 9"
     assert_one_line_error(trtspec(*args), f"{data}:2: {field} is not valid text: it holds a lone surrogate "
                                           f"({character}")
