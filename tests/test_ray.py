@@ -10,6 +10,7 @@ its start-up cost the suite's time budget, and nothing the tests check relied on
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -41,10 +42,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ray_start(*args: str, env: dict) -> None:
-    done = subprocess.run([RAY, "start", "--num-cpus", "2", "--disable-usage-stats", *args],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+def ray_start(*args: str, env: dict) -> int:
+    """Start a node; its processes (GCS, raylet, workers, replicas) all stay in the process group of
+    `ray start`, started in a session of its own: that group's id is returned."""
+    start = subprocess.Popen([RAY, "start", "--num-cpus", "2", "--disable-usage-stats", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    output, _ = start.communicate(timeout=120)
+    assert start.returncode == 0, output
+    return start.pid
+
+
+def ray_stop(group: int) -> None:
+    """SIGKILL every process of the node, as `ray stop --force` does, and wait until they are gone
+    (`ray stop` polls each of its three kinds of process for ~2 s after killing it: 7 s here)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +74,8 @@ def cluster():
     # a home of its own: Ray keeps the cluster's auth token in ~/.ray, which an earlier cluster may have left
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp), "HOME": str(temp)}
     port, metrics = free_port(), free_port()
-    ray_start("--head", "--port", str(port), "--include-dashboard", "false", "--metrics-export-port", str(metrics),
-              "--temp-dir", str(temp), env=env)
+    node = ray_start("--head", "--port", str(port), "--include-dashboard", "false", "--metrics-export-port",
+                     str(metrics), "--temp-dir", str(temp), env=env)
     server = None
     try:
         http = free_port()
@@ -76,7 +95,7 @@ def cluster():
                 server.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        ray_stop(node)
         shutil.rmtree(temp, ignore_errors=True)
 
 

@@ -40,6 +40,9 @@ METRICS_PERIOD_S = 2.0
 APP_NAME = "trtspec"
 ENGINE, INGRESS = "trtspec-engine", "trtspec-server"  # the deployments' names
 RETRIES = 3  # further replicas a request is offered when the one serving it dies before answering
+# A stopping replica checks for requests still in flight this often (Ray's default: every 2 s, so an
+# idle server took ~5 s to stop on Ctrl-C); it still waits for them up to Ray's graceful timeout.
+SHUTDOWN = {"graceful_shutdown_wait_loop_s": 0.25}
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,13 @@ class Scaling:
         slots and queue; beyond, Ray Serve queues them) and a health check that asks the engine."""
         return {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
                 "max_ongoing_requests": options.max_concurrency + options.max_queued,
-                "health_check_period_s": 2.0, "health_check_timeout_s": 30.0, **self._replica_count(), **self.extra}
+                "health_check_period_s": 2.0, "health_check_timeout_s": 30.0, **SHUTDOWN, **self._replica_count(),
+                **self.extra}
 
     def ingress_options(self) -> dict:
         """The ingress's: as many replicas as the engine (a forwarder per engine spreads the
         streaming work over the nodes), no CPU reserved (it only forwards bytes)."""
-        return {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 1024, **self._replica_count()}
+        return {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 1024, **SHUTDOWN, **self._replica_count()}
 
 
 def _ray():
