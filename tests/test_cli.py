@@ -44,10 +44,11 @@ def test_json_output_and_ar_baseline(target_dir, drafter_dir, prompt_file):
 
 
 def test_streams_text_to_stdout_and_stats_to_stderr(target_dir, drafter_dir, prompt_file):
-    args = ("run", "-", "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 30)
-    streamed = trtspec(*args, stdin=prompt_file.read_bytes())
+    """The entry point in its own process, the prompt on stdin; the JSON form of the same run in-process."""
+    args = ("--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 30)
+    streamed = trtspec("run", "-", *args, stdin=prompt_file.read_bytes())
     assert streamed.returncode == 0, streamed.stderr.decode()
-    as_json = json.loads(trtspec(*args, "--json", stdin=prompt_file.read_bytes()).stdout)
+    as_json = json.loads(trtspec_in_process("run", prompt_file, *args, "--json").stdout)
     assert streamed.stdout.decode() == as_json["text"] + "\n"
     assert "tau" in streamed.stderr.decode() and "B=16" in streamed.stderr.decode()
 
