@@ -342,6 +342,7 @@ class EngineCore:
             chunk = active.request.prompt[active.prefilled:active.prefilled + size]
             chunks.setdefault(len(chunk), []).append((active, chunk))
             budget -= len(chunk)
+        starting = []
         for rows in chunks.values():
             began = time.perf_counter()
             logits, features = self.runner.prefill([a.slot for a, _ in rows], [c for _, c in rows],
@@ -357,7 +358,10 @@ class EngineCore:
                 tail = logits[row] if active.tail_logits is None else torch.cat((active.tail_logits, logits[row]))
                 active.tail_logits = tail[-PREFILL_LOGITS:].clone()
                 if active.prefilled == len(active.request.prompt):
-                    self._start_decoding(active)
+                    starting.append(active)
+        if starting:
+            for active, first in zip(starting, self._first_tokens(starting)):
+                self._start_decoding(active, first)
 
     def _prompt_logprobs(self, active: _Active, logits: torch.Tensor) -> None:
         """The prompt tokens this chunk's logits [T, V] predict (the first prompt token has none)."""
@@ -370,20 +374,34 @@ class EngineCore:
             request.prompt_logprobs.extend(
                 token_logprobs(logits[:len(targets)], targets, request.config.prompt_logprobs))
 
-    def _start_decoding(self, active: _Active) -> None:
+    def _first_tokens(self, starting: list[_Active]) -> list[int]:
+        """The first token of each request whose prompt is done, from its prompt's last logits (after
+        its processing); the sampled ones are drawn together, each from its own generator, as in a
+        verify (so a burst of sampled admissions costs one draw per distribution, not one per request)."""
+        rows = []
+        for active in starting:
+            config, last = active.request.config, active.tail_logits[-1:]
+            if config.processing.active or config.min_tokens:
+                active.processor = RowProcessor(config.processing, active.request.prompt, config.min_tokens,
+                                                config.stop_ids, last.shape[-1], last.device)
+                last = last.clone()  # a copy: BlockPilot reads the prompt's tail as the target gave it
+                active.processor(last, np.empty(0, dtype=np.int64))
+            rows.append(last)
+        if len(starting) == 1:
+            return [int(starting[0].sampler.sample(rows[0])[0])]
+        rows = torch.cat(rows)
+        first = rows.argmax(dim=-1)
+        sampled = [row for row, active in enumerate(starting) if not active.request.config.sampling.greedy]
+        if sampled:
+            chosen = rows if len(sampled) == len(starting) else rows[sampled]
+            first[sampled] = sample_requests([starting[row].sampler for row in sampled], chosen[:, None])[:, 0]
+        return first.tolist()
+
+    def _start_decoding(self, active: _Active, bonus: int) -> None:
         request, config, began = active.request, active.request.config, time.perf_counter()
         tail = active.tail_logits
-        last = tail[-1:]
-        if config.processing.active or config.min_tokens:
-            active.processor = RowProcessor(config.processing, request.prompt, config.min_tokens, config.stop_ids,
-                                            tail.shape[-1], tail.device)
-        raw = last
-        if active.processor is not None:  # a copy: BlockPilot reads the prompt's tail as the target gave it
-            last = last.clone()
-            active.processor(last, np.empty(0, dtype=np.int64))
-        bonus = int(active.sampler.sample(last)[0])
         if config.logprobs is not None:
-            request.logprobs.extend(token_logprobs(raw, [bonus], config.logprobs))
+            request.logprobs.extend(token_logprobs(tail[-1:], [bonus], config.logprobs))
         context = torch.cat(active.features) if len(active.features) > 1 else (active.features or [None])[0]
         choice = config.block
         if choice.auto:

@@ -20,6 +20,7 @@ from trtspec.assets import resolve_drafter, resolve_target
 from trtspec.perf.bench import load_prompts
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime import reference as oracle
+from trtspec.runtime.processing import Processing
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.engine import Busy, Engine, EngineConfig, EngineCore
 from trtspec.runtime.reference import PythonController
@@ -116,6 +117,31 @@ def _sample_in_batches(pair, count: int, controller=None, static: bool = False) 
         return np.array([r.result(timeout=600).tokens for r in sampled])
     finally:
         engine.close()
+
+
+def test_seeded_requests_draw_in_a_batch_what_they_draw_alone():
+    """A seed reproduces a request whatever it is batched with: sampled requests (their first tokens
+    drawn together at admission, their verify rows together every cycle), greedy ones, penalised
+    ones and ones asking for logprobs, at AR, 4 and 8, eight at a time against one at a time."""
+    pair = predictable_pair(vocab_size=64, beta=0.5)
+    configs = [GenerationConfig(block=BlockChoice((4, 8, 1)[i % 3]), max_new_tokens=12,
+                                sampling=SamplingConfig(temperature=(0.0, 0.8, 1.0)[i % 3], top_k=(0, 5)[i % 2], seed=i),
+                                processing=Processing(repetition_penalty=1.3) if i % 4 == 1 else Processing(),
+                                logprobs=2 if i % 5 == 0 else None) for i in range(12)]
+    prompts = [[2, 3, 4 + i % 5] for i in range(12)]
+    together = EngineCore(BatchRunner.eager(*pair, slots=8), config=EngineConfig(max_running=8))
+    alone = EngineCore(BatchRunner.eager(*pair, slots=1), config=EngineConfig(max_running=1))
+    batched = together.generate(prompts, configs)
+    for prompt, config, generation in zip(prompts, configs, batched):
+        expected = alone.generate([prompt], [config])[0]
+        assert generation.tokens == expected.tokens
+        if config.logprobs is None:
+            assert generation.logprobs is None and expected.logprobs is None
+        else:  # the same tokens; their values to float32 rounding (a batch's matmuls sum in another order)
+            assert [lp.token for lp in generation.logprobs] == [lp.token for lp in expected.logprobs]
+            assert [lp.logprob for lp in generation.logprobs] == pytest.approx([lp.logprob for lp in expected.logprobs],
+                                                                                abs=1e-4)
+    assert len({tuple(g.tokens) for g in batched}) > 6  # sampled requests differ: the seeds are used
 
 
 @pytest.mark.slow
