@@ -46,9 +46,10 @@ class GenerationConfig:
 
     def with_stop_ids(self, extra: tuple[int, ...]) -> "GenerationConfig":
         """This config with the tokenizer's EOS ids `extra` added (none with `ignore_eos`)."""
-        if self.ignore_eos:
+        merged = tuple(dict.fromkeys(self.stop_ids + tuple(extra)))
+        if self.ignore_eos or merged == self.stop_ids:  # unchanged: no copy (and no second validation)
             return self
-        return replace(self, stop_ids=tuple(dict.fromkeys(self.stop_ids + tuple(extra))))
+        return replace(self, stop_ids=merged)
 
 
 @dataclass(frozen=True)
