@@ -92,16 +92,16 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob | None] = []
         self.stats: DecodeStats | None = None
         self.error: BaseException | None = None
-        self._cancelled = threading.Event()
+        self._cancelled = False  # set by any thread, read by the stepping one (a flag: no waiting on it)
         self._done = threading.Event()
 
     def cancel(self) -> None:
         """Withdraw the request; its slot is freed before the next cycle."""
-        self._cancelled.set()
+        self._cancelled = True
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled.is_set()
+        return self._cancelled
 
     @property
     def done(self) -> bool:
