@@ -52,12 +52,18 @@ class Sampler:
     """Draws posterior tokens from the target's logits, one independent draw per row."""
 
     def __init__(self, config: SamplingConfig, device: torch.device | str = "cpu"):
-        self.config = config
-        self.generator = torch.Generator(device=device)
-        if config.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(config.seed)
+        self.config, self.device = config, device
+        self._generator: torch.Generator | None = None  # made at the first draw: a greedy request never draws
+
+    @property
+    def generator(self) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.device)
+            if self.config.seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(self.config.seed)
+        return self._generator
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution sampled from at T > 0 (temperature, then min-p, top-k and top-p: vLLM's
