@@ -387,9 +387,7 @@ class EngineCore:
                 last = last.clone()  # a copy: BlockPilot reads the prompt's tail as the target gave it
                 active.processor(last, np.empty(0, dtype=np.int64))
             rows.append(last)
-        if len(starting) == 1:
-            return [int(starting[0].sampler.sample(rows[0])[0])]
-        rows = torch.cat(rows)
+        rows = torch.cat(rows) if len(rows) > 1 else rows[0]
         first = rows.argmax(dim=-1)
         sampled = [row for row, active in enumerate(starting) if not active.request.config.sampling.greedy]
         if sampled:

@@ -193,12 +193,18 @@ def trtspec_in_process(*args, env: dict[str, str | None] | None = None) -> subpr
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout_bytes, result.stderr_bytes)
 
 
-def exported_graphs(monkeypatch) -> list[str]:
-    """The file names of the ONNX graphs a build exports from now on (cache hits are not exports)."""
+def exported_graphs(monkeypatch, stand_in: bytes | None = None) -> list[str]:
+    """The file names of the ONNX graphs a build exports from now on (cache hits are not exports);
+    with `stand_in`, an export writes those bytes instead of exporting (for tests of what a build
+    does with an export, not of the export)."""
     import trtspec.build
 
     real, exported = trtspec.build.export_onnx, []
-    monkeypatch.setattr(trtspec.build, "export_onnx", lambda *args: exported.append(args[-1].name) or real(*args))
+
+    def export(*args):
+        exported.append(args[-1].name)
+        return real(*args) if stand_in is None else args[-1].write_bytes(stand_in)
+    monkeypatch.setattr(trtspec.build, "export_onnx", export)
     return exported
 
 
