@@ -147,6 +147,7 @@ class _Active:
     calls: int = 0          # verify calls this request took part in
     shared: int = 0         # requests in those calls, summed
     emitted: int = 0        # committed tokens already handed to on_commit
+    failed: bool = False    # its own error ended it (`EngineCore._alone`): the rest of the iteration skips it
 
 
 class EngineCore:
@@ -306,7 +307,8 @@ class EngineCore:
                 self._draft(size, members)
             self._verify(size, members)
             for active in members:
-                self._emit(active)
+                if not active.failed:
+                    self._emit(active)
             if timed:  # what a cycle of this shape costs here, host work included: load-aware BlockPilot's costs
                 self.chooser.observe_cycle(size, len(members), (time.perf_counter() - began) * 1e3)
         for active in [a for a in self._active if a.core is not None and not a.core.running]:
@@ -359,9 +361,18 @@ class EngineCore:
                 active.tail_logits = tail[-PREFILL_LOGITS:].clone()
                 if active.prefilled == len(active.request.prompt):
                     starting.append(active)
-        if starting:
-            for active, first in zip(starting, self._first_tokens(starting)):
-                self._start_decoding(active, first)
+        for active, first in self._first_tokens(starting) if starting else ():
+            self._alone(active, self._start_decoding, active, first)
+
+    def _alone(self, active: _Active, work: Callable, *args):
+        """`work(*args)` for one request: an error of its own (its grammar, its processing, its block
+        choice) ends that request alone, with its own message, and the batch goes on (None then)."""
+        try:
+            return work(*args)
+        except Exception as error:
+            active.failed = True
+            self._retire(active, error)
+            return None
 
     def _prompt_logprobs(self, active: _Active, logits: torch.Tensor) -> None:
         """The prompt tokens this chunk's logits [T, V] predict (the first prompt token has none)."""
@@ -374,26 +385,33 @@ class EngineCore:
             request.prompt_logprobs.extend(
                 token_logprobs(logits[:len(targets)], targets, request.config.prompt_logprobs))
 
-    def _first_tokens(self, starting: list[_Active]) -> list[int]:
+    def _first_tokens(self, starting: list[_Active]) -> list[tuple[_Active, int]]:
         """The first token of each request whose prompt is done, from its prompt's last logits (after
-        its processing); the sampled ones are drawn together, each from its own generator, as in a
-        verify (so a burst of sampled admissions costs one draw per distribution, not one per request)."""
-        rows = []
-        for active in starting:
-            config, last = active.request.config, active.tail_logits[-1:]
-            if config.processing.active or config.min_tokens:
-                active.processor = RowProcessor(config.processing, active.request.prompt, config.min_tokens,
-                                                config.stop_ids, last.shape[-1], last.device)
-                last = last.clone()  # a copy: BlockPilot reads the prompt's tail as the target gave it
-                active.processor(last, np.empty(0, dtype=np.int64))
-            rows.append(last)
-        rows = torch.cat(rows) if len(rows) > 1 else rows[0]
+        its processing; one whose processing fails ends there); the sampled ones are drawn together,
+        each from its own generator, as in a verify (so a burst of sampled admissions costs one draw
+        per distribution, not one per request)."""
+        rows = [self._alone(active, self._first_row, active) for active in starting]
+        starting = [active for active in starting if not active.failed]
+        if not starting:
+            return []
+        rows = torch.cat([row for row in rows if row is not None]) if len(rows) > 1 else rows[0]
         first = rows.argmax(dim=-1)
         sampled = [row for row, active in enumerate(starting) if not active.request.config.sampling.greedy]
         if sampled:
             chosen = rows if len(sampled) == len(starting) else rows[sampled]
             first[sampled] = sample_requests([starting[row].sampler for row in sampled], chosen[:, None])[:, 0]
-        return first.tolist()
+        return list(zip(starting, first.tolist()))
+
+    @staticmethod
+    def _first_row(active: _Active) -> torch.Tensor:
+        """The logits [1, V] the request's first token is drawn from: its prompt's last, processed."""
+        config, last = active.request.config, active.tail_logits[-1:]
+        if config.processing.active or config.min_tokens:
+            active.processor = RowProcessor(config.processing, active.request.prompt, config.min_tokens,
+                                            config.stop_ids, last.shape[-1], last.device)
+            last = last.clone()  # a copy: BlockPilot reads the prompt's tail as the target gave it
+            active.processor(last, np.empty(0, dtype=np.int64))
+        return last
 
     def _start_decoding(self, active: _Active, bonus: int) -> None:
         request, config, began = active.request, active.request.config, time.perf_counter()
@@ -445,42 +463,31 @@ class EngineCore:
 
     def _verify(self, size: int, members: list[_Active]) -> None:
         drafting = self.runner.mask_token_id is not None and size > 1  # an AR request never drafts
-        if len(members) == 1:
-            active = members[0]
-            logits, features = self.runner.verify([active.slot], self._rows(active, size)[0], [active.core.start(0)])
-            asked = self._process(active, logits[0], size)
-            # greedy, it steps on the whole output buffer (the same tensor every cycle, so the stepper's
-            # numpy view of it is made once); sampled, it samples its [B, V] rows
-            active.stepper(logits if active.stepper.posterior_of is None else logits[0])
-            if asked is not None:
-                self._record_logprobs(active, *asked)
-            active.calls += 1
-            active.shared += 1
-            if drafting:
-                context = features[0, :active.core.accepted(0) + 1]
-                active.context = context if self._exclusive else context.clone()
-            return
-        blocks = torch.cat([self._rows(a, size)[0] for a in members])
+        alone = len(members) == 1
+        blocks = self._rows(members[0], size)[0] if alone else torch.cat([self._rows(a, size)[0] for a in members])
         logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
-        asked = [self._process(active, logits[row], size) for row, active in enumerate(members)]
+        asked = [self._alone(active, self._process, active, logits[row], size) for row, active in enumerate(members)]
+        live = [row for row, active in enumerate(members) if not active.failed]
         # the sampled rows are drawn together (per row, a small model's batch is mostly dispatch cost)
-        sampled = [row for row, active in enumerate(members) if active.stepper.posterior_of is not None]
+        sampled = [row for row in live if members[row].stepper.posterior_of is not None]
+        drawn = {}
         if len(sampled) > 1:  # all of them: the logits as they are (indexing copies [R, B, V])
             rows = logits if len(sampled) == len(members) else logits[sampled]
             drawn = dict(zip(sampled, sample_requests([members[row].sampler for row in sampled], rows).cpu()))
-        else:
-            drawn = {}
-        for row, active in enumerate(members):
+        for row in live:
+            active = members[row]
             if row in drawn:
                 active.core.step(drawn[row])
-            else:
-                active.stepper(logits[row])
+            else:  # greedy alone, it steps on the whole output buffer (the same tensor every cycle, so
+                # the stepper's numpy view of it is made once); otherwise on its [B, V] rows
+                active.stepper(logits if alone and active.stepper.posterior_of is None else logits[row])
             if asked[row] is not None:
                 self._record_logprobs(active, *asked[row])
             active.calls += 1
             active.shared += len(members)
             if drafting:
-                active.context = features[row, :active.core.accepted(0) + 1].clone()
+                context = features[row, :active.core.accepted(0) + 1]
+                active.context = context if self._exclusive else context.clone()
 
     @staticmethod
     def _process(active: _Active, rows: torch.Tensor, size: int) -> tuple[torch.Tensor, int] | None:

@@ -7,6 +7,7 @@ target's own log-softmax over the whole sequence, prompt and output. A JSON sche
 JSON of that schema, the same speculatively as autoregressively.
 """
 
+import ctypes
 import json
 
 import pytest
@@ -98,3 +99,69 @@ def test_a_json_schema_gives_that_json_speculatively_and_autoregressively(demo):
     value = json.loads(outputs[0].text)
     assert set(value) == {"name", "size"} and isinstance(value["size"], int) and len(value["name"]) <= 12
     assert outputs[0].generation.stats.finish_reason == "stop"  # the grammar ended it with EOS
+
+
+class _GivingUp:
+    """A grammar whose matcher allows every token and gives up once its request has committed
+    `after` tokens (what a grammar engine that hits one of its limits mid-request looks like)."""
+
+    forced = 0
+
+    def __init__(self, after: int):
+        self.after = after
+
+    def matcher(self):
+        return _GivingUpMatcher(self.after)
+
+
+class _GivingUpMatcher:
+    def __init__(self, after: int):
+        self.after, self.seen = after, 0
+
+    def consume_tokens(self, tokens) -> bool:
+        self.seen += len(tokens)
+        return self.seen < self.after
+
+    def is_error(self) -> bool:
+        return self.seen >= self.after
+
+    def get_error(self) -> str:
+        return "lexer error: too many expressions constructed\n<state>\n" + "parser state\n" * 1000
+
+    def validate_tokens(self, tokens) -> int:
+        return len(tokens)
+
+    def consume_token(self, token) -> bool:
+        return True
+
+    def rollback(self, count: int) -> bool:
+        return True
+
+    def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+        ctypes.memset(pointer, 0xFF, size)
+
+
+def test_a_requests_own_grammar_error_ends_that_request_alone(demo):
+    """Issue 57, Build 1: a request whose grammar fails mid-decode, beside two plain ones in one batch
+    (speculative, sampled, AR): it ends with its own one-line error, the others decode as alone."""
+    from dataclasses import replace
+
+    from trtspec.errors import TrtspecError
+    from trtspec.runtime.engine import EngineConfig
+    from trtspec.runtime.sampling import SamplingConfig
+
+    ids = demo.codec.encode(PROMPT)
+    core = demo.engine_core(EngineConfig(max_running=4), load_aware=False)
+    plain = [GenerationConfig(block=BlockChoice(8), max_new_tokens=16, ignore_eos=True),
+             GenerationConfig(block=BlockChoice(1), max_new_tokens=16, ignore_eos=True,
+                              sampling=SamplingConfig(temperature=1.0, seed=5))]
+    alone = [demo.generate(PROMPT, config).tokens for config in plain]
+    for block in (BlockChoice(8), BlockChoice(1)):
+        failing = replace(plain[0], block=block, processing=Processing(grammar=_GivingUp(after=3)))
+        requests = [core.submit(ids, config) for config in (plain[0], failing, plain[1])]
+        while core.busy:
+            core.step()
+        with pytest.raises(TrtspecError, match="too many expressions constructed") as refused:
+            requests[1].result()
+        assert "\n" not in str(refused.value)
+        assert [requests[0].result().tokens, requests[2].result().tokens] == alone
