@@ -11,10 +11,16 @@ the same processing commits: token for token when greedy, in distribution when s
 are processed in place, before the controller's step (greedy: its argmax) or the sampler
 (temperature, min_p, top-k, top-p: trtspec.runtime.sampling).
 
-The order is vLLM's: min_tokens and logit_bias, then the repetition penalty (tokens of the prompt
-or the output so far: positive logits divided by it, negative ones multiplied), the frequency
-penalty (times each token's count in the output) and the presence penalty (tokens in the output),
-then the grammar's mask.
+The order is vLLM's: logit_bias, then the repetition penalty (tokens of the prompt or the output
+so far: positive logits divided by it, negative ones multiplied), the frequency penalty (times each
+token's count in the output) and the presence penalty (tokens in the output), then the grammar's
+mask and min_tokens (the stop ids held back until the output has min_tokens tokens).
+
+A grammar decides where its output ends, as in vLLM: min_tokens holds the stop ids back only where
+the grammar allows another token, so a complete grammar ends the request (finish reason "stop")
+however few tokens it has; with ignore_eos, EOS still ends a request with a grammar
+(`GenerationConfig.with_stop_ids`). A grammar that allows no token at all, or that fails, ends the
+request with its error in one line.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 
 from trtspec.errors import TrtspecError
 from trtspec.limits import LOGIT_BIAS, PENALTY, REPETITION_PENALTY
-from trtspec.runtime.grammar import Grammar
+from trtspec.runtime.grammar import Grammar, first_line
 
 
 @dataclass(frozen=True)
@@ -82,15 +88,15 @@ class RowProcessor:
         self._catch_up(committed)
         rows = logits.shape[0]
         work = logits if logits.dtype == torch.float32 else logits.float()
-        left = self.min_tokens - len(committed)
-        if left > 0 and self.stop_ids:
-            work[:left, self.stop_ids] = float("-inf")
         if self.bias is not None:
             work[:, self.bias[0]] += self.bias[1]
         if self.counts is not None:
             self._penalise(work, self._row_counts(drafts, rows))
         if self.matcher is not None:
             self._mask(work, drafts, rows)
+        left = self.min_tokens - len(committed)
+        if left > 0 and self.stop_ids:
+            self._hold_stops(work[:left])
         if work is not logits:
             logits.copy_(work)
 
@@ -102,7 +108,18 @@ class RowProcessor:
         if self.counts is not None:
             self.counts += torch.bincount(torch.as_tensor(fresh, device=self.device), minlength=self.vocab)[:self.vocab]
         if self.matcher is not None and not self.matcher.consume_tokens([int(t) for t in fresh]):
-            raise TrtspecError(f"the grammar refused a committed token: {self.matcher.get_error()}")
+            raise TrtspecError(f"response_format: the grammar refused a committed token ({first_line(self.matcher)})")
+
+    def _hold_stops(self, work: torch.Tensor) -> None:
+        """min_tokens: the stop ids are held back from these rows, except where the grammar allows
+        nothing else (its end wins)."""
+        if self.matcher is None:
+            work[:, self.stop_ids] = float("-inf")
+            return
+        held = work[:, self.stop_ids].clone()
+        work[:, self.stop_ids] = float("-inf")
+        ended = ~torch.isfinite(work).any(dim=-1, keepdim=True)
+        work[:, self.stop_ids] = torch.where(ended, held, float("-inf"))
 
     def _row_counts(self, drafts: np.ndarray | None, rows: int) -> torch.Tensor:
         """Output token counts before each row: the committed ones, plus the drafts ahead of it."""
@@ -138,4 +155,6 @@ class RowProcessor:
         if valid:
             matcher.rollback(valid)
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab]
+        if matcher.is_error() or not allowed[0].any():  # a failed grammar lets EOS through: never a silent end
+            raise TrtspecError(f"response_format: the grammar cannot go on ({first_line(matcher)})")
         work[:valid + 1].masked_fill_(torch.from_numpy(allowed == 0).to(work.device), float("-inf"))

@@ -18,7 +18,8 @@ class GenerationConfig:
     """One request's ask: its block schedule (`block`: B, B:G, AR or auto, see
     trtspec.runtime.schedule), token limit, stop ids and sampling. `ignore_eos`: the engine's own
     stop ids (the tokenizer's EOS) do not end it, so it runs to its limit unless its own stop ids
-    or stop strings end it (vLLM's field, which load tools send to fix output lengths)."""
+    or stop strings end it (vLLM's field, which load tools send to fix output lengths); except
+    with a grammar, whose end is the output's end (trtspec.runtime.processing)."""
 
     block: BlockChoice = BlockChoice(16)
     max_new_tokens: int = 256
@@ -45,9 +46,11 @@ class GenerationConfig:
                 LOGPROBS.check(count)
 
     def with_stop_ids(self, extra: tuple[int, ...]) -> "GenerationConfig":
-        """This config with the tokenizer's EOS ids `extra` added (none with `ignore_eos`)."""
+        """This config with the tokenizer's EOS ids `extra` added (none with `ignore_eos`, unless a
+        grammar ends the output: it allows EOS once it is complete)."""
         merged = tuple(dict.fromkeys(self.stop_ids + tuple(extra)))
-        if self.ignore_eos or merged == self.stop_ids:  # unchanged: no copy (and no second validation)
+        ignored = self.ignore_eos and self.processing.grammar is None
+        if ignored or merged == self.stop_ids:  # unchanged: no copy (and no second validation)
             return self
         return replace(self, stop_ids=merged)
 
@@ -81,7 +84,12 @@ def check_request(runner, prompt: list[int], config: GenerationConfig, policy) -
         raise TrtspecError("block size auto needs a BlockPilot policy (trtspec train-policy; then --policy DIR "
                            "or trtspec build --policy DIR)")
     check_built_sizes(runner, config.block)
-    return min(config.max_new_tokens, runner.max_context - len(prompt))
+    limit = min(config.max_new_tokens, runner.max_context - len(prompt))
+    grammar = config.processing.grammar
+    if grammar is not None and grammar.forced > limit:  # its output could never be complete
+        raise TrtspecError(f"response_format: every output of the schema is at least {grammar.forced} tokens long; "
+                           f"this request has room for {limit}")
+    return limit
 
 
 def check_built_sizes(runner, block: BlockChoice) -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -367,6 +368,62 @@ def test_fuzzed_bodies_never_get_a_500(door, route, changes, dropped, wrap):
            "huge-int": text[:-1] + ', "seed": 1' + "0" * 5000 + "}", "garbage": text[: len(text) // 2]}[wrap]
     status, answer = post(f"{door.url}/v1/{route}", raw.encode("utf-8", "surrogatepass"), timeout=120)
     assert status < 500 and ("error" in answer) == (status != 200), (body, answer)
+
+
+def test_one_requests_grammar_never_fails_the_others_in_its_batch(door):
+    """Issue 57, Build 1 and 2: a json_object request with ignore_eos, decoded beside plain requests in
+    one batch, failed every request of the batch with its grammar's parser dump. Now the plain ones
+    run to their limit, and the grammar request ends at its grammar's end (finish reason stop)."""
+    grammar = {"response_format": {"type": "json_object"}, "ignore_eos": True}
+
+    def ask(index: int):
+        fields = grammar if index == 0 else {"ignore_eos": True}
+        try:
+            return door.client.completions.create(model=MODEL, prompt="x = " if index == 0 else f"def f{index}():\n",
+                                                  max_tokens=24,
+                                                  extra_body={**fields, "block_size": "8"})
+        except openai.APIStatusError as error:
+            return error
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    assert all(not isinstance(a, Exception) for a in answers), [str(a)[:300] for a in answers]
+    assert [a.usage.completion_tokens for a in answers[1:]] == [24, 24, 24]
+    first = answers[0].choices[0]
+    assert first.finish_reason == "stop" and isinstance(json.loads(first.text), dict), first
+
+
+def test_a_complete_grammar_ends_the_request_under_min_tokens_and_ignore_eos(door):
+    """Issue 57, Build 2: the grammar's end wins (as in vLLM): a {"const": "a"} schema asked for at
+    least 10 tokens, greedy or sampled, or with ignore_eos, ends at '"a"' with finish reason stop."""
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": "a"}}}
+    for fields in ({"min_tokens": 10}, {"min_tokens": 10, "temperature": 1.0, "seed": 3}, {"ignore_eos": True},
+                   {"min_tokens": 10, "ignore_eos": True, "temperature": 1.0, "seed": 4}):
+        answer = door.client.completions.create(model=MODEL, prompt="x = ", max_tokens=20,
+                                                extra_body={"response_format": schema, **fields})
+        choice = answer.choices[0]
+        assert (choice.text, choice.finish_reason) == ('"a"', "stop"), (fields, choice)
+
+
+def test_a_constraint_the_grammar_engine_cannot_honour_is_refused_in_one_line(door):
+    """Issue 57, Build 3: these returned 200 with text outside the schema (llguidance gives up partway
+    through an unanchored a{1000}; a recursion with no base case forces endless tokens). Each is a
+    400 now, before it is admitted, naming the limit."""
+    endless = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                                     "required": ["x"]}}}
+    for schema, says in (({"type": "string", "pattern": "a{1000}"}, "at most 512"),
+                         ({"type": "string", "pattern": "a{1000000}"}, "at most 512"),
+                         ({"type": "string", "pattern": "((a{100}){100}){100}"}, "1,000,000 times"),
+                         ({"patternProperties": {"x{600}": {}}}, "at most 512"),
+                         (endless, "at least"), ({"$ref": "#"}, "cannot be matched")):
+        body = {**_good("completions"), "max_tokens": 30,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        status, answer = post(f"{door.url}/v1/completions", body)
+        message = answer.get("error", {}).get("message", "")
+        assert status == 400 and says in message and "\n" not in message and len(message) < 300, (schema, answer)
+    fits = {"type": "string", "pattern": "^a{5}$"}
+    answer = door.client.completions.create(model=MODEL, prompt="x = ", max_tokens=12, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": fits}}})
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == ('"aaaaa"', "stop")
 
 
 def test_a_null_max_tokens_decodes_to_the_context_or_a_stop(door):

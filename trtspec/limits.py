@@ -140,6 +140,9 @@ STOPS = Limit("stops", 0, 16)                    # stop strings, and stop token 
 STOP_CHARS = Limit("stop string length", 1, 1024)
 DRAFT_VOCAB = Limit("draft vocabulary size", 2, INT32_MAX)  # K most frequent ids; <= the vocabulary (checked on load)
 BLOCK_SIZE = Limit("block size", 2, MAX_BLOCK_SIZE)  # 1 is autoregressive decoding (--ar), not a block
+# response_format: the most times a JSON schema's `pattern` may repeat a part of itself, nested counts
+# multiplied (trtspec.runtime.grammar): llguidance gives up partway through an unanchored a{1000}.
+PATTERN_REPEATS = Limit("pattern repetition", 1, 512)
 
 
 def check_block_size(size, label: str = "block size") -> int:
