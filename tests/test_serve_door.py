@@ -452,9 +452,42 @@ def test_api_key_and_a_wildcard_host(tmp_path):
             wrong.models.list()
         right = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
         assert right.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
+        # issue 57, Build 4: every route but /health and /metrics wants the key, as in vLLM
+        for route, body in (("/tokenize", {"prompt": "x = 1"}), ("/detokenize", {"tokens": [5, 6]})):
+            assert post(url + route, body)[0] == 401, route
+            assert right.post(url + route, body=body, cast_to=dict)["tokens" if route == "/tokenize" else "prompt"]
+        assert get(url + "/version")[0] == 401 and get(url + "/health")[0] == 200 and get(url + "/metrics")[0] == 200
     finally:
         running.stop()
     assert "Traceback" not in running.output()
+
+
+def test_an_empty_api_key_is_refused_in_one_line(tmp_path):
+    """Issue 57, Build 4: `--api-key ''` or an empty TRTSPEC_API_KEY served every route open, unsaid.
+    (--ray-config makes the old behaviour exit at once, writing the config, rather than serve.)"""
+    from helpers import assert_one_line_error, trtspec_in_process
+
+    config = ("--replicas", 1, "--ray-config", tmp_path / "ray.json")
+    assert_one_line_error(trtspec_in_process("serve", "--api-key", "", *config), "--api-key is empty")
+    assert_one_line_error(trtspec_in_process("serve", *config, env={"TRTSPEC_API_KEY": ""}), "TRTSPEC_API_KEY")
+    assert_one_line_error(trtspec_in_process("serve", "--api-key", " key", *config), "whitespace")
+    assert not (tmp_path / "ray.json").exists()
+
+
+def test_tokenize_bodies_never_delay_a_completion(door):
+    """Issue 57, Build 4: four 5 MB /tokenize bodies held both of the door's threads for seconds each
+    (tokenized whole), so a completion behind them waited. A text longer than the context can hold
+    is refused before it is tokenized, as a prompt is."""
+    body = json.dumps({"prompt": "x = 1\n" * 800_000}).encode()
+    with ThreadPoolExecutor(5) as pool:
+        sent = [pool.submit(post, door.url + "/tokenize", body) for _ in range(4)]
+        time.sleep(0.5)  # the bodies are being read and decoded
+        began = time.monotonic()
+        assert door.client.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
+        waited = time.monotonic() - began
+        answers = [future.result() for future in sent]
+    assert all(status == 400 and "context" in answer["error"]["message"] for status, answer in answers), answers
+    assert waited < 2.0, waited
 
 
 def test_serve_refuses_an_empty_host_and_a_block_size_its_engine_lacks(ort_engine_dir):

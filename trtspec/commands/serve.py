@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from trtspec import limits
@@ -9,6 +11,8 @@ from trtspec.commands.options import (THREADS, BlockSizeType, Ranged, backend_op
                                       load_pipeline, model_options, policy_option)
 from trtspec.errors import TrtspecError
 from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
+
+API_KEY_ENV = "TRTSPEC_API_KEY"
 
 
 class ServeBlockSizeType(BlockSizeType):
@@ -61,9 +65,9 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
               help="Cap on prompt + output tokens. [default: the model's]")
 @click.option("--served-model-name", metavar="NAME",
               help="The model name clients give. [default: the target's directory name]")
-@click.option("--api-key", envvar="TRTSPEC_API_KEY", metavar="KEY",
-              help="Require `Authorization: Bearer KEY` on every /v1 route (401 otherwise); /health and /metrics "
-                   "stay open. [env: TRTSPEC_API_KEY]")
+@click.option("--api-key", envvar=API_KEY_ENV, metavar="KEY", callback=lambda ctx, param, value: _api_key(value),
+              help="Require `Authorization: Bearer KEY` on every route (401 otherwise) but /health and /metrics. "
+                   "[env: TRTSPEC_API_KEY]")
 @click.option("--max-body-bytes", type=Ranged(limits.COUNT), default=MAX_BODY_BYTES, show_default=True, metavar="N",
               help="Largest request body; a larger one gets HTTP 413 (declared or sent).")
 @click.option("--read-timeout", type=Ranged(limits.POSITIVE_REAL), default=READ_TIMEOUT_S, show_default=True,
@@ -172,6 +176,20 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
     click.echo(f"trtspec serve: {served_model_name} on {url} (OpenAI API at {url}/v1, metrics at {url}/metrics)",
                err=True)
     run_server(server, sock, graceful_s=graceful_shutdown)
+
+
+def _api_key(value: str | None) -> str | None:
+    """The key, refused when empty: an empty key would serve every route open without a word (click
+    reads an empty TRTSPEC_API_KEY as unset), and one with surrounding whitespace could never match
+    (HTTP strips it from the header)."""
+    if value is None:
+        value = os.environ.get(API_KEY_ENV)
+    if value is not None and not value.strip():
+        raise TrtspecError(f"--api-key is empty (or {API_KEY_ENV} is set but empty): give a key, or leave both out to "
+                           "serve without one")
+    if value is not None and value != value.strip():
+        raise TrtspecError("--api-key must not begin or end with whitespace (HTTP drops it from the header)")
+    return value
 
 
 def _check_block_size(pipeline, choice) -> None:

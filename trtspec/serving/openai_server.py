@@ -514,15 +514,18 @@ def trtspec_extension(stats: DecodeStats | None) -> dict:
     return out
 
 
+OPEN_ROUTES = ("/health", "/metrics")  # what a server with an API key answers without it, as vLLM
+
+
 class _ApiKey:
-    """ASGI middleware: every /v1 route wants `Authorization: Bearer KEY` (401 otherwise, in
-    OpenAI's shape); /health and /metrics stay open, as in vLLM."""
+    """ASGI middleware: every route but OPEN_ROUTES wants `Authorization: Bearer KEY` (401 otherwise,
+    in OpenAI's shape), before its body is read."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             if not secrets.compare_digest(given, self.expected):
                 refusal = ApiError(401, "a valid API key is required: send the header Authorization: Bearer KEY",
@@ -674,7 +677,9 @@ class OpenAIServer:
         return await asyncio.get_running_loop().run_in_executor(self._door, run)
 
     def _tokenize(self, body: dict) -> dict:
-        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (with the chat fields) -> ids."""
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (with the chat fields) -> ids. A
+        text longer than the context can hold is refused before it is tokenized, as a prompt is, so
+        the route's work is bounded like a completion's."""
         fields = {"model", "prompt", "add_special_tokens"} if "messages" not in body else \
             {"model", "messages", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
         for name in body:
@@ -682,9 +687,9 @@ class OpenAIServer:
                 raise _bad(f"unknown field {_show(name)} (/tokenize takes {', '.join(sorted(fields))})", name)
         context = self.pipeline.runner.max_context
         if "messages" in body:
-            ids = _chat_ids(body, self.codec, limits.INT32_MAX)
+            ids = _chat_ids(body, self.codec, context)
         elif isinstance(body.get("prompt"), str):
-            _fits(len(body["prompt"]), self.codec, limits.INT32_MAX, "prompt")
+            _fits(len(body["prompt"]), self.codec, context, "prompt")
             ids = self.codec.encode_unlocked(body["prompt"], _flag(body, "add_special_tokens", True))
         else:
             raise _bad("give prompt (a string) or messages", "prompt")
