@@ -92,6 +92,15 @@ def check_request(runner, prompt: list[int], config: GenerationConfig, policy) -
     return limit
 
 
+def check_room(prompt_tokens: int, max_new_tokens: int, max_context: int, field: str) -> None:
+    """vLLM's rule, in every front end: a request that asks for more new tokens than its prompt
+    leaves room for in the context is refused (one that does not ask is capped at the context)."""
+    if prompt_tokens + max_new_tokens > max_context:
+        raise TrtspecError(f"this model's maximum context length is {max_context} tokens; this request asks for "
+                           f"{prompt_tokens + max_new_tokens} ({prompt_tokens} in the prompt, {max_new_tokens} new): "
+                           f"lower {field} or shorten the prompt")
+
+
 def check_built_sizes(runner, block: BlockChoice) -> None:
     """Refuse a schedule whose block sizes the runner's engine was not built for."""
     for size in block.sizes:

@@ -15,8 +15,8 @@ TOP_P_CANDIDATES = 256  # tokens sorted for top-p before falling back to the who
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Ranges: trtspec.limits (T >= 0 and finite, top-k >= 0, top-p in (0, 1], min-p in [0, 1],
-    seed in [0, 2**63-1]).
+    """Ranges: trtspec.limits (T >= 0 and finite, top-k >= -1 (-1: off, stored as 0), top-p in (0, 1],
+    min-p in [0, 1], seed in [0, 2**63-1]).
 
     A temperature or top-p below float32's resolution (limits.SAMPLING_RESOLUTION) is stored as
     greedy (temperature 0), its limit: float32 would round it to 0 and sample garbage. Normalised
@@ -30,7 +30,7 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", TEMPERATURE.check(self.temperature))
-        object.__setattr__(self, "top_k", TOP_K.check(self.top_k))
+        object.__setattr__(self, "top_k", max(TOP_K.check(self.top_k), 0))
         object.__setattr__(self, "top_p", TOP_P.check(self.top_p))
         object.__setattr__(self, "min_p", MIN_P.check(self.min_p))
         if self.seed is not None:

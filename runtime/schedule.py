@@ -83,11 +83,12 @@ class BlockChoice:
             raise TrtspecError(f"give plain block sizes here (a growing block B:G runs the graphs of B and G); "
                                f"got {text!r}")
         if size is None or grow_to is None:
-            forms = "an integer B" + (" or B:G (B growing to G)" if allow_growth else "") + (", or auto" if allow_auto else "")
+            forms = ("an integer B" + (" or B:G (B growing to G)" if allow_growth else "")
+                     + (", or auto" if allow_auto else "") + (", or AR" if allow_ar else ""))
             raise TrtspecError(f"{label} must be {forms}; got {text!r}")
         if not 2 <= size <= MAX_BLOCK_SIZE:
-            raise TrtspecError(f"{label} must be in [2, {MAX_BLOCK_SIZE}], got {size} "
-                               "(autoregressive decoding is --ar, and bench's baseline)")
+            raise TrtspecError(f"{label} must be in [2, {MAX_BLOCK_SIZE}], got {size} " + (
+                "(or AR, also 1: the target alone)" if allow_ar else "(autoregressive decoding is --ar, and bench's baseline)"))
         return cls(size, grow_to)
 
 

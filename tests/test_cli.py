@@ -43,6 +43,26 @@ def test_json_output_and_ar_baseline(target_dir, drafter_dir, prompt_file):
     assert baseline["stats"]["block_size"] == 1 and baseline["stats"]["tau"] == 1.0
 
 
+def test_run_takes_what_a_request_takes(target_dir, drafter_dir, prompt_file):
+    """Issue 57, Build 6: one rule in every front end. `--block-size 1` is AR, as a request's
+    block_size 1 and `serve --block-size 1` are; `--top-k -1` is off, as a request's top_k -1 is
+    (vLLM's); an unasked --max-new-tokens is capped at the context (an asked one that does not fit
+    is refused: test_bad_input_gives_one_clear_line)."""
+    def run(*args):
+        result = trtspec_in_process("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--json",
+                                    "--max-new-tokens", 12, *args)
+        assert result.returncode == 0, result.stderr.decode()
+        return json.loads(result.stdout)
+
+    ar = run("--ar")
+    assert run("--block-size", 1)["tokens"] == ar["tokens"] and run("--block-size", "AR")["stats"]["block_size"] == 1
+    sampled = ("--temperature", 1, "--seed", 7)
+    assert run(*sampled, "--top-k", -1)["tokens"] == run(*sampled, "--top-k", 0)["tokens"]
+    capped = trtspec_in_process("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--json",
+                                "--max-context", 16)
+    assert capped.returncode == 0 and json.loads(capped.stdout)["stats"]["finish_reason"] == "length"
+
+
 def test_streams_text_to_stdout_and_stats_to_stderr(target_dir, drafter_dir, prompt_file):
     """The entry point in its own process, the prompt on stdin; the JSON form of the same run in-process."""
     args = ("--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 30)
@@ -97,7 +117,9 @@ def _bad_inputs(tmp, target_dir, drafter_dir, prompt_file):
         "empty prompt": (("run", empty, *common), "the prompt is empty"),
         "prompt longer than context": (("run", long, *common, "--max-context", 32), "the context holds 32"),
         "block size too large": (("run", prompt_file, *common, "--block-size", 65), "--block-size must be in [2, 64], got 65"),
-        "block size one": (("run", prompt_file, *common, "--block-size", 1), "--block-size must be in [2, 64], got 1"),
+        "block size zero": (("run", prompt_file, *common, "--block-size", 0), "--block-size must be in [2, 64], got 0"),
+        "more tokens than the context": (("run", prompt_file, *common, "--max-new-tokens", 32, "--max-context", 16),
+                                         "lower --max-new-tokens"),
         "negative temperature": (("run", prompt_file, *common, "--temperature", -0.5), "temperature must be"),
         "non-UTF-8 prompt": (("run", latin1, *common), "not valid UTF-8"),
         "bad top-p": (("run", prompt_file, *common, "--top-p", 0), "top-p must be"),
@@ -107,7 +129,8 @@ def _bad_inputs(tmp, target_dir, drafter_dir, prompt_file):
 
 CASES = ["missing target", "missing drafter", "missing prompt", "no drafter given", "corrupt safetensors",
          "mismatched pair", "empty prompt", "prompt longer than context", "block size too large",
-         "block size one", "negative temperature", "non-UTF-8 prompt", "bad top-p", "stop id out of range"]
+         "block size zero", "more tokens than the context", "negative temperature", "non-UTF-8 prompt", "bad top-p",
+         "stop id out of range"]
 
 
 # Through the real entry point in a subprocess (interpreter start-up, exit status, stderr); the

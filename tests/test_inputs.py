@@ -351,10 +351,11 @@ def test_train_drafter_resume_refuses_other_data_and_a_truncated_checkpoint(targ
 # --- flags -----------------------------------------------------------------------------------------
 
 FLAG_CASES = [
-    (("run", "P", "--block-size", "²"), "--block-size must be an integer B or B:G (B growing to G), or auto; got '²'"),
+    (("run", "P", "--block-size", "²"), "--block-size must be an integer B or B:G (B growing to G), or auto, or AR; "
+                                         "got '²'"),
     (("run", "P", "--temperature", "-0.1"), "--temperature must be a number >= 0, got -0.1"),
     (("run", "P", "--temperature", "inf"), "--temperature must be a number >= 0, got inf"),
-    (("run", "P", "--top-k", "-1"), "--top-k must be an integer in [0, 2**31-1], got -1"),
+    (("run", "P", "--top-k", "-2"), "--top-k must be an integer in [-1, 2**31-1], got -2"),  # -1: off, as vLLM
     (("run", "P", "--top-p", "1.5"), "--top-p must be a number in (0, 1], got 1.5"),
     (("run", "P", "--seed", str(2**63)), "--seed must be an integer in [0, 2**63-1], got 9223372036854775808"),
     (("run", "P", "--seed", "-1"), "--seed must be an integer in [0, 2**63-1], got -1"),
@@ -488,8 +489,8 @@ def _expected_bad(flag: str, value: str) -> bool:
         return not number >= 0 or number == float("inf")
     if flag == "--top-p":
         return not 0 < number <= 1
-    if flag in ("--top-k", "--seed"):
-        return value.strip() in ("-1", "nan", "-inf", "1e400", "-0.5", str(2**64))
+    if flag in ("--top-k", "--seed"):  # top-k -1 is off (vLLM's)
+        return value.strip() in ("-1", "nan", "-inf", "1e400", "-0.5", str(2**64)) and (flag, value) != ("--top-k", "-1")
     return not (value.strip().isascii() and value.strip().isdigit()) or int(value) < (2 if "block" in flag else 1) \
         or (flag == "--block-size" and int(value) > 64)
 

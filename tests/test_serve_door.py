@@ -285,6 +285,12 @@ REFUSED = [  # (route, fields added to a good body, the field named): each was i
     ("completions", {"seed": 10**400}, "seed"),
     ("completions", {"block_size": "9" * 5000}, "block_size"),
     ("completions", {"stream_options": {"include_usage": True, "x": 1}, "stream": True}, "stream_options"),
+    # issue 57, Build 6: as vLLM, and as the CLI
+    ("chat/completions", {"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt: true
+    ("chat/completions", {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
+    ("completions", {"prompt": [1.0, 2.0]}, "prompt"),
+    ("completions", {"block_size": 0}, "block_size"),
+    ("completions", {"top_k": -2}, "top_k"),
 ]
 
 
@@ -300,6 +306,10 @@ def test_fields_that_would_be_ignored_or_crash_are_refused_naming_them(door):
         status, answer = post(f"{door.url}/v1/{route}", json.dumps(body).encode())  # surrogates: \ud800 escapes
         assert status == 400 and answer["error"]["param"] == param, (fields, answer)
         assert "\n" not in answer["error"]["message"] and len(answer["error"]["message"]) < 400, answer
+    floats = post(f"{door.url}/v1/completions", {**_good("completions"), "prompt": [1.0, 2.0]})[1]
+    assert "floats are not token ids" in floats["error"]["message"], floats
+    for fields in ({"block_size": "1"}, {"block_size": 1}, {"top_k": -1}):  # AR, and vLLM's "off", as run takes them
+        assert post(f"{door.url}/v1/completions", {**_good("completions"), **fields})[0] == 200, fields
     for route in ("completions", "chat/completions"):  # the defaults of unsupported fields are accepted
         defaults = {"ignore_eos": False, "min_tokens": 0, "repetition_penalty": 1.0, "skip_special_tokens": True,
                     "response_format": {"type": "text"}, "logprobs": None, "user": "me"}

@@ -258,6 +258,7 @@ def test_triton_metrics_export_the_serving_metrics(server, client):
     ("NaN temperature", "temperature must be a number >= 0, got nan"),
     ("negative seed", r"seed must be an integer in \[0, 2\*\*63-1\], got -1"),
     ("zero max_tokens", r"max new tokens must be an integer in \[1, 2\*\*31-1\], got 0"),
+    ("max_tokens beyond the context", "lower max_tokens or shorten the prompt"),  # as serve and run (issue 57)
     ("negative block size", r"must be an integer in \[2, 64\], got -3"),
     ("grow_to below block_size", "a block grows from B >= 2 to a larger size"),
     ("text_input not UTF-8", r"text_input is not valid UTF-8 \(byte 0xed at offset 5\)"),
@@ -289,6 +290,8 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cli
             scalars = {"temperature": np.float32(1.0), "seed": np.int64(-1)}
         elif case == "zero max_tokens":
             scalars = {"max_tokens": np.int32(0)}
+        elif case == "max_tokens beyond the context":
+            scalars = {"max_tokens": np.int32(LONG_CONTEXT)}
         elif case == "negative block size":
             scalars = {"block_size": np.int32(-3)}
         elif case == "grow_to below block_size":

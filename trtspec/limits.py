@@ -105,7 +105,7 @@ def parse_int(text: str) -> int | None:
 # 0): SamplingConfig decodes both as their limit, greedy (the likeliest token), in every path.
 SAMPLING_RESOLUTION = 2.0**-126  # float32's smallest normal number (torch.finfo(torch.float32).tiny)
 TEMPERATURE = Limit("temperature", 0.0, math.inf, integer=False)
-TOP_K = Limit("top-k", 0, INT32_MAX)             # 0 = off; k >= vocabulary is off too
+TOP_K = Limit("top-k", -1, INT32_MAX)            # 0 or -1 (vLLM's) = off; k >= vocabulary is off too
 TOP_P = Limit("top-p", 0.0, 1.0, integer=False, low_open=True)
 SEED = Limit("seed", 0, SEED_MAX)
 # Requests and prompt sets.

@@ -75,12 +75,13 @@ def _draft_vocab_options():
 
 
 class BlockSizeType(click.ParamType):
-    """A block size B, a growing block B:G, or "auto" (BlockPilot chooses per request): a BlockChoice.
-    With `plain`, only B, as an int."""
+    """A request's block size, as every front end takes it (BlockChoice.parse, as a request's
+    block_size): B, a growing block B:G, "auto" (BlockPilot chooses per request) or "AR" (also 1: the
+    target alone). With `plain`, a drafter's or an engine's block size B in [2, 64], as an int."""
 
     def __init__(self, plain: bool = False):
         self.plain = plain
-        self.name = "B" if plain else "B|B:G|auto"
+        self.name = "B" if plain else "B|B:G|auto|AR"
 
     def convert(self, value, param, ctx):
         from trtspec.runtime.schedule import BlockChoice
@@ -88,7 +89,8 @@ class BlockSizeType(click.ParamType):
         if isinstance(value, BlockChoice):
             return value
         label = param.opts[0] if param is not None and param.opts else "block size"
-        choice = BlockChoice.parse(value, allow_auto=not self.plain, allow_growth=not self.plain, label=label)
+        choice = BlockChoice.parse(value, allow_auto=not self.plain, allow_ar=not self.plain,
+                                   allow_growth=not self.plain, label=label)
         return choice.size if self.plain else choice
 
 
@@ -123,9 +125,10 @@ sampling_options = _stack(
 )
 
 
-def max_new_tokens_option(default: int):
-    """--max-new-tokens, declared once; each command has its own default."""
-    return click.option("--max-new-tokens", type=Ranged(limits.MAX_NEW_TOKENS), default=default, show_default=True)
+def max_new_tokens_option(default: int, help: str | None = None):
+    """--max-new-tokens, declared once; each command has its own default (and may say more)."""
+    return click.option("--max-new-tokens", type=Ranged(limits.MAX_NEW_TOKENS), default=default, show_default=True,
+                        help=help)
 
 
 limit_option = click.option("--limit", type=Ranged(limits.LIMIT), metavar="N", help="Use only the first N prompts.")

@@ -6,13 +6,14 @@ import json
 import sys
 
 import click
+from click.core import ParameterSource
 
 from trtspec import limits
 from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
                                       load_pipeline, max_new_tokens_option, model_options, policy_option,
                                       sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
-from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.request import GenerationConfig, check_room
 from trtspec.runtime.schedule import AR
 
 
@@ -54,12 +55,13 @@ Examples:
 @backend_option
 @click.option("--block-size", type=BlockSizeType(),
               help="Block size B in [2, 64] (proposes B-1 tokens per cycle); B:G grows to G for the cycle after "
-                   "one that fills a block of B; auto: BlockPilot chooses once after prefill. "
+                   "one that fills a block of B; auto: BlockPilot chooses once after prefill; AR (or 1): --ar. "
                    "[default: auto with a policy, else the drafter's]")
 @policy_option
 @draft_vocab_options
 @sampling_options
-@max_new_tokens_option(256)
+@max_new_tokens_option(256, "An asked-for count beyond the context's room after the prompt is refused, as "
+                        "serve refuses a request's max_tokens; the default is capped at the context.")
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N", help="Cap on prompt + output tokens. [default: the model's]")
 @click.option("--stop", multiple=True, metavar="TEXT",
               help="Stop string, matched in the decoded text: the output ends before it (--stop $'\\n\\n'); "
@@ -86,6 +88,8 @@ def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size
     Text streams to stdout as it is committed and statistics go to stderr; with --json one
     object {"text", "tokens", "stats"} is printed at the end.
     """
+    if block_size is not None and block_size.ar:
+        ar, block_size = True, None  # --block-size AR (or 1), as a request's block_size: the target alone
     if ar and block_size is not None:
         raise TrtspecError("--ar decodes one token at a time; drop --block-size")
     if ar and (draft_vocab is not None or draft_counts is not None):
@@ -112,6 +116,10 @@ def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size
     if not ar and not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
     stops, single_token_stops = pipeline.codec.stop_strings(stop)
+    if click.get_current_context().get_parameter_source("max_new_tokens") is not ParameterSource.DEFAULT:
+        for text in prompts if batch_file is not None else [prompt]:  # asked for: it must fit, as in serve
+            check_room(len(pipeline.codec.encode(text, chat=chat)), max_new_tokens, pipeline.runner.max_context,
+                       "--max-new-tokens")
     config = GenerationConfig(
         block=AR if ar else (block_size if block_size is not None else pipeline.default_block),
         max_new_tokens=max_new_tokens,

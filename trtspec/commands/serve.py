@@ -15,17 +15,6 @@ from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
 API_KEY_ENV = "TRTSPEC_API_KEY"
 
 
-class ServeBlockSizeType(BlockSizeType):
-    """Like --block-size elsewhere, plus AR (or 1): serve with the target alone by default."""
-
-    def convert(self, value, param, ctx):
-        from trtspec.runtime.schedule import BlockChoice
-
-        if isinstance(value, str) and value.strip() in ("AR", "1"):
-            return BlockChoice(1)
-        return super().convert(value, param, ctx)
-
-
 @click.command(epilog="""\b
 Examples:
   trtspec serve                                     # bundled demo pair on http://127.0.0.1:8000
@@ -58,7 +47,7 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
               help="Requests decoded together (the engine's slots).")
 @click.option("--max-queued", type=Ranged(limits.COUNT), default=64, show_default=True, metavar="N",
               help="Requests waiting for a slot; beyond this a request gets HTTP 429.")
-@click.option("--block-size", type=ServeBlockSizeType(),
+@click.option("--block-size", type=BlockSizeType(),
               help="Default block size of requests without a block_size field: B, B:G, auto or AR. "
                    "[default: auto with a policy, else the drafter's]")
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N",

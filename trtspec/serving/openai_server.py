@@ -46,7 +46,7 @@ from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.grammar import grammar_tokenizer, response_format_grammar
 from trtspec.runtime.processing import Processing
-from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.request import GenerationConfig, check_room
 from trtspec.runtime.sampling import derive_seed
 from trtspec.tokenizer import check_text
 from trtspec.runtime.schedule import BlockChoice
@@ -189,6 +189,9 @@ def _prompt_ids(body: dict, codec, max_context: int) -> list[int]:
         if bad:
             raise _bad(f"prompt: token id {_show(bad[0])} is outside the vocabulary (0..{vocab - 1})", "prompt")
         ids = list(prompt)
+    elif isinstance(prompt, list) and any(isinstance(t, float) for t in prompt):
+        raise _bad(f"prompt: {_show(next(t for t in prompt if isinstance(t, float)))} is not a token id "
+                   "(floats are not token ids)", "prompt")
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise _bad("prompt: one prompt per request (a list of several prompts is not supported)", "prompt")
     else:
@@ -223,8 +226,12 @@ def _template_options(body: dict) -> dict:
         raise _bad(f"chat_template_kwargs must be an object of at most 64 template variables, got {_show(kwargs)}",
                    "chat_template_kwargs")
     add, extend = _flag(body, "add_generation_prompt", True), _flag(body, "continue_final_message", False)
-    if add and extend and body.get("add_generation_prompt") is not None:
-        raise _bad("add_generation_prompt and continue_final_message cannot both be true", "continue_final_message")
+    if add and extend:  # as vLLM: add_generation_prompt is true unless it is set to false
+        raise _bad("continue_final_message needs add_generation_prompt: false (both cannot be true)",
+                   "continue_final_message")
+    if extend and body["messages"][-1].get("role") != "assistant":
+        raise _bad("continue_final_message continues the last message, which must be the assistant's",
+                   "continue_final_message")
     return {"template_kwargs": kwargs, "add_generation_prompt": add, "continue_final_message": extend}
 
 
@@ -361,7 +368,7 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     max_tokens = _number(body, limit_field, limits.MAX_NEW_TOKENS, default_tokens)
     temperature = _number(body, "temperature", limits.TEMPERATURE, 0.0)
     top_p = _number(body, "top_p", limits.TOP_P, 1.0)
-    top_k = _number(body, "top_k", limits.TOP_K, 0) if body.get("top_k") != -1 else 0  # -1: vLLM's "off"
+    top_k = _number(body, "top_k", limits.TOP_K, 0)
     seed = _number(body, "seed", limits.SEED, None)
     block = _block_choice(body, default_block)
     stream = body.get("stream", False)
@@ -390,10 +397,11 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     except TrtspecError as exc:
         raise _bad(str(exc), "block_size") from None
     ids = _chat_ids(body, codec, max_context) if chat else _prompt_ids(body, codec, max_context)
-    if body.get(limit_field) is not None and len(ids) + max_tokens > max_context:  # as vLLM: 400
-        raise _bad(f"this model's maximum context length is {max_context} tokens; this request asks for "
-                   f"{len(ids) + max_tokens} ({len(ids)} in the {'messages' if chat else 'prompt'}, {max_tokens} in "
-                   "the completion): lower max_tokens or shorten the prompt", limit_field)
+    if body.get(limit_field) is not None:  # asked for: refused when it does not fit (else capped), as vLLM
+        try:
+            check_room(len(ids), max_tokens, max_context, limit_field)
+        except TrtspecError as exc:
+            raise _bad(str(exc), limit_field) from None
     options = options or {}
     echo = None
     if not chat and _flag(body, "echo", False):

@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - imported for documentation or tests ou
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import STOP_CHARS, STOPS
-from trtspec.runtime.request import Generation
+from trtspec.runtime.request import Generation, check_room
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.serving.frontend import COMMIT, FINISH, Bridge, Reply, generation_config, observe_finished
@@ -57,8 +57,9 @@ CANCEL_POLL_S = 0.05  # asking Triton is a round trip to the server process: at 
 LOAD_POLL_S = 0.5     # how often the engine's load gauges are refreshed
 
 
-SCALARS = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 0.0, "seed": None, "block_size": None, "grow_to": 0,
-           "stream": True}  # optional one-value inputs and their defaults (block_size: the model's)
+SCALARS = {"max_tokens": None, "temperature": 0.0, "seed": None, "block_size": None, "grow_to": 0,
+           "stream": True}  # optional one-value inputs and their defaults (block_size: the model's; max_tokens:
+                            # DEFAULT_MAX_TOKENS, capped at the context)
 
 
 def _values(request, name: str, most: int | None = None):
@@ -358,12 +359,15 @@ class TritonPythonModel:
         codec = self.pipeline.codec
         stops, single_token_stops = codec.stop_strings([_utf8(stop, "stop") for stop in inputs.stops], "stop")
         stop_ids = codec.stop_token_ids(inputs.stop_token_ids, "stop_token_ids") + single_token_stops
-        scalars = inputs.scalars
-        config = generation_config(self._block(scalars["block_size"], scalars["grow_to"]), scalars["max_tokens"],
-                                   stop_ids, temperature=scalars["temperature"], seed=scalars["seed"])
+        scalars, asked = inputs.scalars, inputs.scalars["max_tokens"]
+        config = generation_config(self._block(scalars["block_size"], scalars["grow_to"]),
+                                   DEFAULT_MAX_TOKENS if asked is None else asked, stop_ids,
+                                   temperature=scalars["temperature"], seed=scalars["seed"])
         ids = codec.encode_unlocked(_utf8(inputs.text, "text_input"))
         if not ids:
             raise TrtspecError("the prompt is empty")
+        if asked is not None:  # as serve and run: an asked-for count must fit (the default is capped)
+            check_room(len(ids), asked, self.context, "max_tokens")
         call.sends = self.decoupled and bool(scalars["stream"])
         call.reply = Reply(codec, stops, self.outbox.metrics)
         bridge = Bridge(lambda kind, payload: self.outbox.put(kind, call, payload))
