@@ -35,6 +35,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return MODEL_DTYPES[dtype]
 
 
+def fast_bfloat16(device: torch.device) -> bool:
+    """Whether bfloat16 matrix products are fast here: a CUDA device that supports them, or a CPU
+    with AMX-BF16 or AVX512-BF16 (torch's oneDNN kernels use them; elsewhere bfloat16 on a CPU is
+    emulated and slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text(errors="replace").splitlines()
+                  if line.startswith("flags")), [])
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def describe_device(device: torch.device) -> str:
     """The hardware behind a timing, for keys of what is measured once per machine: the GPU's name
     and compute capability with the CUDA version, or the CPU's model, architecture and core count."""

@@ -136,11 +136,15 @@ Examples:
 @click.option("--init-from", metavar="DIR",
               help="Start from this drafter's weights (same block size; its layers and taps are kept), "
                    "e.g. to adapt a drafter to a changed target or to new data.")
+@click.option("--bf16-autocast/--no-bf16-autocast", "bf16_autocast", default=None,
+              help="Forward passes in bfloat16 (weights and optimizer stay float32). "
+                   "[default: on where bfloat16 matmuls are fast: CUDA, or a CPU with AMX/AVX512-BF16]")
 @device_options
 def train_drafter(target, data_file, block_size, output, layers, num_features, target_layer_ids, steps,
                   batch_size, anchors, max_length, lr, gamma, mask_token_id, seed, checkpoint_every, work_dir,
-                  init_from, dtype, device) -> None:
+                  init_from, bf16_autocast, dtype, device) -> None:
     """Train a DFlash drafter for a frozen target (resumes from --work when restarted)."""
+    from trtspec.device import fast_bfloat16
     from trtspec.fileio import CHECKPOINT, check_distinct_outputs, check_output_dir, check_work_dir
     from trtspec.training.data import read_training_data
     from trtspec.training.trainer import TrainConfig, tapped_layers, train_drafter as train, work_directory
@@ -162,6 +166,8 @@ def train_drafter(target, data_file, block_size, output, layers, num_features, t
                          target_layer_ids=_layer_ids(target_layer_ids), mask_token_id=mask_token_id,
                          steps=steps, batch_size=batch_size, anchors_per_sequence=anchors, max_length=max_length,
                          lr=lr, gamma=gamma, seed=seed, checkpoint_every=checkpoint_every,
+                         bfloat16_autocast=fast_bfloat16(pipeline.target.device) if bf16_autocast is None
+                         else bf16_autocast,
                          lineage={"initialised_from": dict(start.config.lineage)} if start else {})
     if start is None:  # duplicate or excess taps: refused now, not after reading the data
         tapped_layers(config, pipeline.target.config.num_hidden_layers)

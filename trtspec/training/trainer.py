@@ -49,6 +49,7 @@ class TrainConfig:
     position_weight_shift: int = 0              # >0 moves loss weight toward positions >= shift (expand-block)
     distill_below: int = 0                      # >0: positions < this also match a frozen teacher (expand-block)
     distill_weight: float = 1.0                 # weight of that KL term against the cross-entropy
+    bfloat16_autocast: bool = False             # forward passes in bfloat16, float32 weights and optimizer
     lineage: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -277,9 +278,10 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
                      drafter.config.mask_token_id, config.decay, generator,
                      emphasis_from=config.position_weight_shift)
         batch = PackedBatch(*(t.to(target.device) for t in vars(batch).values()))
-        with torch.no_grad():
-            _, features = target(batch.tokens, 0, None, layer_ids)
-        loss = loss_module(features, batch)
+        with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=config.bfloat16_autocast):
+            with torch.no_grad():
+                _, features = target(batch.tokens, 0, None, layer_ids)
+            loss = loss_module(features, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.clip_norm)

@@ -1,0 +1,67 @@
+"""Keep a training run's checkpoint in git: split into parts of at most 15 MiB, and back.
+
+A session can end at any moment, and only what is committed survives it, so the recipe saves the
+work directory's checkpoint.pt (drafter, optimizer, schedule, data order) as parts after every
+training chunk, and restores it before the next one when the work directory lacks it or holds an
+older step.
+
+    python scripts/drafter/checkpoint.py save build/smollm2/drafter-work data/smollm2/checkpoint
+    python scripts/drafter/checkpoint.py restore data/smollm2/checkpoint build/smollm2/drafter-work
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from trtspec.fileio import staged_directory, staged_file
+
+CHECKPOINT = "checkpoint.pt"
+PART_BYTES = 15 * 2**20
+
+
+def step_of(path: Path) -> int:
+    return int(torch.load(path, map_location="cpu", weights_only=False)["step"]) if path.is_file() else -1
+
+
+def save(work: Path, parts: Path) -> None:
+    data = (work / CHECKPOINT).read_bytes()
+    index = {"step": step_of(work / CHECKPOINT), "sha256": hashlib.sha256(data).hexdigest(), "parts": []}
+    with staged_directory(parts, "checkpoint parts") as staging:
+        for number, offset in enumerate(range(0, len(data), PART_BYTES)):
+            name = f"part-{number:02d}"
+            (staging / name).write_bytes(data[offset:offset + PART_BYTES])
+            index["parts"].append(name)
+        (staging / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    print(f"{parts}: step {index['step']} in {len(index['parts'])} parts")
+
+
+def restore(parts: Path, work: Path) -> None:
+    index = json.loads((parts / "index.json").read_text())
+    if step_of(work / CHECKPOINT) >= index["step"]:
+        print(f"{work / CHECKPOINT} is already at step {step_of(work / CHECKPOINT)} (parts: {index['step']})")
+        return
+    data = b"".join((parts / name).read_bytes() for name in index["parts"])
+    if hashlib.sha256(data).hexdigest() != index["sha256"]:
+        raise SystemExit(f"{parts}: the parts do not join into the checkpoint they were cut from")
+    work.mkdir(parents=True, exist_ok=True)
+    with staged_file(work / CHECKPOINT) as temporary:
+        Path(temporary).write_bytes(data)
+    print(f"{work / CHECKPOINT}: restored step {index['step']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=("save", "restore"))
+    parser.add_argument("source", type=Path)
+    parser.add_argument("destination", type=Path)
+    args = parser.parse_args()
+    (save if args.action == "save" else restore)(args.source, args.destination)
+
+
+if __name__ == "__main__":
+    main()

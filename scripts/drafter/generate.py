@@ -1,0 +1,84 @@
+"""Step 2 of the drafter recipe: the target's own responses to the prompts, in resumable shards.
+
+Each shard is `--shard-size` consecutive prompts, written atomically as
+`OUT/shard-NNNN.jsonl` (the `trtspec generate-data` record format) once all of them are decoded,
+so a run cut off at any moment loses at most the shard in progress, and a rerun skips the shards
+that exist. Every `--sampled-every`-th shard samples at T = 1 (seeded by the shard's number), the
+rest are greedy: the drafter serves both. `OUT/manifest.json` keeps what the shards were made
+with and the running totals (tokens, seconds), rewritten after every shard.
+
+    python scripts/drafter/generate.py --prompts data/smollm2/prompts.jsonl -o data/smollm2/responses
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from trtspec.api import Pipeline
+from trtspec.assets import resolve_target
+from trtspec.fileio import atomic_write_text
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.schedule import AR
+from trtspec.training.data import generate_data, read_prompt_set
+
+
+def shard_config(number: int, max_new_tokens: int, sampled_every: int) -> GenerationConfig:
+    sampled = sampled_every > 0 and number % sampled_every == sampled_every - 1
+    sampling = SamplingConfig(temperature=1.0, seed=number) if sampled else SamplingConfig()
+    return GenerationConfig(block=AR, max_new_tokens=max_new_tokens, sampling=sampling)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("-o", "--output", required=True, help="Directory of shards.")
+    parser.add_argument("--shard-size", type=int, default=128)
+    parser.add_argument("--shards", type=int, default=None, help="Stop after this many shards exist.")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--sampled-every", type=int, default=4, help="Every N-th shard samples at T = 1 (0: none).")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-context", type=int, default=512)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = read_prompt_set(args.prompts)
+    pipeline = Pipeline(resolve_target(args.target), None, dtype=args.dtype, device="cpu", max_context=args.max_context)
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
+        "target": Path(args.target).name, "prompts": Path(args.prompts).name, "shard_size": args.shard_size, "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens, "sampled_every": args.sampled_every, "shards": {}}
+    if manifest["shard_size"] != args.shard_size:
+        raise SystemExit(f"{out} was made with --shard-size {manifest['shard_size']}")
+    total = -(-len(prompts) // args.shard_size)
+    for number in range(total if args.shards is None else min(total, args.shards)):
+        path = out / f"shard-{number:04d}.jsonl"
+        if path.exists():
+            continue
+        chunk = prompts[number * args.shard_size:(number + 1) * args.shard_size]
+        config = shard_config(number, args.max_new_tokens, args.sampled_every)
+        began = time.perf_counter()
+        generate_data(pipeline, chunk, config, path, args.batch_size, progress=False)
+        seconds = time.perf_counter() - began
+        tokens = sum(len(json.loads(line)["response_ids"]) for line in path.read_text().splitlines())
+        manifest["shards"][path.name] = {"prompts": len(chunk), "tokens": tokens, "seconds": round(seconds, 1),
+                                         "temperature": config.sampling.temperature}
+        atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
+        done = manifest["shards"].values()
+        print(f"{path.name}: {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s); "
+              f"{sum(s['tokens'] for s in done)} tokens in {len(done)} shards", flush=True)
+
+
+if __name__ == "__main__":
+    main()

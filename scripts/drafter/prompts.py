@@ -1,0 +1,154 @@
+"""Prompts for the SmolLM2 drafter's training data: code and chat requests, never HumanEval.
+
+The target is an instruct model, so every prompt is one user message in its chat template (the
+form users send it). Two sources, both offline and deterministic:
+
+* code: public functions of the Python standard library, asked for by signature and summary
+  ("Write a Python function ..."), explained, tested or refactored;
+* chat: a fixed list of everyday and technical subjects crossed with instruction templates.
+
+HumanEval is the benchmark, so the script refuses to write a prompt that names a HumanEval entry
+point or holds a line of a HumanEval prompt (40+ characters). The order is a fixed shuffle, so
+any prefix of the file (the shards generated so far) is a mix of both kinds.
+
+    python scripts/drafter/prompts.py --target smollm2 -o data/smollm2/prompts.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import random
+import re
+import sys
+import warnings
+
+from trtspec.assets import resolve_target
+from trtspec.fileio import atomic_write_text
+from trtspec.perf.bench import load_prompts
+from trtspec.tokenizer import TextCodec
+
+CODE_TASKS = (
+    "Write a Python function `{name}{signature}` that {summary}",
+    "Implement `{name}{signature}` in Python: {summary} Add a docstring and type hints.",
+    "Explain what the Python function `{module}.{name}` does and show a short example of using it.",
+    "Write three pytest tests for `{module}.{name}`, whose job is: {summary}",
+    "How would you write `{name}` yourself? It {summary_lower} Show the code.",
+)
+CHAT_TASKS = (
+    "Explain {subject} to a beginner in a few paragraphs.",
+    "Give me five practical tips about {subject}.",
+    "What are the most common mistakes people make with {subject}?",
+    "Write a short story that involves {subject}.",
+    "Summarize the key ideas of {subject} in a bulleted list.",
+    "Compare two different approaches to {subject} and say when to use each.",
+    "Write a friendly email to a colleague about {subject}.",
+    "What questions should I ask an expert on {subject}?",
+    "Write a haiku and a limerick about {subject}.",
+    "Plan a one-week learning schedule for {subject}.",
+)
+SUBJECTS = (
+    "baking bread", "saving money", "learning a new language", "time management", "climate change",
+    "the water cycle", "photosynthesis", "black holes", "the French revolution", "healthy sleep",
+    "running a marathon", "growing tomatoes", "public speaking", "job interviews", "writing a resume",
+    "recursion in programming", "binary search", "hash tables", "linked lists", "sorting algorithms",
+    "unit testing", "version control with git", "regular expressions", "SQL joins", "REST APIs",
+    "Python decorators", "Python generators", "list comprehensions", "exception handling", "type hints",
+    "object-oriented design", "functional programming", "concurrency and threads", "async and await",
+    "memory management", "caching", "databases and indexes", "web security", "password hashing",
+    "machine learning", "neural networks", "linear regression", "probability", "prime numbers",
+    "the Pythagorean theorem", "fractions", "compound interest", "the stock market", "inflation",
+    "volcanoes", "earthquakes", "the solar system", "the moon landing", "ancient Rome",
+    "the printing press", "electric cars", "renewable energy", "recycling", "ocean tides",
+    "meditation", "healthy breakfast ideas", "houseplants", "training a puppy", "birdwatching",
+    "chess openings", "playing the guitar", "painting with watercolors", "photography", "camping",
+    "traveling on a budget", "moving to a new city", "making friends as an adult", "team meetings",
+    "giving feedback", "negotiating a salary", "starting a small business", "writing a novel",
+    "reading more books", "the scientific method", "vaccines", "the human heart", "DNA",
+    "the internet", "how compilers work", "operating systems", "command-line tools", "JSON",
+    "data visualization", "spreadsheets", "cloud computing", "open-source software", "code review",
+)
+HUMANEVAL_LINE = 40  # a prompt holding a HumanEval line this long (or longer) is a leak
+
+
+def _summary(obj) -> str | None:
+    doc = inspect.getdoc(obj)
+    if not doc:
+        return None
+    first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+    if not 20 <= len(first) <= 300 or first.startswith(("Deprecated", ">>>")) or "(" in first[:1]:
+        return None
+    return first if first.endswith(".") else first + "."
+
+
+def code_requests() -> list[str]:
+    """One request per (public stdlib function, task), in a fixed order."""
+    requests = []
+    for module_name in sorted(sys.stdlib_module_names):
+        if module_name.startswith("_") or module_name in ("antigravity", "this", "idlelib", "tkinter", "turtle"):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(module_name)
+        except Exception:  # noqa: BLE001 - modules absent from this build (or needing a display) are skipped
+            continue
+        for name, obj in sorted(vars(module).items()):
+            if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != module_name:
+                continue
+            summary = _summary(obj)
+            if summary is None:
+                continue
+            try:
+                signature = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                continue
+            values = {"name": name, "signature": signature, "summary": summary, "module": module_name,
+                      "summary_lower": summary[0].lower() + summary[1:]}
+            requests += [task.format(**values) for task in CODE_TASKS]
+    return requests
+
+
+def chat_requests() -> list[str]:
+    return [task.format(subject=subject) for subject in SUBJECTS for task in CHAT_TASKS]
+
+
+def humaneval_leaks(requests: list[str]) -> list[str]:
+    """Requests that name a HumanEval entry point or hold a line of a HumanEval prompt."""
+    names, lines = set(), set()
+    for prompt in load_prompts("humaneval")[1]:
+        names.update(re.findall(r"^def (\w+)\(", prompt, re.MULTILINE))
+        lines.update(line.strip() for line in prompt.splitlines() if len(line.strip()) >= HUMANEVAL_LINE)
+    return [r for r in requests
+            if any(re.search(rf"\b{re.escape(n)}\b", r) for n in names) or any(line in r for line in lines)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2", help="Target whose chat template and tokenizer are used.")
+    parser.add_argument("-o", "--output", required=True)
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the fixed shuffle.")
+    parser.add_argument("--max-prompt-tokens", type=int, default=192, help="Longer prompts are left out.")
+    args = parser.parse_args()
+    codec = TextCodec(resolve_target(args.target))
+    code, chat = code_requests(), chat_requests()
+    leaks = set(humaneval_leaks(code + chat))
+    requests = [r for r in code + chat if r not in leaks]
+    random.Random(args.seed).shuffle(requests)
+    records = []
+    for text in requests:
+        messages = [{"role": "user", "content": text}]
+        ids = codec.encode_chat(messages)
+        if len(ids) <= args.max_prompt_tokens:
+            records.append({"prompt": codec.apply_chat_template(messages), "prompt_ids": ids,
+                            "kind": "chat" if text in chat else "code"})
+    atomic_write_text(args.output, "".join(json.dumps(r) + "\n" for r in records))
+    kinds = {k: sum(r["kind"] == k for r in records) for k in ("code", "chat")}
+    print(f"{args.output}: {len(records)} prompts ({kinds['code']} code, {kinds['chat']} chat); "
+          f"{len(leaks)} dropped as HumanEval leaks")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The SmolLM2-135M-Instruct drafter (shipped as trtspec/assets/smollm2-b16), every step, with the
+# product's own commands. Run from the repository root after the README's install. Every step
+# resumes from what is committed under data/smollm2/ (prompts, response shards, the training
+# checkpoint in parts), so a run cut off at any moment loses at most one shard or one chunk of
+# training; rerun the script to go on. Timings and token counts: docs/training.md.
+#
+#   SHARDS=12 CHUNK_MINUTES=30 bash scripts/drafter/recipe.sh
+set -euo pipefail
+TARGET=${TARGET:-smollm2}
+DATA=${DATA:-data/smollm2}
+WORK=${WORK:-build/smollm2}
+THREADS=${THREADS:-2}
+SHARDS=${SHARDS:-}             # stop generating after this many shards exist (default: every prompt)
+SHARD_SIZE=${SHARD_SIZE:-128}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
+SAMPLED_EVERY=${SAMPLED_EVERY:-4}  # every N-th shard samples at T = 1, the rest are greedy
+STEPS=${STEPS:-3000}           # the run's length (the cosine schedule's horizon)
+CHUNK_MINUTES=${CHUNK_MINUTES:-30}
+MASK=${MASK:-16}               # <empty_output>: a special token SmolLM2 never writes, used as DFlash's mask
+NUM_FEATURES=${NUM_FEATURES:-3}   # target layers the drafter taps (DFlash's default spread)
+HELD_OUT=${HELD_OUT:-32}       # held-out prompts the acceptance curve decodes
+mkdir -p "$WORK"
+
+# 1. Prompts: code and chat requests in the chat template, none from HumanEval (the script refuses).
+[ -f "$DATA/prompts.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" -o "$DATA/prompts.jsonl"
+
+# 2. The target's own responses, 128 prompts a shard; every 4th shard sampled at T = 1.
+python scripts/drafter/generate.py --target "$TARGET" --prompts "$DATA/prompts.jsonl" -o "$DATA/responses" \
+    --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" \
+    --sampled-every "$SAMPLED_EVERY" ${SHARDS:+--shards "$SHARDS"}
+
+# 3. The training file: every shard but shard-0000, whose prompts are held out for the curve.
+#    A run's data is fixed (the checkpoint records its digest), so TRAIN_SHARDS pins which shards
+#    a run trains on; a later run on more data starts from this one's drafter (--init-from).
+TRAIN_SHARDS=${TRAIN_SHARDS:-$(ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | wc -l)}
+ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | head -n "$TRAIN_SHARDS" | xargs cat > "$WORK/train.jsonl"
+
+# 4. DFlash training at B = 16: one drafter layer over three target taps, bfloat16 autocast where
+#    the CPU has AMX; resumed from the committed checkpoint, saved back after every chunk.
+[ -f "$DATA/checkpoint/index.json" ] && python scripts/drafter/checkpoint.py restore "$DATA/checkpoint" "$WORK/drafter-work"
+while true; do
+    status=0
+    timeout "${CHUNK_MINUTES}m" trtspec --threads "$THREADS" train-drafter --target "$TARGET" --data "$WORK/train.jsonl" \
+        --block-size 16 --layers 1 --num-features "$NUM_FEATURES" --mask-token-id "$MASK" --steps "$STEPS" --batch-size 8 \
+        --anchors 32 --max-length 512 --checkpoint-every 25 --work "$WORK/drafter-work" -o "$WORK/smollm2-b16" \
+        || status=$?
+    [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || exit "$status"  # 124: the chunk's time is up
+    python scripts/drafter/checkpoint.py save "$WORK/drafter-work" "$DATA/checkpoint"
+    python scripts/drafter/curve.py "$WORK/drafter-work" --held-out "$DATA/responses/shard-0000.jsonl" \
+        --target "$TARGET" --prompts "$HELD_OUT" --curve "$DATA/curve.jsonl"
+    [ "$status" -eq 124 ] || break
+done

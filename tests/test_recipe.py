@@ -1,0 +1,67 @@
+"""The shipped drafter's recipe (scripts/drafter/recipe.sh) end to end on the tiny pair: response
+shards, training in chunks saved as committed parts, the held-out curve, and a rerun that resumes
+instead of starting over."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtspec.tokenizer import TextCodec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_recipe(target_dir: Path, data: Path, work: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TARGET": str(target_dir), "DATA": str(data), "WORK": str(work), "THREADS": "1",
+           "SHARD_SIZE": "3", "MAX_NEW_TOKENS": "12", "STEPS": "6", "CHUNK_MINUTES": "5", "MASK": "3", "HELD_OUT": "3",
+           "SAMPLED_EVERY": "3", "NUM_FEATURES": "2",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(["bash", "scripts/drafter/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+@pytest.mark.slow
+def test_recipe_runs_end_to_end_and_resumes_from_committed_state(target_dir, tmp_path):
+    data, work = tmp_path / "data", tmp_path / "work"
+    data.mkdir()
+    codec = TextCodec(target_dir)
+    texts = [f"def function_{i}(x):\n    return x + {i}" for i in range(9)]
+    (data / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t, "prompt_ids": codec.encode(t)}) + "\n"
+                                                for t in texts))
+    first = run_recipe(target_dir, data, work)
+    assert first.returncode == 0, first.stderr[-2000:]
+
+    shards = sorted(p.name for p in (data / "responses").glob("shard-*.jsonl"))
+    assert shards == ["shard-0000.jsonl", "shard-0001.jsonl", "shard-0002.jsonl"]
+    manifest = json.loads((data / "responses" / "manifest.json").read_text())
+    assert sum(s["prompts"] for s in manifest["shards"].values()) == 9
+    assert [manifest["shards"][name]["temperature"] for name in shards] == [0.0, 0.0, 1.0]  # every 3rd sampled
+    trained = (work / "train.jsonl").read_text().splitlines()
+    assert len(trained) == 6  # shard-0000 is held out
+    held_out = {json.loads(line)["prompt"] for line in (data / "responses" / "shard-0000.jsonl").read_text().splitlines()}
+    assert not held_out & {json.loads(line)["prompt"] for line in trained}
+
+    index = json.loads((data / "checkpoint" / "index.json").read_text())
+    assert index["step"] == 6 and index["parts"]
+    curve = [json.loads(line) for line in (data / "curve.jsonl").read_text().splitlines()]
+    assert [point["step"] for point in curve] == [6]
+    assert 1.0 <= curve[0]["tau"] <= 16 and sum(curve[0]["histogram"]) > 0
+    assert (work / "smollm2-b16" / "config.json").is_file()
+
+    # A new machine: only the committed state (data/) is left. The rerun generates nothing, restores
+    # the checkpoint from its parts and does not train again (the run had finished).
+    for path in sorted(work.rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    shard_times = {p.name: p.stat().st_mtime_ns for p in (data / "responses").glob("shard-*.jsonl")}
+    second = run_recipe(target_dir, data, work)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert {p.name: p.stat().st_mtime_ns for p in (data / "responses").glob("shard-*.jsonl")} == shard_times
+    assert "restored step 6" in second.stdout
+    assert "| 1/6" in first.stderr and "| 1/6" not in second.stderr  # no training step was taken again
+    assert [json.loads(line)["step"] for line in (data / "curve.jsonl").read_text().splitlines()] == [6, 6]
