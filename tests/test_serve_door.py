@@ -436,6 +436,47 @@ def test_a_constraint_the_grammar_engine_cannot_honour_is_refused_in_one_line(do
     assert (answer.choices[0].text, answer.choices[0].finish_reason) == ('"aaaaa"', "stop")
 
 
+SCHEMA_LEAVES = st.sampled_from([
+    {"type": "boolean"}, {"type": "null"}, {"type": "integer", "minimum": -50, "maximum": 50},
+    {"type": "string", "maxLength": 4}, {"type": "string", "pattern": "^[a-c]{1,3}$"},
+    {"type": "string", "pattern": "^x[0-9]?$"}, {"enum": ["red", 7, None, True]}, {"const": "ok"},
+    {"$ref": "#/$defs/word"}, {"type": "string", "pattern": "(ab){600}"},  # the last: over the limit, a 400
+    {"$ref": "#/$defs/endless"},  # a recursion with no base case: a 400
+])
+SCHEMAS = st.recursive(SCHEMA_LEAVES, lambda inner: st.one_of(
+    st.lists(inner, min_size=1, max_size=3).map(lambda options: {"anyOf": options}),
+    st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, min_size=1, max_size=2).map(
+        lambda fields: {"type": "object", "properties": fields, "required": sorted(fields),
+                        "additionalProperties": False}),
+    inner.map(lambda item: {"type": "array", "items": item, "maxItems": 2})), max_leaves=4)
+DEFINITIONS = {"word": {"enum": ["hi", "yo"]},
+               "endless": {"type": "object", "properties": {"x": {"$ref": "#/$defs/endless"}}, "required": ["x"]}}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=SCHEMAS)
+def test_fuzzed_response_formats_validate_or_are_refused_and_never_touch_the_plain_requests(door, schema):
+    """Issue 57, Done when: random JSON Schemas (pattern, $ref, enum, nested anyOf) beside a plain
+    request: the plain one always succeeds; the grammar one returns JSON its schema validates
+    (jsonschema), or a one-line 400."""
+    jsonschema = pytest.importorskip("jsonschema", reason="the fuzz of response_format needs jsonschema ([test])")
+    schema = {**schema, "$defs": DEFINITIONS}
+    body = {"model": MODEL, "prompt": "x = ", "max_tokens": 200,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "fuzzed", "schema": schema}}}
+    with ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(door.client.completions.create, model=MODEL, prompt="def f():\n", max_tokens=8,
+                            extra_body={"ignore_eos": True})
+        status, answer = post(f"{door.url}/v1/completions", body, timeout=120)
+        assert plain.result().usage.completion_tokens == 8
+    if status == 400:
+        assert "\n" not in answer["error"]["message"] and len(answer["error"]["message"]) < 400, answer
+        return
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop", (schema, choice)
+    jsonschema.validate(json.loads(choice["text"]), schema)
+
+
 def test_a_null_max_tokens_decodes_to_the_context_or_a_stop(door):
     """OpenAI's default: no limit but the context; a stop at the first newline keeps it short."""
     for route in ("completions", "chat/completions"):
