@@ -241,6 +241,9 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     target.eval()
     if drafter is None:
         drafter = new_drafter(target, config)
+    if config.bfloat16_autocast:  # the frozen target in bfloat16 (no weight casts per step); the drafter trains in float32
+        target.to(torch.bfloat16)
+        drafter.float()
     drafter.train()
     loss_module: nn.Module = DrafterLoss(drafter, teacher, config.distill_below, config.distill_weight,
                                          config.block_size)
