@@ -141,6 +141,15 @@ def test_cli_end_to_end(target_dir, drafter_dir, prompts_file, tmp_path):
     assert not list(out.parent.glob(".*.tmp"))
 
 
+def test_chat_sends_each_prompt_through_the_chat_template(target_dir, drafter_dir, prompts_file, tmp_path):
+    out = tmp_path / "chat.json"
+    result = trtspec_in_process("bench", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts_file,
+                                "--limit", 1, "--repeats", 1, "--block-sizes", "4", "--max-new-tokens", 4, "--chat",
+                                "--json", out)
+    assert result.returncode == 0, result.stderr.decode()
+    assert json.loads(out.read_text())["prompts"] == f"{prompts_file} (chat)"
+
+
 @pytest.mark.parametrize("args, message", [
     (("--prompts", "nope.jsonl"), "not found: nope.jsonl"),
     (("--block-sizes", "8,x"), "--block-sizes must be an integer B or B:G (B growing to G), or auto; got 'x'"),

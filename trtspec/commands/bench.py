@@ -69,10 +69,12 @@ Examples:
               help="Instead, serve the prompts to N concurrent clients (a closed loop over one continuous-batching "
                    "engine) for each N, and report throughput (while all N clients are busy; the whole run's, "
                    "drain included, as job tok/s), latency and TTFT per block size against AR.")
+@click.option("--chat", is_flag=True,
+              help="Send each prompt as a user message in the target's chat template (what an instruct model answers best).")
 @click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
 def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, policy, draft_vocab,
           draft_counts, temperature, top_k, top_p, seed, max_new_tokens, limit, repeats, against_eager, against_engine,
-          profile, concurrency, json_path) -> None:
+          profile, concurrency, chat, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
     Every repeat runs AR and then each block size over all prompts (same backend and loop;
@@ -98,6 +100,9 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
                              block_sizes=engine_sizes(block_sizes))
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
+    if chat:  # the template's text; its special tokens are encoded as such, so every later step is unchanged
+        prompts = [pipeline.codec.apply_chat_template(prompt) for prompt in prompts]
+        name += " (chat)"
     if profile and pipeline.backend == "torch-eager":  # no graph runs to time
         raise TrtspecError("--profile times a compiled engine's graph runs, and this run is eager; give --engine DIR "
                            "or --backend onnxruntime")
