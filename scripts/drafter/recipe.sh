@@ -15,7 +15,9 @@ SHARDS=${SHARDS:-}             # stop generating after this many shards exist (d
 SHARD_SIZE=${SHARD_SIZE:-128}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 SAMPLED_EVERY=${SAMPLED_EVERY:-4}  # every N-th shard samples at T = 1, the rest are greedy
-STEPS=${STEPS:-3000}           # the run's length (the cosine schedule's horizon)
+STEPS=${STEPS:-1200}           # the run's length (the cosine schedule's horizon)
+LAYERS=${LAYERS:-2}            # drafter decoder layers
+LR=${LR:-1e-3}
 CHUNK_MINUTES=${CHUNK_MINUTES:-30}
 MASK=${MASK:-16}               # <empty_output>: a special token SmolLM2 never writes, used as DFlash's mask
 NUM_FEATURES=${NUM_FEATURES:-3}   # target layers the drafter taps (DFlash's default spread)
@@ -36,14 +38,14 @@ python scripts/drafter/generate.py --target "$TARGET" --prompts "$DATA/prompts.j
 TRAIN_SHARDS=${TRAIN_SHARDS:-$(ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | wc -l)}
 ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | head -n "$TRAIN_SHARDS" | xargs cat > "$WORK/train.jsonl"
 
-# 4. DFlash training at B = 16: one drafter layer over three target taps, bfloat16 autocast where
+# 4. DFlash training at B = 16: two drafter layers over three target taps, bfloat16 autocast where
 #    the CPU has AMX; resumed from the committed checkpoint, saved back after every chunk.
 [ -f "$DATA/checkpoint/index.json" ] && python scripts/drafter/checkpoint.py restore "$DATA/checkpoint" "$WORK/drafter-work"
 while true; do
     status=0
     timeout "${CHUNK_MINUTES}m" trtspec --threads "$THREADS" train-drafter --target "$TARGET" --data "$WORK/train.jsonl" \
-        --block-size 16 --layers 1 --num-features "$NUM_FEATURES" --mask-token-id "$MASK" --steps "$STEPS" --batch-size 8 \
-        --anchors 32 --max-length 512 --checkpoint-every 25 --work "$WORK/drafter-work" -o "$WORK/smollm2-b16" \
+        --block-size 16 --layers "$LAYERS" --num-features "$NUM_FEATURES" --mask-token-id "$MASK" --steps "$STEPS" --batch-size 8 \
+        --anchors 32 --max-length 512 --lr "$LR" --checkpoint-every 25 --work "$WORK/drafter-work" -o "$WORK/smollm2-b16" \
         || status=$?
     [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || exit "$status"  # 124: the chunk's time is up
     python scripts/drafter/checkpoint.py save "$WORK/drafter-work" "$DATA/checkpoint"
