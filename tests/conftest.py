@@ -14,6 +14,9 @@ torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to a b
 # The CLI's default backend builds an ONNX Runtime engine of each new pair on first use; the suite
 # tests eager unless a test names a backend (tests/test_engine_cache.py tests that default itself).
 os.environ.setdefault("TRTSPEC_BACKEND", "eager")
+# `--dtype auto` is bfloat16 on CPUs with AMX; the suite checks exactness in float32 on every machine
+# (tests/test_dtype.py tests what auto means).
+os.environ.setdefault("TRTSPEC_DTYPE", "float32")
 
 
 # The files that take longest (seconds on a quiet 2-core machine, `--durations`), longest first. xdist

@@ -79,7 +79,7 @@ def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
         device = torch.device("cuda")
     if backend == "onnxruntime" and not ort_engine.available():
         raise TrtspecError("--backend onnxruntime needs onnxruntime: pip install 'trtspec[onnx]'")
-    dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
+    dtype = str(resolve_dtype(config.dtype, device, compiled=True)).removeprefix("torch.")
     if backend == "onnxruntime" and dtype == "bfloat16":
         raise TrtspecError("ONNX Runtime engines are float32 or float16; pass --dtype float32 or float16")
     return backend, device, dtype

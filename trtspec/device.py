@@ -27,11 +27,21 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+DTYPE_ENV = "TRTSPEC_DTYPE"  # what `auto` means, where set (the test suite pins float32: exactness is checked there)
+
+
+def resolve_dtype(dtype: str, device: torch.device, compiled: bool = False) -> torch.dtype:
+    """auto: bfloat16 where its matrix products are fast (CUDA; a CPU with AMX or AVX512-BF16, for
+    eager PyTorch: verifying a block then costs little more than one step, docs/benchmarks.md),
+    float32 elsewhere and for engines `compiled` for a CPU (ONNX Runtime's CPU kernels are float32)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = os.environ.get(DTYPE_ENV) or "auto"
+    if dtype == "auto":
+        fast = fast_bfloat16(device) and (device.type == "cuda" or not compiled)
+        return torch.bfloat16 if fast else torch.float32
     if dtype not in MODEL_DTYPES:
-        raise TrtspecError(f"dtype must be one of auto, {', '.join(MODEL_DTYPES)}; got {dtype!r}")
+        raise TrtspecError(f"dtype must be one of auto, {', '.join(MODEL_DTYPES)}; got {dtype!r}"
+                           + (f" (from {DTYPE_ENV})" if os.environ.get(DTYPE_ENV) == dtype else ""))
     return MODEL_DTYPES[dtype]
 
 

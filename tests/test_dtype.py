@@ -1,0 +1,40 @@
+"""What `--dtype auto` means: bfloat16 where its matrix products are fast (for eager PyTorch),
+float32 for CPU engines and on CPUs without bfloat16 units, and what TRTSPEC_DTYPE says where set."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import trtspec.device as device_module
+from trtspec.device import DTYPE_ENV, resolve_dtype
+from trtspec.engine_cache import wants_engine
+from trtspec.errors import TrtspecError
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("fast, compiled, expected", [
+    (True, False, torch.bfloat16), (True, True, torch.float32), (False, False, torch.float32)])
+def test_auto_follows_the_cpu(monkeypatch, fast, compiled, expected):
+    monkeypatch.delenv(DTYPE_ENV, raising=False)
+    monkeypatch.setattr(device_module, "fast_bfloat16", lambda device: fast)
+    assert resolve_dtype("auto", CPU, compiled=compiled) == expected
+    assert resolve_dtype("float32", CPU) == torch.float32  # an explicit dtype is never changed
+    # backend auto builds an ONNX Runtime engine only where auto means float32
+    assert wants_engine("auto", CPU, "auto", (16,)) == (not fast)
+
+
+def test_the_environment_sets_what_auto_means(monkeypatch):
+    monkeypatch.setenv(DTYPE_ENV, "bfloat16")
+    assert resolve_dtype("auto", CPU) == torch.bfloat16
+    assert resolve_dtype("float32", CPU) == torch.float32
+    monkeypatch.setenv(DTYPE_ENV, "int3")
+    with pytest.raises(TrtspecError, match="got 'int3' \\(from TRTSPEC_DTYPE\\)"):
+        resolve_dtype("auto", CPU)
+
+
+def test_this_cpus_flags_are_read():
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    assert device_module.fast_bfloat16(CPU) == ("amx_bf16" in flags or "avx512_bf16" in flags)
