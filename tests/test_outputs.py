@@ -103,6 +103,20 @@ def _refusals(tmp, engine):
                                    "-o", tmp / "labels.txt"), "*.jsonl"),
         "data over its prompts": (("generate-data", "--prompts", prompts, "-o", prompts), "also an input"),
         "plot that is not a PNG": (("preflight", "--engine", tmp / "no-engine", "--plot", tmp / "plot.pdf"), "*.png"),
+        # issue 57, Build 5: an empty path wrote nothing and said nothing (--json ''), or named the current
+        # directory ("it is a directory"); refused in one line by every output option
+        "empty preflight --json": (("preflight", "--engine", tmp / "no-engine", "--json", ""), "--json is empty"),
+        "empty preflight --plot": (("preflight", "--engine", tmp / "no-engine", "--plot", ""), "--plot is empty"),
+        "empty bench --json": (("bench", "--engine", tmp / "no-engine", "--json", " "), "--json is empty"),
+        "empty eval-policy --json": (("eval-policy", "--policy", tmp / "no-policy", "--labels", tmp / "no.jsonl",
+                                      "--json", ""), "--json is empty"),
+        "empty generate-data -o": (("generate-data", "--prompts", prompts, "-o", ""), "output path is empty"),
+        "empty label-blocks -o": (("label-blocks", "--engine", tmp / "no-engine", "--prompts", prompts, "-o", ""),
+                                  "--output is empty"),
+        "empty build -o": (("build", "--block-sizes", 4, "-o", ""), "--output is empty"),
+        "empty triton-repo -o": (("triton-repo", "--engine", engine, "-o", ""), "--output is empty"),
+        "empty train-drafter -o": (("train-drafter", "--data", prompts, "--block-size", 4, "-o", ""), "path is empty"),
+        "empty --ray-config": (("serve", "--replicas", 1, "--ray-config", ""), "--ray-config is empty"),
     }
 
 
@@ -110,7 +124,9 @@ REFUSALS = ["foreign directory", "output of another kind", "a parent of the inpu
             "a file where a directory goes", "policy over a foreign directory", "drafter over its data",
             "drafter into the current directory",
             "json into a directory", "json onto a device", "json below a file", "labels without .jsonl",
-            "data over its prompts", "plot that is not a PNG"]
+            "data over its prompts", "plot that is not a PNG", "empty preflight --json", "empty preflight --plot",
+            "empty bench --json", "empty eval-policy --json", "empty generate-data -o", "empty label-blocks -o",
+            "empty build -o", "empty triton-repo -o", "empty train-drafter -o", "empty --ray-config"]
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -122,6 +138,22 @@ def test_outputs_that_would_destroy_or_fail_are_refused_before_any_work(case, en
     before = snapshot(tmp_path)
     assert_one_line_error(cli(*args), message)
     assert snapshot(tmp_path) == before  # nothing written, nothing removed, no temporary left
+
+
+def test_a_link_into_a_missing_directory_is_refused_not_written_through(tmp_path, monkeypatch):
+    """Issue 57, Build 5: `-o link.json`, the link dangling into a directory that does not exist, made
+    that directory and wrote through the link. Missing directories are made only along the path as
+    given; through a dangling link the output is refused."""
+    monkeypatch.chdir(tmp_path)
+    os.symlink(tmp_path / "missing" / "deploy.json", "link.json")
+    os.symlink(tmp_path / "gone", "linked-dir")
+    for output in ("link.json", "linked-dir/deploy.json"):
+        assert_one_line_error(cli("serve", "--replicas", 1, "--ray-config", output), "is a symbolic link", "create it")
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "gone").exists()
+    (tmp_path / "missing").mkdir()  # the link's directory exists: written through the link, which stays
+    assert cli("serve", "--replicas", 1, "--ray-config", "link.json").returncode == 0
+    assert os.path.islink("link.json") and json.loads((tmp_path / "missing" / "deploy.json").read_text())
+    assert cli("serve", "--replicas", 1, "--ray-config", "new/deploy.json").returncode == 0  # along the path given
 
 
 def test_a_previous_output_of_the_same_kind_is_replaced(engine, tmp_path):

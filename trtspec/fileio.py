@@ -10,8 +10,10 @@ Every command that writes goes through this module:
   path inside an input (see `protected_directories`: a directory input's whole tree, the model
   directory holding an input, trtspec's bundled models), a directory that is not a trtspec
   output of that kind, a path inside another trtspec output (which its next rebuild would
-  delete), a directory where a file belongs, a device or pipe, or a place that cannot be
-  written. `check_work_dir` applies the same rule to a work directory (which is never replaced,
+  delete), a directory where a file belongs, a device or pipe, a place that cannot be written,
+  an empty path (`check_named`: '' would name the current directory) or a path through a symbolic
+  link into a directory that does not exist (missing directories are made only along the path as
+  given, never at a link's target). `check_work_dir` applies the same rule to a work directory (which is never replaced,
   so it may exist), and `check_distinct_outputs` keeps one command's outputs apart. Each
   refusal is one `TrtspecError` line naming both paths.
 * `staged_directory` / `staged_file` fill a uniquely named hidden sibling (in the destination's
@@ -150,11 +152,23 @@ def output_kind(directory: Path) -> str | None:
     return ENGINE if {"manifest_version", "backend", "artifacts"} <= manifest.keys() else None
 
 
+def check_named(path: PathLike | None, what: str = "the output path") -> None:
+    """Refuse an empty output path: '' names the current directory to a file system call, and a
+    command that tests it as a flag would write nothing and say nothing."""
+    if path is not None and not os.fspath(path).strip():
+        raise TrtspecError(f"{what} is empty: give a path")
+
+
 def _check_common(path: PathLike, target: Path, inputs: Iterable[PathLike | None], replaced: bool = True) -> None:
     """Rules shared by every output: not an input, not inside an input (`protected_directories`)
     or another trtspec output, not holding an input when it is `replaced`, and a parent that
-    exists (or can be created) and is writable."""
+    exists (or can be created along the path as given) and is writable."""
     inputs = list(inputs)
+    given = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    nearest = next(p for p in (given, *given.parents) if os.path.lexists(p))
+    if nearest.is_symlink() and not nearest.exists() and not target.parent.is_dir():  # a dangling link
+        raise TrtspecError(f"cannot write {path}: {nearest} is a symbolic link to {os.readlink(nearest)}, in a "
+                           "directory that does not exist; create it, or give another path")
     for given, source in _inputs(inputs):
         if target == source:
             raise TrtspecError(f"refusing to write {path}: it is also an input ({given}); choose another output path")
@@ -178,6 +192,7 @@ def _check_common(path: PathLike, target: Path, inputs: Iterable[PathLike | None
 def check_output_dir(path: PathLike, kind: str, inputs: Iterable[PathLike | None] = ()) -> Path:
     """Refuse, before any work, a directory output that would destroy something (module docstring);
     returns the resolved path."""
+    check_named(path, f"the {kind} path")
     target = _resolved(path)
     cwd = _resolved(os.getcwd())
     if target == cwd or cwd.is_relative_to(target):
@@ -203,6 +218,7 @@ def check_output_file(path: PathLike, inputs: Iterable[PathLike | None] = (), su
                       what: str = "output") -> Path:
     """Refuse, before any work, a file output that cannot or must not be written; returns the
     resolved path (a symlink's target, so the link itself stays)."""
+    check_named(path, f"the {what} path" if what == "output" else what)
     if suffix is not None and Path(path).suffix != suffix:
         raise TrtspecError(f"{what} is written as {suffix}; name it *{suffix}, not {Path(path).name}")
     target = _resolved(path)
@@ -222,6 +238,7 @@ def check_work_dir(path: PathLike, inputs: Iterable[PathLike | None] = ()) -> Pa
     """Refuse, before any work, a work directory (the checkpoints a restarted run resumes from)
     that is not a directory or breaks the rule for outputs; it is never replaced, so it may exist
     and may hold inputs. Returns the resolved path."""
+    check_named(path, "the work directory path")
     target = _resolved(path)
     if os.path.lexists(target) and not target.is_dir():
         raise TrtspecError(f"cannot use {path} as the work directory: it exists and is not a directory; "

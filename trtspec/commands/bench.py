@@ -10,7 +10,7 @@ from trtspec.perf.bench import BenchConfig, load_prompts, run_bench, write_json
 from trtspec import limits
 from trtspec.commands.options import (BlockSizesType, Ranged, backend_option, draft_vocab_options, engine_sizes,
                                       limit_option, load_pipeline, max_new_tokens_option, model_options,
-                                      policy_option, sampling_config, sampling_options)
+                                      output_option, policy_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
 DEFAULT = BenchConfig()
@@ -71,7 +71,7 @@ Examples:
                    "drain included, as job tok/s), latency and TTFT per block size against AR.")
 @click.option("--chat", is_flag=True,
               help="Send each prompt as a user message in the target's chat template (what an instruct model answers best).")
-@click.option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
+@output_option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
 def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, policy, draft_vocab,
           draft_counts, temperature, top_k, top_p, seed, max_new_tokens, limit, repeats, against_eager, against_engine,
           profile, concurrency, chat, json_path) -> None:

@@ -8,7 +8,8 @@ import click
 
 from trtspec import limits
 from trtspec.commands.options import (BlockSizeType, BlockSizesType, Ranged, limit_option, load_pipeline,
-                                      max_new_tokens_option, model_options, sampling_config, sampling_options)
+                                      max_new_tokens_option, model_options, output_option, sampling_config,
+                                      sampling_options)
 from trtspec.errors import TrtspecError
 
 
@@ -35,7 +36,7 @@ Example:
 @sampling_options
 @max_new_tokens_option(128)
 @limit_option
-@click.option("-o", "--output", required=True, metavar="OUT.jsonl",
+@output_option("-o", "--output", required=True, metavar="OUT.jsonl",
               help="Labels (JSONL) to write; prefill summaries go to OUT.features.safetensors.")
 def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_sizes, temperature, top_k, top_p, seed,
                  max_new_tokens, limit, output) -> None:
@@ -68,7 +69,7 @@ Examples:
   trtspec train-policy build/labels-train.jsonl -o build/policy --ablation --ar auto   # ... and AR as a candidate
 """)
 @click.argument("labels_path", metavar="LABELS.jsonl")
-@click.option("-o", "--output", required=True, metavar="DIR", help="Policy directory to write.")
+@output_option("-o", "--output", required=True, metavar="DIR", help="Policy directory to write.")
 @click.option("--features", default="last,mean,length", show_default=True,
               help="Prefill summaries to use: last (last position's features), mean (over the prompt), length, "
                    "confidence (the target's entropy and top-1 probability over the prompt's tail).")
@@ -120,7 +121,7 @@ Example:
               help="Held-out labels (label-blocks on prompts the policy was not trained on).")
 @click.option("--fixed-block-size", type=BlockSizeType(plain=True), metavar="B",
               help="The fixed block size to beat. [default: the best one on the policy's training labels]")
-@click.option("--json", "json_path", metavar="OUT", help="Also write the report as JSON.")
+@output_option("--json", "json_path", metavar="OUT", help="Also write the report as JSON.")
 def eval_policy(policy_dir, labels_path, fixed_block_size, json_path) -> None:
     """Compare every fixed block size, BlockPilot and the per-prompt oracle on held-out labels."""
     from trtspec.perf.bench import write_json

@@ -6,7 +6,7 @@ import click
 
 from trtspec import limits
 from trtspec.commands.options import (BlockSizesType, Ranged, device_options, draft_vocab_options, drafter_option,
-                                      target_option)
+                                      output_option, target_option)
 from trtspec.errors import TrtspecError
 
 
@@ -35,7 +35,7 @@ Examples:
 @click.option("--policy", metavar="DIR", help="BlockPilot policy (trtspec train-policy) to ship in the engine; "
               "its block sizes must all be built. Runs then default to --block-size auto.")
 @draft_vocab_options
-@click.option("-o", "--output", required=True, metavar="DIR",
+@output_option("-o", "--output", required=True, metavar="DIR",
               help="Engine directory to write (replaces only a previous engine directory or an empty one).")
 def build(target, drafter, block_sizes, backend, dtype, device, max_context, max_batch, policy, draft_vocab, draft_counts,
           output) -> None:

@@ -6,7 +6,7 @@ import click
 
 from trtspec import limits
 from trtspec.commands.options import (BlockSizeType, Ranged, limit_option, load_pipeline, max_new_tokens_option,
-                                      model_options, sampling_config, sampling_options)
+                                      model_options, output_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
 
@@ -22,8 +22,8 @@ Examples:
 @sampling_options
 @max_new_tokens_option(128)
 @limit_option
-@click.option("--json", "json_path", metavar="OUT", help="Also write the report as JSON.")
-@click.option("--plot", "plot_path", metavar="OUT.png", help="Also draw the histogram and per-position acceptance.")
+@output_option("--json", "json_path", metavar="OUT", help="Also write the report as JSON.")
+@output_option("--plot", "plot_path", metavar="OUT.png", help="Also draw the histogram and per-position acceptance.")
 @click.option("--teacher-forced", is_flag=True,
               help="Instead of decoding, start a block at every position of the target's greedy continuation "
                    "(the first --max-new-tokens), so every drafter and block size is measured on the same "
@@ -72,7 +72,7 @@ Example:
 @model_options
 @click.option("--to", "to_block_size", type=BlockSizeType(plain=True), required=True, metavar="B1", help="The longer block size.")
 @click.option("--data", "data_file", required=True, metavar="FILE", help='JSONL of {"prompt", "response"}.')
-@click.option("-o", "--output", required=True, metavar="DIR", help="Drafter directory to write (z-lab layout).")
+@output_option("-o", "--output", required=True, metavar="DIR", help="Drafter directory to write (z-lab layout).")
 @click.option("--steps", type=Ranged(limits.COUNT), default=300, show_default=True, help="Steps of the growth curriculum.")
 @click.option("--stages", type=Ranged(limits.COUNT), default=2, show_default=True, help="Block grown from B0 to B1 in this many stages.")
 @click.option("--continue-steps", type=Ranged(limits.NON_NEGATIVE), default=0, show_default=True,

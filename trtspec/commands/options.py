@@ -129,6 +129,17 @@ sampling_options = _stack(
 )
 
 
+def output_option(*names: str, **options):
+    """An option that names an output, declared once: an empty value is refused as it is parsed
+    (`--json ''` would otherwise write nothing, and `-o ''` name the current directory)."""
+    def named(ctx, param, value):
+        from trtspec.fileio import check_named
+
+        check_named(value, max(param.opts, key=len))
+        return value
+    return click.option(*names, callback=named, **options)
+
+
 def max_new_tokens_option(default: int, help: str | None = None):
     """--max-new-tokens, declared once; each command has its own default (and may say more)."""
     return click.option("--max-new-tokens", type=Ranged(limits.MAX_NEW_TOKENS), default=default, show_default=True,

@@ -8,7 +8,7 @@ import click
 
 from trtspec import limits
 from trtspec.commands.options import (THREADS, BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
-                                      load_pipeline, model_options, policy_option)
+                                      load_pipeline, model_options, output_option, policy_option)
 from trtspec.errors import TrtspecError
 from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
 
@@ -79,7 +79,7 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
               help="CPUs Ray reserves for each replica.")
 @click.option("--replica-gpus", type=Ranged(limits.NON_NEGATIVE_REAL), default=0.0, show_default=True, metavar="N",
               help="GPUs Ray reserves for each replica (1 for an engine on its own GPU).")
-@click.option("--ray-config", type=click.Path(dir_okay=False), metavar="FILE",
+@output_option("--ray-config", type=click.Path(dir_okay=False), metavar="FILE",
               help="With --replicas: write a `serve deploy` config (YAML) for an existing cluster to FILE and exit.")
 @click.pass_context
 def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts, host, port,

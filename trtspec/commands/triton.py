@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from trtspec import limits
-from trtspec.commands.options import Ranged
+from trtspec.commands.options import Ranged, output_option
 
 
 @click.command("triton-repo", epilog="""\b
@@ -17,7 +17,7 @@ Example:
   trtspec triton-serve build/triton-repo
 """)
 @click.option("--engine", "engine", required=True, metavar="DIR", help="Engine directory (trtspec build).")
-@click.option("-o", "--output", required=True, metavar="REPO",
+@output_option("-o", "--output", required=True, metavar="REPO",
               help="Model repository to write (replaces only a previous one or an empty directory).")
 @click.option("--name", default="trtspec", show_default=True, help="Model name (NAME and NAME_stream).")
 @click.option("--instances", type=Ranged(limits.COUNT), default=1, show_default=True, help="Model instances (each loads the engine).")
