@@ -15,7 +15,7 @@ SHARDS=${SHARDS:-}             # stop generating after this many shards exist (d
 SHARD_SIZE=${SHARD_SIZE:-128}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 SAMPLED_EVERY=${SAMPLED_EVERY:-4}  # every N-th shard samples at T = 1, the rest are greedy
-STEPS=${STEPS:-1200}           # the run's length (the cosine schedule's horizon)
+STEPS=${STEPS:-800}            # the run's length (the cosine schedule's horizon)
 LAYERS=${LAYERS:-2}            # drafter decoder layers
 LR=${LR:-1e-3}
 CHUNK_MINUTES=${CHUNK_MINUTES:-30}
