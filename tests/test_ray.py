@@ -245,3 +245,53 @@ def test_the_serve_deploy_config_builds_the_same_application(tmp_path):
     assert application["deployments"][0]["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
     built = app_builder(application["args"])
     assert type(built).__name__ == "Application"
+
+
+def _carrying(tag: str) -> list[int]:
+    """The processes whose environment holds `tag`: a server's and every process of its cluster."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if tag.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+    return found
+
+
+def test_sigterm_while_deploying_stops_the_local_cluster_it_started():
+    """Issue 57, Build 7: SIGTERM while `serve --replicas` started its own cluster and deployed
+    printed Ray's stack dump, aborted, and could leave the cluster's agents running. Now: exit 0, no
+    Ray lines, and no process of that cluster left."""
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
+    tag = f"trtspec-test-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp), "HOME": str(temp), "TEST_TAG": tag}
+    server = subprocess.Popen([sys.executable, "-m", "trtspec", "--threads", "1", "serve", "--replicas", "1",
+                               "--port", "0"], stdout=open(temp / "serve.log", "wb"), stderr=subprocess.STDOUT,
+                              env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "deploying 1 replicas" not in (temp / "serve.log").read_text(errors="replace"):
+            assert server.poll() is None and time.monotonic() < deadline, (temp / "serve.log").read_text()
+            time.sleep(0.1)
+        time.sleep(3)  # the cluster is starting, its agents with it
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+        output = (temp / "serve.log").read_text(errors="replace")
+        assert "SIGTERM received" not in output and "Traceback" not in output and "(raylet)" not in output, output
+        assert _carrying(tag) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        for pid in _carrying(tag):  # what an old trtspec left (Ray's workers leave the process group)
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_more_replicas_than_the_machine_has_cpus_for_is_one_line():
+    """Issue 57, Build 7: a local cluster cannot place more replicas than its CPUs / --replica-cpus
+    (Ray waited for ever); one line, before Ray starts."""
+    from helpers import assert_one_line_error, trtspec_in_process
+    from trtspec.limits import cpu_cores
+
+    cores = cpu_cores()
+    assert_one_line_error(trtspec_in_process("serve", "--replicas", 2, "--replica-cpus", cores),
+                          f"--replicas 2 needs {2 * cores} CPUs", f"this machine has {cores}, room for 1")

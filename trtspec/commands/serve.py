@@ -130,7 +130,9 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
 
             with listen_socket(host, 0) as probe:
                 port = probe.getsockname()[1]
-        ray_serve.run(options, scaling, address=ray_address, host=host, port=port, on_ready=lambda: click.echo(
+        ray_serve.run(options, scaling, address=ray_address, host=host, port=port, on_start=lambda: click.echo(
+            f"trtspec serve: deploying {replicas} replicas with Ray Serve ({ray_address or 'a local cluster'}); "
+            "Ctrl-C stops it", err=True), on_ready=lambda: click.echo(
             f"trtspec serve: {served_model_name}, {replicas} replicas on Ray Serve, on http://{host}:{port} "
             f"(OpenAI API at /v1)", err=True))
         return

@@ -26,6 +26,9 @@ Ray is an optional extra (`pip install 'trtspec[ray]'`), imported only here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import logging
 import os
 import re
 import signal
@@ -43,6 +46,7 @@ RETRIES = 3  # further replicas a request is offered when the one serving it die
 # A stopping replica checks for requests still in flight this often (Ray's default: every 2 s, so an
 # idle server took ~5 s to stop on Ctrl-C); it still waits for them up to Ray's graceful timeout.
 SHUTDOWN = {"graceful_shutdown_wait_loop_s": 0.25}
+NO_FAILURE_HANDLER = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,16 @@ class Scaling:
                                            "target_ongoing_requests": self.target_ongoing_requests}}
         return {"num_replicas": self.replicas}
 
+    def check_fits(self, cores: int) -> None:
+        """Refuse, in one line, more engine replicas than a local cluster of `cores` CPUs can place
+        (Ray would wait for ever for the CPUs of the rest)."""
+        most = max(self.replicas, self.max_replicas or 0, self.min_replicas or 0)
+        ceiling = int(cores / self.num_cpus + 1e-9)
+        if most > ceiling:
+            raise TrtspecError(f"--replicas {most} needs {most * self.num_cpus:g} CPUs (--replica-cpus {self.num_cpus:g} "
+                               f"each); this machine has {cores}, room for {ceiling}: lower --replicas or "
+                               "--replica-cpus, or join a larger cluster with --ray-address")
+
     def engine_options(self, options: ReplicaOptions) -> dict:
         """The engine deployment's: its replicas' resources, the requests one takes at once (its
         slots and queue; beyond, Ray Serve queues them) and a health check that asks the engine."""
@@ -96,11 +110,21 @@ class Scaling:
 
 
 def _ray():
+    # Ray answers SIGTERM to a driver with its failure handler (a stack dump, then an abort) from the
+    # moment ray.init connects: off in this process (read once, as Ray is imported); the cluster's
+    # processes, started later without the variable, keep theirs.
+    given = os.environ.get(NO_FAILURE_HANDLER)
+    os.environ[NO_FAILURE_HANDLER] = "1"
     try:
         import ray
         from ray import serve
     except ImportError:
         raise TrtspecError("--replicas needs Ray Serve: pip install 'trtspec[ray]'") from None
+    finally:
+        if given is None:
+            del os.environ[NO_FAILURE_HANDLER]
+        else:
+            os.environ[NO_FAILURE_HANDLER] = given
     return ray, serve
 
 
@@ -286,14 +310,79 @@ def app_builder(args: dict):
     return application(ReplicaOptions(**args["options"]), Scaling(**args["scaling"]))
 
 
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM: whatever the main thread is doing (starting the cluster, deploying,
+    serving) is abandoned, and `run` stops what it started."""
+
+
+def _stop_on_signals(stop) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
+def _adopt_orphans() -> None:
+    """Linux: become the parent of descendants that lose theirs (a child subreaper), so that the
+    processes of a local cluster outliving a raylet stopped mid-start (its agents) can be stopped
+    (`_stop_leftovers`) rather than left running."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def _stop_leftovers() -> None:
+    """SIGKILL (as `ray stop --force`) the Ray processes still among this process's descendants
+    (/proc: Linux; elsewhere nothing is looked for), and reap those that are its children."""
+    children, commands = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else ()):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent = int(open(f"/proc/{pid}/stat", "rb").read().rsplit(b")", 1)[1].split()[1])
+            commands[int(pid)] = open(f"/proc/{pid}/cmdline", "rb").read()
+            children.setdefault(parent, []).append(int(pid))
+    pending = [os.getpid()]
+    while pending:
+        for child in children.get(pending.pop(), ()):
+            pending.append(child)
+            if b"ray" in commands.get(child, b""):
+                with contextlib.suppress(OSError):
+                    os.kill(child, signal.SIGKILL)
+    for child in children.get(os.getpid(), ()):
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, 0)
+
+
 def run(options: ReplicaOptions, scaling: Scaling, *, address: str | None, host: str, port: int,
-        on_ready=None) -> None:
-    """Start or join a Ray cluster (`address`; None: a local one), deploy, and serve until SIGINT
-    or SIGTERM; then the application is deleted (the cluster stays when it was joined)."""
+        on_start=None, on_ready=None) -> None:
+    """Start or join a Ray cluster (`address`; None: a local one of this machine's CPUs), deploy,
+    and serve until SIGINT or SIGTERM, which may come at any time, during the deployment too; then
+    the application is deleted and Ray Serve and a local cluster stopped (a joined one stays)."""
     ray, serve = _ray()
-    ray.init(address=address, ignore_reinit_error=True, logging_level="ERROR", log_to_driver=False,
-             include_dashboard=False if address is None else None)
+    cores = None
+    if address is None:
+        from trtspec.limits import cpu_cores
+
+        cores = cpu_cores()
+        scaling.check_fits(cores)
+        _adopt_orphans()
+    if on_start is not None:
+        on_start()
+    stopping = threading.Event()
+
+    def stop(*_):
+        if not stopping.is_set():  # the first signal ends the wait; later ones never cut the clean-up
+            stopping.set()
+            raise _Stopped
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines at start and stop
+    started = False
     try:
+        _stop_on_signals(stop)
+        try:
+            ray.init(address=address, ignore_reinit_error=True, logging_level="ERROR", log_to_driver=False,
+                     include_dashboard=False if address is None else None, num_cpus=cores)
+        except SystemExit:  # SIGTERM while Ray starts: its own handler, in place meanwhile, exits
+            raise _Stopped from None
+        _stop_on_signals(stop)  # ray.init leaves Ray's own in place (a stack dump, then an abort)
+        started = True
         serve.start(http_options={"host": host, "port": port}, proxy_location="EveryNode")
         try:
             serve.run(application(options, scaling), name=APP_NAME, route_prefix="/", blocking=False)
@@ -302,15 +391,22 @@ def run(options: ReplicaOptions, scaling: Scaling, *, address: str | None, host:
             raise TrtspecError(f"the deployment failed: {_replica_error(first)}") from None
         if on_ready is not None:
             on_ready()
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(1.0):
-            pass
-        serve.delete(APP_NAME)
+        while True:
+            time.sleep(3600)
+    except _Stopped:
+        pass
     finally:
-        serve.shutdown()
+        stopping.set()
+        if started:
+            with contextlib.suppress(Exception):
+                serve.delete(APP_NAME)  # its replicas finish what they hold
+            if address is not None:  # a local cluster stops with Ray (its controller killed first says so in red)
+                serve.shutdown()
         ray.shutdown()
+        if address is None:
+            _stop_leftovers()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _replica_error(lines: list[str]) -> str:
