@@ -1,4 +1,4 @@
-"""The DFlash training loop: frozen target, features on the fly, packed blocks, weighted loss.
+"""The DFlash training loop: frozen target, its features kept per sequence, packed blocks, weighted loss.
 
 Runs on one CPU for small drafters and under `torchrun` with DistributedDataParallel at scale
 (each rank trains on its own share of the sequences). Checkpoints are written atomically every
@@ -101,6 +101,40 @@ class DrafterLoss(nn.Module):
             losses = losses + self.distill_weight * divergence * early
         weights = batch.weights[chosen]
         return (losses * weights).sum() / weights.sum().clamp_min(1e-6)
+
+
+FEATURE_BYTES = 4 << 30  # target features kept in memory across epochs, at most (beyond: computed again)
+
+
+class TargetFeatures:
+    """The frozen target's features of each training sequence, computed alone (so a sequence's
+    features never depend on its batch, and a resumed run sees the same numbers) at its first batch
+    and kept within FEATURE_BYTES: after the first epoch a step runs no target forward pass."""
+
+    def __init__(self, target: Qwen3Target, layer_ids: tuple[int, ...], sequences: list, autocast: bool):
+        self.target, self.layer_ids, self.sequences, self.autocast = target, tuple(layer_ids), sequences, autocast
+        self.kept: dict[int, torch.Tensor] = {}
+        self.kept_bytes = 0
+
+    def of(self, index: int) -> torch.Tensor:
+        """[length, F] for sequence `index`."""
+        features = self.kept.get(index)
+        if features is None:
+            ids = torch.tensor([self.sequences[index][0]], device=self.target.device)
+            with torch.no_grad(), torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                features = self.target(ids, 0, None, self.layer_ids)[1][0]
+            size = features.numel() * features.element_size()
+            if self.kept_bytes + size <= FEATURE_BYTES:
+                self.kept[index], self.kept_bytes = features, self.kept_bytes + size
+        return features
+
+    def batch(self, indices: list[int], length: int) -> torch.Tensor:
+        """[b, length, F]: the sequences' features, zero-padded at the end as pack() pads the tokens."""
+        rows = [self.of(i) for i in indices]
+        out = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
+        for row, features in enumerate(rows):
+            out[row, :features.shape[0]] = features
+        return out
 
 
 def tapped_layers(config: TrainConfig, num_target_layers: int) -> tuple[int, ...]:
@@ -269,7 +303,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     work.mkdir(parents=True, exist_ok=True)
 
     my_sequences = sequences[rank::world]
-    layer_ids = drafter.config.target_layer_ids
+    kept = TargetFeatures(target, drafter.config.target_layer_ids, my_sequences, config.bfloat16_autocast)
     bar = tqdm(total=config.steps, initial=step, disable=not progress or rank != 0, unit="step",
                dynamic_ncols=True, desc="train-drafter")
     while step < config.steps:
@@ -282,8 +316,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
                      emphasis_from=config.position_weight_shift)
         batch = PackedBatch(*(t.to(target.device) for t in vars(batch).values()))
         with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=config.bfloat16_autocast):
-            with torch.no_grad():
-                _, features = target(batch.tokens, 0, None, layer_ids)
+            features = kept.batch(chosen, batch.tokens.shape[1])
             loss = loss_module(features, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
