@@ -94,8 +94,9 @@ def check_request(runner, prompt: list[int], config: GenerationConfig, policy) -
 
 def check_room(prompt_tokens: int, max_new_tokens: int, max_context: int, field: str) -> None:
     """vLLM's rule, in every front end: a request that asks for more new tokens than its prompt
-    leaves room for in the context is refused (one that does not ask is capped at the context)."""
-    if prompt_tokens + max_new_tokens > max_context:
+    leaves room for in the context is refused (one that does not ask is capped at the context). A
+    prompt the context cannot hold at all is check_request's to refuse."""
+    if prompt_tokens < max_context < prompt_tokens + max_new_tokens:
         raise TrtspecError(f"this model's maximum context length is {max_context} tokens; this request asks for "
                            f"{prompt_tokens + max_new_tokens} ({prompt_tokens} in the prompt, {max_new_tokens} new): "
                            f"lower {field} or shorten the prompt")
