@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import save_hf_target, save_random_drafter  # noqa: E402
+from helpers import save_hf_target, save_random_drafter, train_tiny_drafter  # noqa: E402
 from trtspec.export.cache import GRAPHS_DIR  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to a busy machine
@@ -23,7 +24,7 @@ os.environ.setdefault("TRTSPEC_DTYPE", "float32")
 # hands each worker whole files (--dist=loadfile) in collection order, so these start first and the
 # short files fill the end of the run instead of one long file running alone at the end.
 LONGEST_FILES = ("test_engines.py", "test_engine.py", "test_sampling.py", "test_gpu_recipe.py", "test_ray.py",
-                 "test_families.py", "test_serve.py", "test_training.py", "test_demo.py", "test_serve_door.py",
+                 "test_families.py", "test_serve.py", "test_training.py", "test_serve_door.py",
                  "test_triton.py", "test_draft_vocab.py", "test_cli.py", "test_decode.py")
 
 
@@ -64,6 +65,24 @@ def target_dir(tmp_path_factory) -> Path:
 def drafter_dir(target_dir, tmp_path_factory) -> Path:
     from trtspec.models import load_target
     return save_random_drafter(tmp_path_factory.mktemp("ckpt") / "drafter", load_target(target_dir))
+
+
+@pytest.fixture(scope="session")
+def trained_drafter_dir(target_dir, suite_cache) -> Path:
+    """A drafter trained for the tiny target, shipping a BlockPilot policy (`helpers.train_tiny_drafter`):
+    the suite's stand-in for a trained pair, where a test needs acceptance (high on
+    `helpers.code_prompts`) or a drafter's own policy. Trained once per run, in the suite's cache,
+    whichever xdist worker asks first (the tiny target is the same on every worker: seeded)."""
+    from trtspec.fileio import file_sha256, take_turns
+
+    directory = suite_cache / f"trained-drafter-{file_sha256(target_dir / 'model.safetensors')[:12]}"
+    with take_turns(suite_cache / f".{directory.name}.lock"):
+        if not (directory / "blockpilot" / "policy.json").is_file():
+            staging = directory.with_name(directory.name + ".partial")
+            shutil.rmtree(staging, ignore_errors=True)  # a worker that died while training it
+            train_tiny_drafter(target_dir, staging / "drafter")
+            (staging / "drafter").rename(directory)
+    return directory
 
 
 @pytest.fixture(scope="session")

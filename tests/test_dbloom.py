@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_one_line_error, trtspec_in_process
+from helpers import TRAINED_PROMPTS, assert_one_line_error, code_prompts, trtspec_in_process
 
 from trtspec.dbloom.histogram import Preflight, per_position_acceptance
 from trtspec.training.blocks import position_weights
@@ -105,23 +105,23 @@ def test_expand_block_trains_a_longer_drafter_that_stays_lossless(target_dir, dr
                           "larger than the drafter's block size 16")
 
 
-def test_teacher_forced_acceptance_equals_drafting_each_context_through_the_inference_path():
+def test_teacher_forced_acceptance_equals_drafting_each_context_through_the_inference_path(target_dir,
+                                                                                          trained_drafter_dir):
     """Every anchor of the target's continuation, drafted one at a time with the runtime's cached
     drafter forward, gives the histogram that the packed teacher-forced pass reports."""
     from trtspec.api import Pipeline
-    from trtspec.assets import resolve_drafter, resolve_target
     from trtspec.dbloom.preflight import run_teacher_forced
     from trtspec.training.data import continue_prompts
     from trtspec.runtime.request import GenerationConfig
 
-    demo = Pipeline(resolve_target(None), resolve_drafter(None, None))  # a trained pair: acceptance varies
-    prompt, block_size, horizon = "class Stack:\n    def __init__(self):\n", 8, 40
-    report = run_teacher_forced(demo, [prompt], block_size, horizon, progress=False)
+    pair = Pipeline(target_dir, trained_drafter_dir)  # a trained pair: acceptance varies
+    prompt, block_size, horizon = code_prompts(TRAINED_PROMPTS + 3)[-1], 8, 40  # held out
+    report = run_teacher_forced(pair, [prompt], block_size, horizon, progress=False)
 
-    target, drafter = demo.target, demo.drafter
-    ids = demo.codec.encode(prompt)
-    config = GenerationConfig(block=AR, max_new_tokens=horizon + block_size - 1).with_stop_ids(demo.codec.stop_ids)
-    sequence = ids + continue_prompts(demo, [ids], config, progress=False)[0]
+    target, drafter = pair.target, pair.drafter
+    ids = pair.codec.encode(prompt)
+    config = GenerationConfig(block=AR, max_new_tokens=horizon + block_size - 1).with_stop_ids(pair.codec.stop_ids)
+    sequence = ids + continue_prompts(pair, [ids], config, progress=False)[0]
     expected = [0] * block_size
     with torch.inference_mode():
         _, features = target(torch.tensor([sequence]), 0, None, drafter.config.target_layer_ids)

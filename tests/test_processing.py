@@ -15,7 +15,6 @@ import torch
 
 from helpers import processed_logits
 from trtspec.api import Pipeline
-from trtspec.assets import resolve_drafter, resolve_target
 from trtspec.runtime.processing import Processing
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.schedule import BlockChoice
@@ -25,8 +24,9 @@ SIZES = (BlockChoice(1), BlockChoice(8), BlockChoice(16))
 
 
 @pytest.fixture(scope="module")
-def demo():
-    return Pipeline(resolve_target(None), resolve_drafter(None, None))
+def pair(target_dir, trained_drafter_dir):
+    """The tiny target and a drafter trained for it: drafts are accepted (on PROMPT too)."""
+    return Pipeline(target_dir, trained_drafter_dir)
 
 
 def oracle_greedy(target, prompt: list[int], count: int, processing: Processing) -> list[int]:
@@ -41,32 +41,34 @@ def oracle_greedy(target, prompt: list[int], count: int, processing: Processing)
 
 @pytest.mark.parametrize("processing", [Processing(repetition_penalty=1.3),
                                         Processing(frequency_penalty=0.8, presence_penalty=0.5),
-                                        Processing(logit_bias=((15, 2.0), (222, -100.0)), presence_penalty=-0.3)],
+                                        # (a bias of 2 would send the tiny target into a loop of token 15 that
+                                        # its drafter never saw: no draft accepted)
+                                        Processing(logit_bias=((15, 0.5), (222, -100.0)), presence_penalty=-0.3)],
                          ids=["repetition", "frequency+presence", "bias+negative-presence"])
-def test_greedy_processing_is_lossless_and_matches_the_oracle(demo, processing):
-    ids = demo.codec.encode(PROMPT)
-    plain = demo.generate(PROMPT, GenerationConfig(block=BlockChoice(8), max_new_tokens=32)).tokens
-    outputs = {c.name: demo.generate(PROMPT, GenerationConfig(block=c, max_new_tokens=32, processing=processing,
+def test_greedy_processing_is_lossless_and_matches_the_oracle(pair, processing):
+    ids = pair.codec.encode(PROMPT)
+    plain = pair.generate(PROMPT, GenerationConfig(block=BlockChoice(8), max_new_tokens=32)).tokens
+    outputs = {c.name: pair.generate(PROMPT, GenerationConfig(block=c, max_new_tokens=32, processing=processing,
                                                               ignore_eos=True)).generation
                for c in SIZES}
     ar = outputs["AR"].tokens
     assert ar != plain  # the processing changes the output
-    assert ar == oracle_greedy(demo.target, ids, 32, processing)
+    assert ar == oracle_greedy(pair.target, ids, 32, processing)
     assert outputs["8"].tokens == ar and outputs["16"].tokens == ar
     assert sum(outputs["16"].stats.histogram[1:]) > 0  # drafts were accepted under the processing
 
 
-def test_logprobs_are_the_targets_own_for_output_and_prompt(demo):
+def test_logprobs_are_the_targets_own_for_output_and_prompt(pair):
     """Logprobs of output tokens (with the top 3) and of a prompt longer than the prefill returns
     logits for at once (so it is prefilled in several chunks), alone and in a batch."""
     prompt = "import os\nimport sys\n\n\ndef main(argv):\n    " * 6 + "'''Parse the arguments.'''\n"
-    ids = demo.codec.encode(prompt)
+    ids = pair.codec.encode(prompt)
     assert len(ids) > 64 + 10
     config = GenerationConfig(block=BlockChoice(8), max_new_tokens=24, logprobs=3, prompt_logprobs=2)
-    alone = demo.generate(prompt, config).generation
-    batch = [r.generation for r in demo.generate_batch([prompt, PROMPT], [config, config], max_running=2)]
+    alone = pair.generate(prompt, config).generation
+    batch = [r.generation for r in pair.generate_batch([prompt, PROMPT], [config, config], max_running=2)]
     with torch.no_grad():
-        logits = demo.target(torch.tensor([ids + alone.tokens]), 0, None)[0][0]
+        logits = pair.target(torch.tensor([ids + alone.tokens]), 0, None)[0][0]
     expected = torch.log_softmax(logits.double(), dim=-1)
     for generation in (alone, batch[0]):
         assert generation.tokens == alone.tokens
@@ -85,15 +87,15 @@ def test_logprobs_are_the_targets_own_for_output_and_prompt(demo):
     assert len(batch[1].logprobs) == len(batch[1].tokens) and batch[1].prompt_logprobs[0] is None
 
 
-def test_a_json_schema_gives_that_json_speculatively_and_autoregressively(demo):
+def test_a_json_schema_gives_that_json_speculatively_and_autoregressively(pair):
     from trtspec.runtime.grammar import grammar_tokenizer, response_format_grammar
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "size": {"type": "integer", "minimum": 0, "maximum": 999}},
               "required": ["name", "size"], "additionalProperties": False}
     grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
-                                      grammar_tokenizer(demo.codec, demo.target.config.vocab_size))
-    outputs = [demo.generate(PROMPT, GenerationConfig(block=c, max_new_tokens=64, processing=Processing(grammar=grammar)))
+                                      grammar_tokenizer(pair.codec, pair.target.config.vocab_size))
+    outputs = [pair.generate(PROMPT, GenerationConfig(block=c, max_new_tokens=64, processing=Processing(grammar=grammar)))
                for c in SIZES]
     assert outputs[1].tokens == outputs[0].tokens and outputs[2].tokens == outputs[0].tokens
     value = json.loads(outputs[0].text)
@@ -141,7 +143,7 @@ class _GivingUpMatcher:
         ctypes.memset(pointer, 0xFF, size)
 
 
-def test_a_requests_own_grammar_error_ends_that_request_alone(demo):
+def test_a_requests_own_grammar_error_ends_that_request_alone(pair):
     """Issue 57, Build 1: a request whose grammar fails mid-decode, beside two plain ones in one batch
     (speculative, sampled, AR): it ends with its own one-line error, the others decode as alone."""
     from dataclasses import replace
@@ -150,12 +152,12 @@ def test_a_requests_own_grammar_error_ends_that_request_alone(demo):
     from trtspec.runtime.engine import EngineConfig
     from trtspec.runtime.sampling import SamplingConfig
 
-    ids = demo.codec.encode(PROMPT)
-    core = demo.engine_core(EngineConfig(max_running=4), load_aware=False)
+    ids = pair.codec.encode(PROMPT)
+    core = pair.engine_core(EngineConfig(max_running=4), load_aware=False)
     plain = [GenerationConfig(block=BlockChoice(8), max_new_tokens=16, ignore_eos=True),
              GenerationConfig(block=BlockChoice(1), max_new_tokens=16, ignore_eos=True,
                               sampling=SamplingConfig(temperature=1.0, seed=5))]
-    alone = [demo.generate(PROMPT, config).tokens for config in plain]
+    alone = [pair.generate(PROMPT, config).tokens for config in plain]
     for block in (BlockChoice(8), BlockChoice(1)):
         failing = replace(plain[0], block=block, processing=Processing(grammar=_GivingUp(after=3)))
         requests = [core.submit(ids, config) for config in (plain[0], failing, plain[1])]

@@ -279,13 +279,12 @@ def test_requests_sampled_together_draw_what_each_draws_alone():
                                       SamplingConfig(temperature=1.0, top_p=1e-300, seed=3),
                                       SamplingConfig(temperature=1e-45, top_p=1e-40, top_k=5, seed=3)],
                          ids=["T=1e-50", "top_p=1e-300", "both-subnormal"])
-def test_a_temperature_or_top_p_below_float32_resolution_decodes_greedy(sampling):
+def test_a_temperature_or_top_p_below_float32_resolution_decodes_greedy(sampling, target_dir, drafter_dir):
     """Float32 rounds such a T or top-p to 0 (0/0 before the fix: one token repeated); their limit,
     the likeliest token, is what the eager loop and the batched engine decode."""
     from trtspec.api import Pipeline
-    from trtspec.assets import resolve_drafter, resolve_target
 
-    pipeline = Pipeline(resolve_target(None), resolve_drafter(None, None))
+    pipeline = Pipeline(target_dir, drafter_dir)
     prompt = "def fibonacci(n):"
     greedy = pipeline.generate(prompt, GenerationConfig(block=BlockChoice(8), max_new_tokens=24)).tokens
     tiny = GenerationConfig(block=BlockChoice(8), max_new_tokens=24, sampling=sampling)

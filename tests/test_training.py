@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import generate, random_drafter, single, trtspec_in_process
+from helpers import TRAINED_PROMPTS, code_prompts, generate, random_drafter, single, trtspec_in_process
 from trtspec.api import Pipeline
 from trtspec.errors import TrtspecError
 from trtspec.models import load_drafter, load_target
@@ -17,9 +17,6 @@ from trtspec.training.blocks import IGNORE, pack, position_weights
 from trtspec.training.data import generate_data, read_training_data
 from trtspec.training.trainer import TrainConfig, new_drafter, train_drafter
 from trtspec.runtime.schedule import AR, BlockChoice
-
-WORDS = ["def", "return", "x", "y", "for", "in", "range", "(", ")", ":", "print", "if", "else", "=", "+", "1"]
-
 
 def test_packing_follows_the_recipe():
     ids = list(range(10, 40))
@@ -89,12 +86,11 @@ def test_distillation_pulls_only_the_early_positions_toward_the_teacher(target_d
 def tiny_data(target_dir, tmp_path_factory):
     """The tiny target's own greedy continuations of random code-like prompts."""
     pipeline = Pipeline(target_dir)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (6,), generator=gen).tolist())
-               for _ in range(112)]
-    path = generate_data(pipeline, [{"prompt": p} for p in prompts[:96]], GenerationConfig(block=AR, max_new_tokens=64),
-                         tmp_path_factory.mktemp("data") / "train.jsonl", progress=False)
-    return pipeline, read_training_data(path, pipeline.codec), prompts[96:]
+    prompts = code_prompts(TRAINED_PROMPTS + 16)
+    path = generate_data(pipeline, [{"prompt": p} for p in prompts[:TRAINED_PROMPTS]],
+                         GenerationConfig(block=AR, max_new_tokens=64), tmp_path_factory.mktemp("data") / "train.jsonl",
+                         progress=False)
+    return pipeline, read_training_data(path, pipeline.codec), prompts[TRAINED_PROMPTS:]
 
 
 def _mean_tau(target, drafter, codec, prompts):
