@@ -12,12 +12,10 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import predictable_pair
+from helpers import code_prompts, predictable_pair
 from test_sampling import PROMPT, exact_three_token_distribution, pvalues
 
 from trtspec.api import Pipeline
-from trtspec.assets import resolve_drafter, resolve_target
-from trtspec.perf.bench import load_prompts
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime import reference as oracle
 from trtspec.runtime.processing import Processing
@@ -34,17 +32,18 @@ LIMITS = [24, 37, 50, 61]  # token limits that land mid-block for most block siz
 
 
 @pytest.fixture(scope="module")
-def demo_eager():
-    return Pipeline(resolve_target(None), resolve_drafter(None, None))
+def pair_eager(target_dir, trained_drafter_dir):
+    """The tiny target with a drafter trained for it, whose BlockPilot policy decides `auto`."""
+    return Pipeline(target_dir, trained_drafter_dir)
 
 
 @pytest.fixture(scope="module")
-def demo_ort(tmp_path_factory):
+def pair_ort(target_dir, trained_drafter_dir, tmp_path_factory):
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
     from trtspec.build import BuildConfig, build_engine
 
-    output = tmp_path_factory.mktemp("engines") / "demo-ort"
-    build_engine(resolve_target(None), resolve_drafter(None, None), output,
+    output = tmp_path_factory.mktemp("engines") / "pair-ort"
+    build_engine(target_dir, trained_drafter_dir, output,
                  BuildConfig(block_sizes=(4, 6, 8, 12, 16, 20, 24), backend="onnxruntime", max_batch=8),
                  progress=False)
     return Pipeline(engine=output)
@@ -56,24 +55,27 @@ def _alone(pipeline, ids, config):
 
 
 def _requests(pipeline, count):
-    """HumanEval prompts with mixed schedules, limits and (for a third of them) an extra stop id."""
-    stop = pipeline.codec.encode(" return")[-1]
+    """Code prompts of about 100 tokens (the drafter's kind: drafts are accepted) with mixed schedules,
+    limits and, for a third of them, an extra stop id: a token of the request's own greedy output
+    halfway to its limit, so that it stops there or earlier."""
     requests = []
-    for i, prompt in enumerate(load_prompts("humaneval", count)[1]):
+    for i, prompt in enumerate(code_prompts(count, words=40, seed=3)):
         size, grow_to = SCHEDULES[i % len(SCHEDULES)]
-        config = GenerationConfig(block=BlockChoice(size, grow_to), max_new_tokens=LIMITS[i % len(LIMITS)],
-                                  stop_ids=(stop,) if i % 3 == 2 else ())
-        requests.append((pipeline.codec.encode(prompt), config))
+        ids, limit = pipeline.codec.encode(prompt), LIMITS[i % len(LIMITS)]
+        stop_ids = ()
+        if i % 3 == 2:
+            stop_ids = (_alone(pipeline, ids, GenerationConfig(block=AR, max_new_tokens=limit)).tokens[limit // 2],)
+        config = GenerationConfig(block=BlockChoice(size, grow_to), max_new_tokens=limit, stop_ids=stop_ids)
+        requests.append((ids, config))
     return requests
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "onnxruntime"])
 def test_batched_greedy_equals_each_request_alone(backend, request):
-    pipeline = request.getfixturevalue("demo_eager" if backend == "eager" else "demo_ort")
+    pipeline = request.getfixturevalue("pair_eager" if backend == "eager" else "pair_ort")
     # 18 requests hold every (schedule, limit, stop) combination of _requests (a period of 12) and six
-    # more; eight slots for them: requests join as others leave; prompts prefill in chunks of 48. (Eight:
-    # the demo pair's cost table for eight slots is timed once and read by the suite's other engines.)
+    # more; eight slots for them: requests join as others leave; prompts prefill in chunks of 48.
     requests = _requests(pipeline, 18)
     with pipeline.engine(EngineConfig(max_running=8, max_queued=18, prefill_chunk=48)) as engine:
         handles = [engine.submit(ids, config) for ids, config in requests]
@@ -265,14 +267,14 @@ def _cycles(size: int, accepted: dict[int, int]) -> list[int]:
     return [accepted.get(a, 0) for a in range(size)]
 
 
-def test_auto_requests_still_speculating_turn_ar_when_the_load_sends_a_later_one_to_ar(demo_eager):
+def test_auto_requests_still_speculating_turn_ar_when_the_load_sends_a_later_one_to_ar(pair_eager):
     """A burst of `auto` requests went to B = 8; then the load-aware chooser sends the next `auto`
     admission to AR (it judged the batch better off AR): the speculating `auto` requests turn AR
     from their next cycle (one call per iteration, not two), a request with a fixed size keeps it,
     every output is still exactly AR's, and their statistics keep their speculative cycles."""
     from trtspec.runtime.stats import committed_tokens
 
-    core = demo_eager.engine_core(EngineConfig(max_running=8))
+    core = pair_eager.engine_core(EngineConfig(max_running=8))
     admissions = []
 
     def first_wave_then_ar(choice, load, sampled=False):  # the chooser's verdicts, in a fixed order
@@ -280,7 +282,7 @@ def test_auto_requests_still_speculating_turn_ar_when_the_load_sends_a_later_one
         return BlockChoice(8) if len(admissions) <= 3 else AR
     first_wave_then_ar.observe, first_wave_then_ar.observe_cycle = core.chooser.observe, core.chooser.observe_cycle
     core.chooser = first_wave_then_ar
-    prompts = [demo_eager.codec.encode(p) for p in load_prompts("humaneval", 5)[1]]
+    prompts = [pair_eager.codec.encode(p) for p in code_prompts(5, words=40, seed=3)]
     auto, fixed = GenerationConfig(block=AUTO, max_new_tokens=48), GenerationConfig(block=BlockChoice(8), max_new_tokens=48)
     requests = [core.submit(prompt, auto) for prompt in prompts[:3]] + [core.submit(prompts[3], fixed)]
     for _ in range(4):
@@ -291,7 +293,7 @@ def test_auto_requests_still_speculating_turn_ar_when_the_load_sends_a_later_one
     assert core.load().block_sizes == (1, 1, 1, 8, 1)  # the burst followed the late one; the fixed one did not
     while core.busy:
         core.step()
-    expected = demo_eager.core.generate(prompts, [GenerationConfig(block=AR, max_new_tokens=48)] * 5)
+    expected = pair_eager.core.generate(prompts, [GenerationConfig(block=AR, max_new_tokens=48)] * 5)
     assert [r.result(timeout=0).tokens for r in requests] == [g.tokens for g in expected]
     for request in requests[:3]:
         stats = request.stats
