@@ -337,14 +337,15 @@ def _stop_leftovers() -> None:
             parent = int(open(f"/proc/{pid}/stat", "rb").read().rsplit(b")", 1)[1].split()[1])
             commands[int(pid)] = open(f"/proc/{pid}/cmdline", "rb").read()
             children.setdefault(parent, []).append(int(pid))
-    pending = [os.getpid()]
+    pending, killed = [os.getpid()], []
     while pending:
         for child in children.get(pending.pop(), ()):
             pending.append(child)
             if b"ray" in commands.get(child, b""):
                 with contextlib.suppress(OSError):
                     os.kill(child, signal.SIGKILL)
-    for child in children.get(os.getpid(), ()):
+                    killed.append(child)
+    for child in set(killed) & set(children.get(os.getpid(), ())):
         with contextlib.suppress(ChildProcessError):
             os.waitpid(child, 0)
 
