@@ -1,6 +1,7 @@
-"""`trtspec serve` end to end: a real server subprocess on a free loopback port, the bundled demo
-pair, driven by the official `openai` client (and raw HTTP where a client would refuse to send the
-request). Every wait is bounded; servers are stopped by PID."""
+"""`trtspec serve` end to end: a real server subprocess on a free loopback port, the suite's tiny
+target with the drafter trained for it (tests/conftest.py), driven by the official `openai` client
+(and raw HTTP where a client would refuse to send the request). Every wait is bounded; servers are
+stopped by PID."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ openai = pytest.importorskip("openai", reason="the serve tests need the [test] e
 pytest.importorskip("uvicorn", reason="trtspec serve needs the [serve] extra")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-MODEL = "demo-target"
-PROMPT = "def fibonacci(n):\n"
-LONG_PROMPT = "import os\n"  # greedy demo output repeats `import sys` lines: it never stops by itself
+MODEL = "tiny"  # --served-model-name
+PROMPT = "y y else x return print"  # a code prompt held out from the drafter's training: drafts are accepted
+LONG_PROMPT = "import os\n"  # the tiny target never writes its EOS by itself: a request runs to its limit
 MAX_TOKENS = 24
 
 
@@ -133,10 +134,30 @@ def wait_for(condition, what: str, timeout: float = 30):
         time.sleep(0.1)
 
 
+def pair_args(target, drafter) -> tuple:
+    """The serve options that name a pair and the model name its clients use."""
+    return "--target", target, "--drafter", drafter, "--served-model-name", MODEL
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The demo pair with 8 slots (block size auto: its bundled BlockPilot policy)."""
-    running = Server(tmp_path_factory.mktemp("serve") / "server.log", "--max-concurrency", 8, "--max-queued", 32)
+def codec(target_dir):
+    from trtspec.tokenizer import TextCodec
+
+    return TextCodec(target_dir)
+
+
+@pytest.fixture(scope="module")
+def eos_bias(codec) -> dict:
+    """A logit bias that makes the EOS the target's likeliest token: the request ends at once (the
+    tiny target never writes its EOS by itself)."""
+    return {str(codec.stop_ids[0]): 100}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, target_dir, trained_drafter_dir):
+    """The tiny pair with 8 slots (block size auto: the drafter's own BlockPilot policy)."""
+    running = Server(tmp_path_factory.mktemp("serve") / "server.log", *pair_args(target_dir, trained_drafter_dir),
+                     "--max-concurrency", 8, "--max-queued", 32)
     try:
         yield running
     finally:
@@ -144,14 +165,26 @@ def server(tmp_path_factory):
         assert "Traceback" not in running.output(), running.output()[-3000:]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """`trtspec run --json` on the same prompt: the greedy text and tokens the server must reproduce."""
+def _run_json(tmp_path_factory, target, drafter, *options) -> dict:
+    """`trtspec run --json` of the pair on PROMPT."""
     prompt = tmp_path_factory.mktemp("prompt") / "prompt.txt"
     prompt.write_text(PROMPT)
-    result = trtspec_in_process("--threads", 1, "run", prompt, "--max-new-tokens", MAX_TOKENS, "--json")
+    result = trtspec_in_process("--threads", 1, "run", prompt, "--target", target, "--drafter", drafter,
+                                "--max-new-tokens", MAX_TOKENS, "--json", *options)
     assert result.returncode == 0, result.stderr.decode()
     return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, target_dir, trained_drafter_dir):
+    """`trtspec run --json` on the same prompt: the greedy text and tokens the server must reproduce."""
+    return _run_json(tmp_path_factory, target_dir, trained_drafter_dir)
+
+
+@pytest.fixture(scope="module")
+def chat_reference(tmp_path_factory, target_dir, trained_drafter_dir):
+    """`trtspec run --chat --json`: PROMPT as a user message in the target's chat template."""
+    return _run_json(tmp_path_factory, target_dir, trained_drafter_dir, "--chat")
 
 
 def test_models_health_and_unknown_route(server):
@@ -170,12 +203,12 @@ def test_greedy_completion_equals_trtspec_run(server, reference):
     assert response.usage.completion_tokens == len(reference["tokens"]) == reference["stats"]["new_tokens"]
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
     extension = response.model_extra["trtspec"]
-    assert extension["block_size_auto"] is True  # the demo drafter's bundled policy chose it
+    assert extension["block_size_auto"] is True  # the drafter's own policy chose it
     assert extension["cycles"] == sum(extension["histogram"]) >= 1
     assert 1 <= extension["tau"] and 0 <= extension["ceiling_fraction"] <= 1
 
 
-def test_block_size_field_and_token_id_prompt(server, reference):
+def test_block_size_field_and_token_id_prompt(server, reference, codec):
     for block in ("8", "12:24", "AR"):
         response = server.client.completions.create(model=MODEL, prompt=PROMPT,
                                                     max_tokens=MAX_TOKENS, extra_body={"block_size": block})
@@ -183,31 +216,22 @@ def test_block_size_field_and_token_id_prompt(server, reference):
         extension = response.model_extra["trtspec"]
         assert extension["block_size"] == block and extension["block_size_auto"] is False
         assert len(extension["histogram"]) == {"8": 8, "12:24": 24, "AR": 1}[block]
-    ids = server.client.completions.create(model=MODEL, prompt=[[int(t) for t in _encode(PROMPT)]],
+    ids = server.client.completions.create(model=MODEL, prompt=[[int(t) for t in codec.encode(PROMPT)]],
                                            max_tokens=MAX_TOKENS)
     assert ids.choices[0].text == reference["text"]
 
 
-def _log_softmax(ids: list[int]) -> list[float]:
-    """log p(ids[i] | ids[:i]) under the demo target (eager PyTorch); position 0: nan."""
+def _log_softmax(target_dir, ids: list[int]):
+    """Row i: log p(. | ids[:i + 1]) under the target (eager PyTorch), in float64."""
     import torch
-    from trtspec.assets import resolve_target
     from trtspec.models import load_target
 
     with torch.no_grad():
-        logits = load_target(resolve_target(None))(torch.tensor([ids]), 0, None)[0][0]
-    rows = torch.log_softmax(logits.double(), dim=-1)
-    return [float("nan")] + [rows[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        logits = load_target(target_dir)(torch.tensor([ids]), 0, None)[0][0]
+    return torch.log_softmax(logits.double(), dim=-1)
 
 
-def _encode(text: str) -> list[int]:
-    from trtspec.assets import resolve_target
-    from trtspec.tokenizer import TextCodec
-
-    return TextCodec(resolve_target(None)).encode(text)
-
-
-def test_streaming_pieces_join_to_the_whole(server, reference):
+def test_streaming_pieces_join_to_the_whole(server, reference, chat_reference):
     stream = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
                                               stream_options={"include_usage": True})
     chunks = list(stream)
@@ -217,11 +241,11 @@ def test_streaming_pieces_join_to_the_whole(server, reference):
     assert len(finals) == 1 and finals[0].model_extra["trtspec"]["cycles"] >= 1
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reference["tokens"])
 
-    messages = [{"role": "user", "content": PROMPT}]  # the demo template is the messages' text
+    messages = [{"role": "user", "content": PROMPT}]
     whole = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS)
     assert whole.choices[0].message.role == "assistant"
-    assert whole.choices[0].message.content == reference["text"]
-    assert whole.usage.completion_tokens == len(reference["tokens"])
+    assert whole.choices[0].message.content == chat_reference["text"]  # through the same chat template
+    assert whole.usage.completion_tokens == len(chat_reference["tokens"])
     streamed = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
                                                      stream=True)
     chunks = list(streamed)
@@ -295,21 +319,22 @@ BAD_REQUESTS = [  # (route, body, status, the field named)
 ]
 
 
-EOS_PROMPT = "def f():\n    pass\n\n\nif __name__ == '__main__':\n    main()\n"  # the demo target ends it at once
+EOS_PROMPT = "def f():\n    pass\n\n\nif __name__ == '__main__':\n    main()\n"  # ended at once by `eos_bias`
 
 
-def test_ignore_eos_usage_in_every_chunk_and_vllm_utility_routes(server):
+def test_ignore_eos_usage_in_every_chunk_and_vllm_utility_routes(server, eos_bias):
     """vLLM's fields and routes load tools and harnesses use: ignore_eos gives exactly max_tokens
     tokens; min_tokens holds the EOS back; continuous_usage_stats puts the running counts in every chunk; /tokenize, /detokenize,
     /version and max_model_len agree with each other."""
-    stopped = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0)
+    stopped = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0,
+                                               logit_bias=eos_bias)
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 30
     forced = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0,
-                                              extra_body={"ignore_eos": True})
+                                              logit_bias=eos_bias, extra_body={"ignore_eos": True})
     assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 30
     assert forced.usage.prompt_tokens_details.cached_tokens == 0
     held = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0,
-                                            extra_body={"min_tokens": 6})
+                                            logit_bias=eos_bias, extra_body={"min_tokens": 6})
     assert held.usage.completion_tokens >= 6  # the EOS it would end with at once is held back
     chunks = list(server.client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
@@ -327,7 +352,7 @@ def test_ignore_eos_usage_in_every_chunk_and_vllm_utility_routes(server):
     assert post(server.url + "/tokenize", {"prompt": "x", "echo": 1})[1]["error"]["param"] == "echo"
 
 
-def test_include_stop_str_in_output_and_special_tokens(server):
+def test_include_stop_str_in_output_and_special_tokens(server, eos_bias):
     """include_stop_str_in_output keeps the stop string at the end of the text (streamed or not);
     skip_special_tokens false shows special tokens (here the EOS that ignore_eos lets through)."""
     def text(prompt=PROMPT, stream=False, **fields):
@@ -343,8 +368,8 @@ def test_include_stop_str_in_output_and_special_tokens(server):
     assert text(stop=[stop]) == before
     assert text(stop=[stop], include_stop_str_in_output=True) == before + stop
     assert text(stop=[stop], include_stop_str_in_output=True, stream=True) == before + stop
-    hidden = text(EOS_PROMPT, max_tokens=3, ignore_eos=True)
-    shown = text(EOS_PROMPT, max_tokens=3, ignore_eos=True, skip_special_tokens=False)
+    hidden = text(EOS_PROMPT, max_tokens=3, ignore_eos=True, logit_bias=eos_bias)
+    shown = text(EOS_PROMPT, max_tokens=3, ignore_eos=True, logit_bias=eos_bias, skip_special_tokens=False)
     assert "<|endoftext|>" in shown and "<|endoftext|>" not in hidden and shown.replace("<|endoftext|>", "") == hidden
 
 
@@ -371,7 +396,7 @@ def test_n_choices_are_independent_requests_with_derived_seeds(server):
     assert post(server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 17})[1]["error"]["param"] == "n"
 
 
-def test_logprobs_echo_penalties_and_json_schema(server, reference):
+def test_logprobs_echo_penalties_and_json_schema(server, reference, codec, target_dir):
     """vLLM's fields as the openai client sends them: logprobs (completions with echo: the prompt's
     too; chat with top_logprobs), the same in a stream; penalties and a bias that keep spec == AR;
     a JSON schema whose answer parses as that JSON."""
@@ -383,13 +408,22 @@ def test_logprobs_echo_penalties_and_json_schema(server, reference):
     assert len(logprobs.tokens) == prompt_tokens + completion_tokens == len(logprobs.token_logprobs)
     assert logprobs.token_logprobs[0] is None and all(v <= 0 for v in logprobs.token_logprobs[1:])
     assert "".join(logprobs.tokens[prompt_tokens:]) == whole.choices[0].text[len(PROMPT):]
-    assert all(len(top) == 2 for top in logprobs.top_logprobs[1:])
     assert logprobs.text_offset[prompt_tokens] == len(PROMPT)
-    ids = _encode(PROMPT)  # the target's own log-softmax over prompt and output, from eager PyTorch
-    expected = _log_softmax(ids + reference["tokens"][:completion_tokens])  # greedy: the same tokens
+    ids = codec.encode(PROMPT)  # the target's own log-softmax over prompt and output, from eager PyTorch
+    sequence = ids + reference["tokens"][:completion_tokens]  # greedy: the same tokens
+    rows = _log_softmax(target_dir, sequence)
     assert len(ids) == prompt_tokens
     for position in range(1, prompt_tokens + completion_tokens):
-        assert abs(logprobs.token_logprobs[position] - expected[position]) < 1e-4, position
+        row = rows[position - 1]
+        assert abs(logprobs.token_logprobs[position] - row[sequence[position]].item()) < 1e-4, position
+        # the two likeliest, keyed by their text (a token holding part of a character shows U+FFFD,
+        # so two such tokens can share a key, as in vLLM)
+        top = row.topk(2)
+        expected = {codec.decode([t], skip_special_tokens=False): v for t, v in zip(top.indices.tolist(),
+                                                                                     top.values.tolist())}
+        shown = logprobs.top_logprobs[position]
+        assert shown.keys() == expected.keys(), position
+        assert all(abs(shown[key] - expected[key]) < 1e-4 for key in expected), position
     streamed = list(server.client.completions.create(**common, logprobs=2, echo=True, stream=True))
     pieces = [c.choices[0] for c in streamed if c.choices and c.choices[0].logprobs]
     assert [v for p in pieces for v in p.logprobs.token_logprobs] == logprobs.token_logprobs
@@ -464,7 +498,7 @@ def test_every_bad_request_gets_its_error_and_the_server_keeps_serving(server):
         assert ok.choices[0].finish_reason in ("stop", "length")
     code, answer = post(f"{server.url}/v1/completions", b"{not json")
     assert code == 400 and "JSON" in answer["error"]["message"]
-    long_prompt = "x = 1\n" * 1500  # more tokens than the demo target's context
+    long_prompt = "x = 1\n" * 1500  # more tokens than the target's context (4,096)
     with pytest.raises(openai.BadRequestError, match="prompt"):
         server.client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
     with pytest.raises(openai.NotFoundError):
@@ -523,9 +557,10 @@ def test_metrics_parse_and_agree_with_the_responses(server):
 
 
 @pytest.fixture(scope="module")
-def one_slot(tmp_path_factory):
+def one_slot(tmp_path_factory, target_dir, drafter_dir):
     """A server with one slot and one queue place: the queue fills at three requests."""
-    running = Server(tmp_path_factory.mktemp("serve1") / "server.log", "--max-concurrency", 1, "--max-queued", 1,
+    running = Server(tmp_path_factory.mktemp("serve1") / "server.log", *pair_args(target_dir, drafter_dir),
+                     "--max-concurrency", 1, "--max-queued", 1,
                      "--block-size", "AR", "--graceful-shutdown", 2)
     try:
         yield running
@@ -596,12 +631,9 @@ def test_sigterm_stops_the_server_with_a_request_in_flight(one_slot):
     assert "Traceback" not in one_slot.output(), one_slot.output()[-3000:]
 
 
-def test_text_stops_hold_back_a_possible_stop_and_cut_before_it():
-    from trtspec.assets import resolve_target
+def test_text_stops_hold_back_a_possible_stop_and_cut_before_it(codec):
     from trtspec.tokenizer import TextStream as TextStops
-    from trtspec.tokenizer import TextCodec
 
-    codec = TextCodec(resolve_target(None))
     text = "def add(a, b):\n    return a + b\n"
     ids = codec.encode(text)
     for stop, expected in (("return", "def add(a, b):\n    "), (" + b\n", "def add(a, b):\n    return a"),
@@ -637,7 +669,7 @@ def test_metrics_per_position_and_draft_tokens_of_a_growing_block():
     assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 4.0' in text
 
 
-def test_serve_refuses_bad_options_and_a_busy_port_before_loading():
+def test_serve_refuses_bad_options_and_a_busy_port_before_loading(target_dir, drafter_dir):
     import socket
 
     from helpers import assert_one_line_error, trtspec_in_process
@@ -648,4 +680,5 @@ def test_serve_refuses_bad_options_and_a_busy_port_before_loading():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert_one_line_error(trtspec_in_process("serve", "--port", port), f"cannot listen on 127.0.0.1:{port}")
+        assert_one_line_error(trtspec_in_process("serve", *pair_args(target_dir, drafter_dir), "--port", port),
+                              f"cannot listen on 127.0.0.1:{port}")
