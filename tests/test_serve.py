@@ -134,9 +134,9 @@ def wait_for(condition, what: str, timeout: float = 30):
         time.sleep(0.1)
 
 
-def pair_args(target, drafter) -> tuple:
+def pair_args(target, drafter, name: str = MODEL) -> tuple:
     """The serve options that name a pair and the model name its clients use."""
-    return "--target", target, "--drafter", drafter, "--served-model-name", MODEL
+    return "--target", target, "--drafter", drafter, "--served-model-name", name
 
 
 @pytest.fixture(scope="module")

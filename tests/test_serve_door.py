@@ -17,13 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from trtspec.assets import resolve_target
 from trtspec.tokenizer import TextCodec, TextStream
 
 
 @pytest.fixture(scope="module")
-def codec() -> TextCodec:
-    return TextCodec(resolve_target(None))
+def codec(target_dir) -> TextCodec:
+    return TextCodec(target_dir)
 
 
 # -- TextStream: hold-back linear in the text ---------------------------------------------------------
@@ -134,16 +133,18 @@ def test_reply_of_a_finished_request_is_its_whole_text_and_finish_reason(codec):
 if __name__ != "__main__":
     openai = pytest.importorskip("openai", reason="the serve tests need the [test] extra (openai)")
     pytest.importorskip("uvicorn", reason="trtspec serve needs the [serve] extra")
-    from test_serve import LONG_PROMPT, Server, get, post  # noqa: E402
-MODEL = "demo-target"
+    from test_serve import LONG_PROMPT, Server, get, pair_args, post  # noqa: E402
+MODEL = "tiny"  # the served model's name (pair_args); this file also runs as a client script, without test_serve
+MODEL_JSON = json.dumps(MODEL).encode()  # for bodies written as bytes
 
 BODY_LIMIT = 6_000_000  # the door server's --max-body-bytes: a 5 MB body is read, decoded and refused
 
 
 @pytest.fixture(scope="module")
-def door(tmp_path_factory):
-    """One server for this module's tests, with a 2 s read timeout."""
-    running = Server(tmp_path_factory.mktemp("door") / "server.log", "--max-concurrency", 4, "--max-body-bytes",
+def door(tmp_path_factory, target_dir, drafter_dir):
+    """One server of the tiny pair for this module's tests, with a 2 s read timeout."""
+    running = Server(tmp_path_factory.mktemp("door") / "server.log", *pair_args(target_dir, drafter_dir, MODEL),
+                     "--max-concurrency", 4, "--max-body-bytes",
                      BODY_LIMIT, "--read-timeout", 2)
     try:
         yield running
@@ -181,7 +182,7 @@ def _bad_requests() -> list[tuple[str, bytes, bool]]:
     assert 4_000_000 < len(huge) < BODY_LIMIT
     chunk = b"%x\r\n%s\r\n" % (1_000_000, b" " * 1_000_000)
     return [("4.8 MB prompt", huge, False),
-            ("1.6M empty lists", b'{"model": "demo-target", "prompt": [' + b"[]," * 1_600_000 + b"[]]}", False),
+            ("1.6M empty lists", b'{"model": ' + MODEL_JSON + b', "prompt": [' + b"[]," * 1_600_000 + b"[]]}", False),
             ("7 MB declared", _head(7_000_000) + b"{", True),
             ("7 MB chunked", _head(chunked=True) + chunk * 7 + b"0\r\n\r\n", True),
             ("200,000 stops", json.dumps({**body, "prompt": "x", "stop": ["ab"] * 200_000}).encode(), False),
@@ -316,10 +317,11 @@ def test_fields_that_would_be_ignored_or_crash_are_refused_naming_them(door):
         assert post(f"{door.url}/v1/{route}", {**_good(route), **defaults})[0] == 200
     model = {"model": "\ud800", "prompt": "x"}
     assert post(door.url + "/v1/completions", json.dumps(model).encode())[1]["error"]["param"] == "model"
-    for raw, says in ((b'{"model": "demo-target", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deep"),
-                      (b'{"model": "demo-target", "prompt": "x", "seed": ' + b"9" * 10_000 + b"}", "JSON"),
-                      (b'{"model": "demo-target", "prompt": "\xff"}', "UTF-8"),
-                      (b'{"model": "demo-target", "prompt": [' + b"[]," * 150_000 + b"[]]}", "JSON values")):
+    model = b'{"model": ' + MODEL_JSON
+    for raw, says in ((model + b', "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deep"),
+                      (model + b', "prompt": "x", "seed": ' + b"9" * 10_000 + b"}", "JSON"),
+                      (model + b', "prompt": "\xff"}', "UTF-8"),
+                      (model + b', "prompt": [' + b"[]," * 150_000 + b"[]]}", "JSON values")):
         status, answer = post(door.url + "/v1/completions", raw)
         assert status == 400 and says in answer["error"]["message"], answer
 
@@ -380,11 +382,13 @@ def test_fuzzed_bodies_never_get_a_500(door, route, changes, dropped, wrap):
     assert status < 500 and ("error" in answer) == (status != 200), (body, answer)
 
 
-def test_one_requests_grammar_never_fails_the_others_in_its_batch(door):
+def test_one_requests_grammar_never_fails_the_others_in_its_batch(door, codec):
     """Issue 57, Build 1 and 2: a json_object request with ignore_eos, decoded beside plain requests in
     one batch, failed every request of the batch with its grammar's parser dump. Now the plain ones
     run to their limit, and the grammar request ends at its grammar's end (finish reason stop)."""
-    grammar = {"response_format": {"type": "json_object"}, "ignore_eos": True}
+    # (a bias toward "}" closes the object early: the tiny target's strings would outrun 24 tokens)
+    grammar = {"response_format": {"type": "json_object"}, "ignore_eos": True,
+               "logit_bias": {str(codec.encode("}")[0]): 10}}
 
     def ask(index: int):
         fields = grammar if index == 0 else {"ignore_eos": True}
@@ -478,9 +482,16 @@ def test_fuzzed_response_formats_validate_or_are_refused_and_never_touch_the_pla
 
 
 def test_a_null_max_tokens_decodes_to_the_context_or_a_stop(door):
-    """OpenAI's default: no limit but the context; a stop at the first newline keeps it short."""
+    """OpenAI's default: no limit but the context; a stop the reply reaches early keeps it short (a
+    character of its first tokens: the tiny target writes no newline)."""
+    def text(answer: dict) -> str:
+        choice = answer["choices"][0]
+        return choice["message"]["content"] if "message" in choice else choice["text"]
+
     for route in ("completions", "chat/completions"):
-        status, answer = post(f"{door.url}/v1/{route}", {**_good(route), "max_tokens": None, "stop": ["\n"]})
+        early = text(post(f"{door.url}/v1/{route}", {**_good(route), "max_tokens": 6})[1])
+        stop = next(c for c in early[1:] if c.isascii() and c.isprintable())
+        status, answer = post(f"{door.url}/v1/{route}", {**_good(route), "max_tokens": None, "stop": [stop]})
         assert status == 200 and answer["choices"][0]["finish_reason"] == "stop", answer
 
 
@@ -488,10 +499,11 @@ def test_after_the_fuzzing_the_server_still_serves(door):
     assert door.client.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_api_key_and_a_wildcard_host(tmp_path):
+def test_api_key_and_a_wildcard_host(tmp_path, target_dir, drafter_dir):
     """--api-key (here from TRTSPEC_API_KEY) guards /v1 with 401 in OpenAI's shape, /health stays open;
     listening on every interface is said on stderr."""
-    running = Server(tmp_path / "server.log", "--host", "0.0.0.0", env={"TRTSPEC_API_KEY": "sesame"})
+    running = Server(tmp_path / "server.log", *pair_args(target_dir, drafter_dir, MODEL), "--host", "0.0.0.0",
+                     env={"TRTSPEC_API_KEY": "sesame"})
     try:
         url = running.url
         assert "warning: listening on every interface" in running.output()
@@ -544,7 +556,7 @@ def test_tokenize_bodies_never_delay_a_completion(door):
 def test_serve_refuses_an_empty_host_and_a_block_size_its_engine_lacks(ort_engine_dir):
     from helpers import assert_one_line_error, trtspec_in_process
 
-    assert_one_line_error(trtspec_in_process("serve", "--host", ""), "--host is empty")
+    assert_one_line_error(trtspec_in_process("serve", "--engine", ort_engine_dir, "--host", ""), "--host is empty")
     assert_one_line_error(trtspec_in_process("serve", "--engine", ort_engine_dir, "--port", 0, "--block-size", 12),
                           "--block-size 12", "4, 8")
 
