@@ -63,6 +63,25 @@ def test_packed_training_forward_equals_inference_forward(target_dir):
             assert (packed[:, slot * 6 + 1:(slot + 1) * 6] - alone).abs().max() < 1e-4
 
 
+def test_layers_from_target_start_the_context_as_the_targets_own_keys(target_dir):
+    """--layers-from-target: the drafter's layer is a copy of the target's last one, and the context
+    it reads (fc passing the deepest tap, layer 0's output, through hidden_norm) gives exactly the
+    keys and values the target's last layer makes from that layer's input."""
+    target = load_target(target_dir)
+    drafter = new_drafter(target, TrainConfig(num_layers=1, target_layer_ids=(0,), mask_token_id=1,
+                                              layers_from_target=True))
+    ids = torch.tensor([[5, 9, 17, 3, 30, 41]])
+    with torch.no_grad():
+        _, features = target(ids, 0, None, (0,))
+        cos, sin = target.rotary(torch.arange(6), target.dtype)
+        last = target.model.layers[1]
+        theirs = last.self_attn.project_kv(last.input_layernorm(features), cos, sin)
+        mine = drafter.layers[0].self_attn.project_kv(drafter.project_context(features), cos, sin)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+
+
 def test_distillation_pulls_only_the_early_positions_toward_the_teacher(target_dir):
     from trtspec.dbloom.expand import frozen_copy
     from trtspec.training.trainer import DrafterLoss

@@ -50,6 +50,7 @@ class TrainConfig:
     distill_below: int = 0                      # >0: positions < this also match a frozen teacher (expand-block)
     distill_weight: float = 1.0                 # weight of that KL term against the cross-entropy
     bfloat16_autocast: bool = False             # forward passes in bfloat16, float32 weights and optimizer
+    layers_from_target: bool = False            # start the drafter's layers as copies of the target's last ones
     lineage: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -162,7 +163,28 @@ def new_drafter(target: Qwen3Target, config: TrainConfig) -> DFlashDrafter:
         for param in drafter.parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.02, generator=generator)
+        if config.layers_from_target:
+            copy_target_layers(drafter, target)
     return drafter.to(device=target.device, dtype=target.dtype).bind(target)
+
+
+def copy_target_layers(drafter: DFlashDrafter, target: Qwen3Target) -> None:
+    """Start the drafter from the top of the target: its n layers are copies of the target's last n
+    and its final norm is the target's, `fc` passes the deepest tapped layer's features through
+    (the others start at zero) and `hidden_norm` is the first copied layer's input norm, so at
+    the start every context position's keys and values in the first layer are the target's own.
+    A drafter trained on a CPU budget learns from there far faster than from random weights."""
+    layers, hidden = len(drafter.layers), drafter.config.hidden_size
+    first = target.config.num_hidden_layers - layers
+    for mine, theirs in zip(drafter.layers, target.model.layers[first:]):
+        own = mine.state_dict()
+        mine.load_state_dict({name: tensor for name, tensor in theirs.state_dict().items() if name in own},
+                             strict=False)
+    drafter.norm.load_state_dict(target.model.norm.state_dict())
+    drafter.hidden_norm.load_state_dict(target.model.layers[first].input_layernorm.state_dict())
+    deepest = max(range(len(drafter.config.target_layer_ids)), key=lambda i: drafter.config.target_layer_ids[i])
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, deepest * hidden:(deepest + 1) * hidden] = torch.eye(hidden)
 
 
 def _distributed() -> tuple[int, int]:
