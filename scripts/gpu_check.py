@@ -3,8 +3,9 @@
     python scripts/gpu_check.py [--block-sizes 12,16,20,24] [--prompts 20] [--out build/gpu-check]
     python scripts/gpu_check.py --device cpu ...   # the same flow on a CPU (torch backend, no CUDA graphs)
 
-1. builds engines of the demo pair for every backend this machine has (torch always; ONNX Runtime
-   when onnxruntime-gpu's CUDA provider is present; TensorRT when it is installed),
+1. builds engines of a pair (the default pair unless --target/--drafter name one) for every backend
+   this machine has (torch always; ONNX Runtime when onnxruntime-gpu's CUDA provider is present;
+   TensorRT when it is installed),
 2. checks each against eager PyTorch on the GPU: greedy outputs on HumanEval prompts must be
    identical at every block size and for the growing block smallest:largest, which switches
    graphs inside a request (float32), run by run and replayed from captured CUDA graphs
@@ -67,6 +68,8 @@ def batched_check(pipeline, reference, prompts: list[str], choices, max_new_toke
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", help="the pair's target [default: the default pair's]")
+    parser.add_argument("--drafter", help="the pair's drafter [default: the default pair's]")
     parser.add_argument("--block-sizes", default="12,16,20,24")
     parser.add_argument("--prompts", type=int, default=20, help="HumanEval prompts for the equality check")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -95,7 +98,8 @@ def main() -> int:
 
     block_sizes = parse_block_sizes(args.block_sizes)
     out = Path(args.out)
-    target_dir, drafter_dir = resolve_target(None), resolve_drafter(None, None)
+    drafter_dir = resolve_drafter(args.drafter, args.target)  # (before the target: the default one implies it)
+    target_dir = resolve_target(args.target)
     report = {"gpu": torch.cuda.get_device_name() if cuda else None, "device": args.device,
               "torch": torch.__version__, "engines": {}, "cycles": []}
 

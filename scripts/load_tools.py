@@ -131,7 +131,8 @@ def main() -> None:
     if args.one_server and args.guidellm:
         raise SystemExit("--one-server sends block_size in aiperf's requests; guidellm cannot: run it without --one-server")
     results: dict[str, dict[str, dict[int, dict]]] = {"aiperf": {}, "guidellm": {}}
-    tokenizer = str(resolve_target(None))  # the served pair's tokenizer: the same for the demo pair
+    served = dict(zip(args.server_args, args.server_args[1:])).get("--target")  # None: the default target
+    tokenizer = str(resolve_target(served))  # the served target's tokenizer
     with tempfile.TemporaryDirectory(prefix="trtspec-load-") as scratch:
         work = Path(scratch)
         prompts, rows = write_prompts(work, args.prompts, args.output_tokens)

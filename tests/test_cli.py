@@ -43,6 +43,19 @@ def test_json_output_and_ar_baseline(target_dir, drafter_dir, prompt_file):
     assert baseline["stats"]["block_size"] == 1 and baseline["stats"]["tau"] == 1.0
 
 
+def test_run_compares_with_autoregressive_decoding(target_dir, drafter_dir, prompt_file):
+    """The quick start's `--compare-ar`: the speed-up over AR through the same backend, and at T=0
+    the proof that the two outputs are the same tokens."""
+    result = trtspec_in_process("--threads", 1, "run", prompt_file, "--target", target_dir, "--drafter", drafter_dir,
+                                "--json", "--max-new-tokens", 32, "--compare-ar")
+    assert result.returncode == 0, result.stderr.decode()
+    output = json.loads(result.stdout)
+    comparison = output["compare_ar"]
+    assert comparison["identical"] is True and comparison["ar_decode_tokens_per_s"] > 0
+    assert comparison["speedup"] == pytest.approx(
+        output["stats"]["decode_tokens_per_s"] / comparison["ar_decode_tokens_per_s"])
+
+
 def test_run_takes_what_a_request_takes(target_dir, drafter_dir, prompt_file):
     """Issue 57, Build 6: one rule in every front end. `--block-size 1` is AR, as a request's
     block_size 1 and `serve --block-size 1` are; `--top-k -1` is off, as a request's top_k -1 is

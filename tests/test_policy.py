@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_one_line_error, generate, single, trtspec_in_process
+from helpers import TRAINED_PROMPTS, assert_one_line_error, code_prompts, generate, single, trtspec_in_process
 
 from trtspec.errors import TrtspecError
 from trtspec.blockpilot.policy import load_policy, summarize_prefill
@@ -244,3 +244,46 @@ def test_engine_ships_the_policy_and_refuses_one_it_cannot_serve(trained, target
     lines = bench.stdout.decode().splitlines()
     assert [line.split()[0] for line in lines[-4:-1]] == ["4", "4:8", "auto"]
     assert lines[-1].startswith("identical to AR: B=4 ")  # greedy, every size and auto
+
+
+def test_a_drafter_that_ships_a_policy_needs_no_policy_flag(target_dir, trained_drafter_dir, tmp_path):
+    """As with the bundled drafter: `run` is `auto` by default and the size it picks is one of the
+    policy's (greedy: the tokens of any fixed size); `--block-size auto` works in run and bench with
+    no --policy; `trtspec build` with its defaults (8/12/16/20/24, best backend here) embeds the
+    policy, and the engine's greedy output equals eager PyTorch's."""
+    pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
+    from trtspec.api import Pipeline
+
+    pair = ("--target", target_dir, "--drafter", trained_drafter_dir)
+    prompts = code_prompts(TRAINED_PROMPTS + 4)[TRAINED_PROMPTS:]  # held out
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(prompts[0])
+
+    def run(*options) -> dict:
+        result = trtspec_in_process("--threads", 1, "run", prompt, *pair, "--json", "--max-new-tokens", 24, *options)
+        assert result.returncode == 0, result.stderr.decode()
+        return json.loads(result.stdout)
+
+    plain, auto, fixed = run(), run("--block-size", "auto"), run("--block-size", 16)
+    assert plain["stats"]["block_size_auto"] and auto["stats"]["block_size_auto"]
+    assert plain["stats"]["block_size"] in (8, 16)  # the policy's choices
+    assert fixed["stats"]["block_size"] == 16 and not fixed["stats"]["block_size_auto"]
+    assert plain["tokens"] == auto["tokens"] == fixed["tokens"]
+    listed = tmp_path / "prompts.jsonl"
+    listed.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    bench = trtspec_in_process("--threads", 1, "bench", *pair, "--prompts", listed, "--block-sizes", "8,16,auto",
+                               "--limit", 2, "--max-new-tokens", 16, "--repeats", 1, "--json", tmp_path / "bench.json")
+    assert bench.returncode == 0, bench.stderr.decode()
+    assert "auto" in bench.stdout.decode() and (tmp_path / "bench.json").is_file()
+
+    built = trtspec_in_process("--threads", 1, "build", *pair, "-o", tmp_path / "engine")
+    assert built.returncode == 0, built.stderr.decode()
+    assert "B=12 (target profile 3, draft profile 1)" in built.stdout.decode()
+    engine = Pipeline(engine=tmp_path / "engine")
+    assert engine.backend == "onnxruntime" and engine.runner.block_sizes == (8, 12, 16, 20, 24)
+    assert engine.policy is not None and engine.default_block == AUTO  # the drafter's policy, embedded
+    eager = Pipeline(target_dir, trained_drafter_dir)
+    for text in prompts[:3]:
+        for block_size in (12, 24):
+            config = GenerationConfig(block=BlockChoice(block_size), max_new_tokens=48)
+            assert engine.generate(text, config).tokens == eager.generate(text, config).tokens

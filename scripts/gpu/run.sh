@@ -4,10 +4,8 @@
 # through the batched engine (scripts/gpu/engine_costs.py: CUDA graphs and AOTInductor, per block size
 # and batch), run scripts/gpu_check.py, and time the step costs (scripts/gpu/cycle_costs.py).
 #
-#   bash scripts/gpu/run.sh OUT_DIR [--dry-run] [--plan check|demo]
+#   bash scripts/gpu/run.sh OUT_DIR [--dry-run]
 #
-# --plan check (the default) runs the stages above; --plan demo trains the demo pair instead (target,
-# its continuations, demo-b16, demo-b24; below, and scripts/gpu/README.md "The demo plan").
 # --dry-run: the same stages on a machine without a GPU (gpu_check and the timings on the CPU, at
 # small sizes). Each stage runs under `timeout` inside one budget (TRTSPEC_GPU_BUDGET_S, default
 # 480 s) and logs to OUT_DIR/run.log; a stage that fails or times out is recorded, and the later
@@ -18,7 +16,10 @@
 #
 # Environment: PYTHON (default: the first of python3, /opt/torch/.venv/bin/python3 that imports
 # torch), WHEELHOUSE (default: .wheelhouse in the repository root), TRTSPEC_GPU_KEEP_WORK=1 keeps
-# the scratch folder (native build, engines) instead of deleting it.
+# the scratch folder (native build, engines) instead of deleting it. The trained pair that gpu_check
+# and the engine costs' check decode is the default pair (SmolLM2-135M-Instruct with smollm2-b16),
+# or TRTSPEC_GPU_TARGET and TRTSPEC_GPU_DRAFTER; TRTSPEC_GPU_PROMPTS: the engine costs' check's
+# prompts (default humaneval; or a JSONL file).
 set -uo pipefail  # no -e: a failing stage must not stop the later ones
 
 script="$(realpath "${BASH_SOURCE[0]}")"
@@ -135,13 +136,15 @@ stage_native() {  # trtspec itself, its C++ core compiled here by CMake (no buil
 stage_gpu_check() {
   local size=(--prompts 12)
   [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --block-sizes 4,8 --prompts 2 --max-new-tokens 16 --past 64)
-  "$PY" scripts/gpu_check.py --out "$WORK/gpu-check" "${size[@]}"
+  "$PY" scripts/gpu_check.py --out "$WORK/gpu-check" "${size[@]}" ${TRTSPEC_GPU_TARGET:+--target "$TRTSPEC_GPU_TARGET"} \
+      ${TRTSPEC_GPU_DRAFTER:+--drafter "$TRTSPEC_GPU_DRAFTER"}
 }
 
 stage_engine_costs() {
   local size=()
-  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --shape tiny --batches 1,2 --new-tokens 8 --demo-prompts 2)
-  "$PY" scripts/gpu/engine_costs.py --out "$OUT" "${size[@]}"
+  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --shape tiny --batches 1,2 --new-tokens 8 --pair-prompts 2)
+  "$PY" scripts/gpu/engine_costs.py --out "$OUT" "${size[@]}" ${TRTSPEC_GPU_TARGET:+--target "$TRTSPEC_GPU_TARGET"} \
+      ${TRTSPEC_GPU_DRAFTER:+--drafter "$TRTSPEC_GPU_DRAFTER"} ${TRTSPEC_GPU_PROMPTS:+--prompts "$TRTSPEC_GPU_PROMPTS"}
 }
 
 stage_cycle_costs() {
@@ -150,91 +153,20 @@ stage_cycle_costs() {
   "$PY" scripts/gpu/cycle_costs.py --out "$OUT" "${size[@]}"
 }
 
-# --- the demo pair (--plan demo): target, its continuations, demo-b16, demo-b24 (scripts/demo/README.md)
-# Inputs carried beside the tree in build/demo-gpu/: corpus.jsonl.xz + corpus.json (scripts/demo/corpus.py
-# --pack) and drafter-prompts.jsonl (scripts/demo/drafter_prompts.py). Everything is written under
-# $WORK/demo; the last stage packs what comes back into OUT_DIR as demo.tar.xz.part-* (16 MB each).
-DEMO_IN="$root/build/demo-gpu"
-trtspec_cli() { "$PY" -P -m trtspec --threads "$([[ "$DRY_RUN" == 1 ]] && echo 1 || echo 3)" "$@"; }  # -P: the installed trtspec, not the tree's trtspec/
-
-stage_demo_target() {
-  local size=(--device cuda --minutes "${TRTSPEC_DEMO_MINUTES:-2.25}" --batch 128 --seq 1024 --lr 3e-3
-              --warmup 0.03 --checkpoint-minutes 1.5)
-  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --minutes 0.1 --batch 2 --seq 64 --threads 2 --valid-windows 8)
-  "$PY" scripts/demo/train_target.py --work "$WORK/demo/target-work" --out "$WORK/demo/demo-target" \
-      --pack "$DEMO_IN/corpus.jsonl.xz" --reuse-tokenizer trtspec/assets/demo-target/tokenizer.json \
-      --hidden 512 --intermediate 1024 --heads 8 --kv-heads 2 --head-dim 64 --layers 6 "${size[@]}"
-}
-
-stage_demo_data() {  # greedy and T = 0.7 / top-p 0.8 continuations, in six processes side by side
-  # The engine decodes a batch of 256 at about 33 prompts/s per process on the H200 host (bound by
-  # the host: 2026-12-04), so the prompts are split in three and each part runs on its own.
-  local size=(--device cuda --gpu-memory-fraction 0.1 --batch-size 256 --max-new-tokens 128) name part rc=0 jobs=0
-  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --batch-size 4 --max-new-tokens 8 --limit 3)
-  local -A sampling=([greedy]="" [t0.7]="--temperature 0.7 --top-p 0.8 --seed 1")
-  split -n l/3 -d "$DEMO_IN/drafter-prompts.jsonl" "$WORK/demo/prompts-"
-  for name in greedy t0.7; do
-    for part in "$WORK"/demo/prompts-0?; do
-      # shellcheck disable=SC2086  # the sampling options are words
-      trtspec_cli generate-data --target "$WORK/demo/demo-target" --prompts "$part" --dtype float32 \
-          -o "$WORK/demo/data-$name-${part##*-}.jsonl" "${size[@]}" ${sampling[$name]} &
-      jobs=$((jobs + 1))
-    done
-  done
-  for ((; jobs > 0; jobs--)); do wait -n || rc=1; done
-  ((rc == 0)) || return 1
-  cat "$WORK"/demo/data-greedy-*.jsonl "$WORK"/demo/data-t0.7-*.jsonl > "$WORK/demo/drafter-data.jsonl"
-  wc -l "$WORK/demo/drafter-data.jsonl"
-}
-
-stage_demo_drafter() {  # the DFlash recipe at B = 16: one layer, taps spread over the target's six
-  local size=(--device cuda --steps "${TRTSPEC_DEMO_DRAFTER_STEPS:-2500}" --batch-size 32 --anchors 32)
-  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --steps 4 --batch-size 2 --anchors 4)
-  trtspec_cli train-drafter --target "$WORK/demo/demo-target" --data "$WORK/demo/drafter-data.jsonl" \
-      --block-size 16 --target-layer-ids 1,3,5 --lr 1e-3 --dtype float32 --seed 0 --checkpoint-every 250 \
-      --work "$WORK/demo/drafter-work" -o "$WORK/demo/demo-b16" "${size[@]}"
-}
-
-stage_demo_expand() {  # DBloom: demo-b16 post-trained to B = 24 (make_drafter.sh step 4, larger batches)
-  local size=(--device cuda --steps 200 --continue-steps 50 --settle-steps 50 --batch-size 32 --anchors 32)
-  [[ "$DRY_RUN" == 1 ]] && size=(--device cpu --steps 2 --continue-steps 1 --settle-steps 1 --batch-size 2 --anchors 4)
-  trtspec_cli expand-block --target "$WORK/demo/demo-target" --drafter "$WORK/demo/demo-b16" --to 24 \
-      --data "$WORK/demo/drafter-data.jsonl" --stages 2 --lr 1e-4 --distill 5 --dtype float32 \
-      --work "$WORK/demo/expand-work" -o "$WORK/demo/demo-b24" "${size[@]}"
-}
-
-stage_demo_pack() {  # what exists of the pair, bf16 drafters, the data and logs: <= 5 files of 16 MB
-  local name items=()
-  for name in demo-b16 demo-b24; do
-    [[ -f "$WORK/demo/$name/model.safetensors" ]] && "$PY" scripts/demo/ship_drafter.py "$WORK/demo/$name" "$WORK/demo/ship-$name"
-  done
-  # Without demo-b16 (its stage ran out of time) its latest checkpoint comes back, to resume from.
-  [[ ! -f "$WORK/demo/demo-b16/model.safetensors" && -d "$WORK/demo/drafter-work" ]] && items+=(drafter-work)
-  for name in demo-target ship-demo-b16 ship-demo-b24 target-work/final.json drafter-data.jsonl; do
-    [[ -e "$WORK/demo/$name" ]] && items+=("$name")
-  done
-  ((${#items[@]})) || { echo "pack: nothing to pack"; return 1; }
-  tar -C "$WORK/demo" -cf - "${items[@]}" | xz -1 -T0 | split -b 16000000 -d - "$OUT/demo.tar.xz.part-"
-  ls -l "$OUT"/demo.tar.xz.part-*
-}
-
 if [[ "${1:-}" == "--stage" ]]; then
   "stage_$2"
   exit $?
 fi
 
 # --- the run -------------------------------------------------------------------------------------
-usage="usage: bash scripts/gpu/run.sh OUT_DIR [--dry-run] [--plan check|demo]"
+usage="usage: bash scripts/gpu/run.sh OUT_DIR [--dry-run]"
 DRY_RUN=0
-PLAN=check
 positional=()
 while (($#)); do
   arg=$1
   shift
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    --plan) PLAN=${1:-}; shift || true
-      [[ "$PLAN" == check || "$PLAN" == demo ]] || { echo "Error: --plan is check or demo; $usage" >&2; exit 2; } ;;
     -h|--help) echo "$usage"; exit 0 ;;
     -*) echo "Error: unknown option $arg; $usage" >&2; exit 2 ;;
     *) positional+=("$arg") ;;
@@ -299,28 +231,13 @@ say "python=$PY wheelhouse=$WHEELHOUSE ($(ls "$WHEELHOUSE"/*.whl 2>/dev/null | w
 # AOTInductor compile of the 4B-shaped graphs is most of it), gpu_check 60-150 s, cycle costs
 # 60-120 s; each reserve keeps time for the stages after it. The engine goes first: it is what
 # serve and Triton run.
-if [[ "$PLAN" == demo ]]; then
-  # Measured on the H200 host (2026-12-04): env+install+native 25 s; the target trains at 0.92M
-  # tokens/s, so 2.25 min + 25 s of tokenizing, validation and export; expected: data 45 s, drafter
-  # (2,500 steps: not yet timed on a GPU) up to 200 s, expansion 40 s, pack 15 s
-  # (TRTSPEC_GPU_BUDGET_S=560, one call). The pack stage always keeps its time: the target comes back.
-  stage env 45 520
-  stage install 90 510
-  stage native 240 500
-  stage demo_target 190 350
-  stage demo_data 75 280
-  stage demo_drafter 200 80
-  stage demo_expand 60 20
-  stage demo_pack 60 0
-else
-  stage env 45 440
-  stage install 90 400
-  stage native 240 380
-  stage engine_costs 200 180
-  stage gpu_check 150 60
-  [[ -f "$WORK/gpu-check/gpu-check.json" ]] && cp "$WORK/gpu-check/gpu-check.json" "$OUT/gpu-check.json"
-  stage cycle_costs 120 0
-fi
+stage env 45 440
+stage install 90 400
+stage native 240 380
+stage engine_costs 200 180
+stage gpu_check 150 60
+[[ -f "$WORK/gpu-check/gpu-check.json" ]] && cp "$WORK/gpu-check/gpu-check.json" "$OUT/gpu-check.json"
+stage cycle_costs 120 0
 
 # run.json and summary.txt (the stage table is also written by bash first, should Python be unusable)
 { echo "stage        status   exit  seconds  limit"
@@ -356,7 +273,7 @@ if check.is_file():
                          f"{row['decode_tokens_per_s']:.0f} tok/s")
     for cycle in report.get("cycles", []):
         graph = cycle["cuda_graph_ms"]
-        lines.append(f"  demo cycle B={cycle['block_size']}: eager {cycle['eager_ms']:.3f} ms, "
+        lines.append(f"  cycle B={cycle['block_size']}: eager {cycle['eager_ms']:.3f} ms, "
                      f"graph {'-' if graph is None else f'{graph:.3f}'} ms")
 else:
     lines.append("gpu_check: no report")

@@ -29,7 +29,7 @@ def _concurrencies(text: str) -> tuple[int, ...]:
 
 @click.command(epilog="""\b
 Examples:
-  trtspec bench                                     # bundled demo pair on HumanEval
+  trtspec bench                                     # the default pair (SmolLM2-135M + smollm2-b16) on HumanEval
   trtspec bench --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16 --limit 20 --json bench.json
   trtspec bench --prompts prompts.jsonl --block-sizes 8,16 --temperature 1 --repeats 5
   trtspec bench --engine build/engine --block-sizes 12,16,20,24 --against-eager
@@ -139,7 +139,7 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
                                f"{engine}; compare engines of one pair")
         reference = load_pipeline(None, None, dtype, device, engine=against_engine, policy=pipeline.policy_dir,
                                   draft_vocab=pipeline.draft_vocab_size)
-    if against_eager:  # the engine's own sources, in its dtype: the bundled demo pair unless named
+    if against_eager:  # the engine's own sources, in its dtype: the default pair unless named
         from trtspec.assets import resolve_drafter, resolve_target
         from trtspec.engines.manifest import check_sources
 

