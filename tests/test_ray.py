@@ -30,10 +30,15 @@ import pytest
 openai = pytest.importorskip("openai", reason="the Ray tests need the [test] extra (openai)")
 pytest.importorskip("ray.serve", reason="trtspec serve --replicas needs the [ray] extra")
 
-MODEL = "demo-target"
+MODEL = "tiny"  # the tiny pair's served name (pair)
 # the `ray` command of this interpreter's environment, activated or not
 RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray") or "ray"
 PROMPTS = [f"def task_{i}(values):\n    " for i in range(32)]
+
+
+def pair(target_dir, drafter_dir) -> list[str]:
+    """The serve options of the suite's tiny pair, served as MODEL."""
+    return ["--target", str(target_dir), "--drafter", str(drafter_dir), "--served-model-name", MODEL]
 
 
 def free_port() -> int:
@@ -67,7 +72,7 @@ def ray_stop(group: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(target_dir, drafter_dir):
     """(the server's URL, the node's metrics URL, the server process)."""
     # short: Ray's unix sockets live under it, and a socket path is at most 107 bytes (pytest's are long)
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
@@ -81,7 +86,8 @@ def cluster():
         http = free_port()
         log = temp / "serve.log"
         server = subprocess.Popen([sys.executable, "-m", "trtspec", "--threads", "1", "serve", "--replicas", "2",
-                                   "--ray-address", f"127.0.0.1:{port}", "--port", str(http)],
+                                   *pair(target_dir, drafter_dir), "--ray-address", f"127.0.0.1:{port}", "--port",
+                                   str(http)],
                                   stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + 240
         while "replicas on Ray Serve" not in log.read_text(errors="replace"):  # deployed and ready
@@ -100,13 +106,12 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(target_dir, drafter_dir):
     """Each prompt's greedy completion from one process (the engine `trtspec serve` runs)."""
     from trtspec.api import Pipeline
-    from trtspec.assets import resolve_drafter, resolve_target
     from trtspec.runtime.request import GenerationConfig
 
-    pipeline = Pipeline(resolve_target(None), resolve_drafter(None, None))
+    pipeline = Pipeline(target_dir, drafter_dir)
     config = GenerationConfig(block=pipeline.default_block, max_new_tokens=16)
     return [r.text for r in pipeline.generate_batch(PROMPTS, [config] * len(PROMPTS))]
 
@@ -127,8 +132,8 @@ def replica_counts(metrics_url: str) -> dict[str, float]:
 
 
 def test_two_replicas_share_32_concurrent_requests_and_answer_like_one_process(reference, cluster):
-    # `reference` first: its engine times the demo pair's cost table (8 slots, one thread: what each
-    # replica runs), and the replicas read it from the suite's cache instead of timing it themselves
+    # `reference` first: what each replica must answer, decoded by one process (a pair with a BlockPilot
+    # policy would time its cost table there, and the replicas would read it from the suite's cache)
     url, metrics_url, _ = cluster
     api = client(url)
 
@@ -231,13 +236,14 @@ def test_a_bad_engine_directory_is_one_line_before_any_deployment(tmp_path):
     assert_one_line_error(trtspec_in_process("serve", "--ray-address", "127.0.0.1:1"), "go with --replicas N")
 
 
-def test_the_serve_deploy_config_builds_the_same_application(tmp_path):
+def test_the_serve_deploy_config_builds_the_same_application(tmp_path, target_dir, drafter_dir):
     """--ray-config writes what `serve deploy` needs; its import path builds the application from it."""
     from helpers import trtspec_in_process
     from trtspec.serving.ray_serve import app_builder
 
     config = tmp_path / "serve.json"
-    result = trtspec_in_process("serve", "--replicas", "3", "--replica-gpus", "1", "--max-concurrency", "4", "--ray-config", config)
+    result = trtspec_in_process("serve", *pair(target_dir, drafter_dir), "--replicas", "3", "--replica-gpus", "1",
+                                "--max-concurrency", "4", "--ray-config", config)
     assert result.returncode == 0, result.stderr.decode()
     application = json.loads(config.read_text())["applications"][0]
     assert application["import_path"] == "trtspec.serving.ray_serve:app_builder"
@@ -257,7 +263,7 @@ def _carrying(tag: str) -> list[int]:
     return found
 
 
-def test_sigterm_while_deploying_stops_the_local_cluster_it_started():
+def test_sigterm_while_deploying_stops_the_local_cluster_it_started(target_dir, drafter_dir):
     """Issue 57, Build 7: SIGTERM while `serve --replicas` started its own cluster and deployed
     printed Ray's stack dump, aborted, and could leave the cluster's agents running. Now: exit 0, no
     Ray lines, and no process of that cluster left."""
@@ -265,7 +271,8 @@ def test_sigterm_while_deploying_stops_the_local_cluster_it_started():
     tag = f"trtspec-test-{os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp), "HOME": str(temp), "TEST_TAG": tag}
     server = subprocess.Popen([sys.executable, "-m", "trtspec", "--threads", "1", "serve", "--replicas", "1",
-                               "--port", "0"], stdout=open(temp / "serve.log", "wb"), stderr=subprocess.STDOUT,
+                               *pair(target_dir, drafter_dir), "--port", "0"], stdout=open(temp / "serve.log", "wb"),
+                              stderr=subprocess.STDOUT,
                               env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -286,12 +293,13 @@ def test_sigterm_while_deploying_stops_the_local_cluster_it_started():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_more_replicas_than_the_machine_has_cpus_for_is_one_line():
+def test_more_replicas_than_the_machine_has_cpus_for_is_one_line(target_dir, drafter_dir):
     """Issue 57, Build 7: a local cluster cannot place more replicas than its CPUs / --replica-cpus
     (Ray waited for ever); one line, before Ray starts."""
     from helpers import assert_one_line_error, trtspec_in_process
     from trtspec.limits import cpu_cores
 
     cores = cpu_cores()
-    assert_one_line_error(trtspec_in_process("serve", "--replicas", 2, "--replica-cpus", cores),
+    assert_one_line_error(trtspec_in_process("serve", *pair(target_dir, drafter_dir), "--replicas", 2,
+                                             "--replica-cpus", cores),
                           f"--replicas 2 needs {2 * cores} CPUs", f"this machine has {cores}, room for 1")
