@@ -122,3 +122,13 @@ def test_the_quick_start_runs_with_no_model_arguments(smollm2_file):
     assert output["text"].strip() and output["stats"]["new_tokens"] == len(output["tokens"]) > 0
     assert output["stats"]["block_size_auto"] == (DRAFTER / "blockpilot").is_dir()
     assert output["compare_ar"]["identical"] is True and output["compare_ar"]["speedup"] > 0
+
+
+def test_serve_names_the_default_target_smollm2(smollm2_file, tmp_path):
+    """Clients ask for "model": "smollm2", not for the GGUF file's name (here through the config
+    `serve --replicas` writes, which loads nothing)."""
+    pytest.importorskip("ray.serve", reason="trtspec serve --replicas needs the [ray] extra")
+    result = trtspec_in_process("serve", "--replicas", 1, "--ray-config", tmp_path / "serve.json")
+    assert result.returncode == 0, result.stderr.decode()
+    options = json.loads((tmp_path / "serve.json").read_text())["applications"][0]["args"]["options"]
+    assert options["served_model_name"] == "smollm2" and options["load"]["target"] is None

@@ -17,12 +17,12 @@ API_KEY_ENV = "TRTSPEC_API_KEY"
 
 @click.command(epilog="""\b
 Examples:
-  trtspec serve                                     # bundled demo pair on http://127.0.0.1:8000
+  trtspec serve                                     # the default pair, as smollm2, on http://127.0.0.1:8000
   trtspec --threads 2 serve --port 8080 --max-concurrency 4
   trtspec serve --target ./Qwen3-4B --drafter ./Qwen3-4B-DFlash-b16 --served-model-name qwen3-4b
   trtspec serve --engine build/engine --block-size 12:24
   curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
-       -d '{"model": "demo-target", "prompt": "def fib(n):", "max_tokens": 32}'
+       -d '{"model": "smollm2", "prompt": "def fib(n):", "max_tokens": 32}'
   curl -s http://127.0.0.1:8000/metrics | grep spec_decode
 \b
 Requests take OpenAI's fields (max_tokens, temperature [default 0: greedy], top_p, top_k, seed,
@@ -53,7 +53,8 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N",
               help="Cap on prompt + output tokens. [default: the model's]")
 @click.option("--served-model-name", metavar="NAME",
-              help="The model name clients give. [default: the target's directory name]")
+              help="The model name clients give. [default: smollm2 for the default target, else the target's "
+                   "directory or file name]")
 @click.option("--api-key", envvar=API_KEY_ENV, metavar="KEY", callback=lambda ctx, param, value: _api_key(value),
               help="Require `Authorization: Bearer KEY` on every route (401 otherwise) but /health and /metrics. "
                    "[env: TRTSPEC_API_KEY]")
@@ -93,10 +94,11 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
     if replicas is None and (ray_address or min_replicas or max_replicas or ray_config):
         raise TrtspecError("--ray-address, --min-replicas, --max-replicas and --ray-config go with --replicas N")
     if served_model_name is None:
-        from trtspec.assets import target_source
+        from trtspec.assets import DEFAULT_TARGET, target_source
 
         source = engine if engine is not None and target is None else target_source(target)
-        served_model_name = Path(source).resolve().name
+        default = engine is None and target in (None, DEFAULT_TARGET)  # (a local ./smollm2 has that name too)
+        served_model_name = DEFAULT_TARGET if default else Path(source).resolve().name
     # load_pipeline's arguments: this process loads them, or each Ray Serve replica does
     load = {"target": target, "drafter": drafter, "dtype": dtype, "device": device, "max_context": max_context,
             "engine": engine, "policy": policy, "draft_vocab": draft_vocab, "draft_counts": draft_counts,
