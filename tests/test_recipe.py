@@ -21,6 +21,7 @@ def run_recipe(target_dir: Path, data: Path, work: Path) -> subprocess.Completed
     env = {**os.environ, "TARGET": str(target_dir), "DATA": str(data), "WORK": str(work), "THREADS": "1",
            "SHARD_SIZE": "3", "MAX_NEW_TOKENS": "12", "STEPS": "6", "CHUNK_MINUTES": "5", "MASK": "3", "HELD_OUT": "3",
            "SAMPLED_EVERY": "3", "NUM_FEATURES": "2",
+           "SHIP_TO": str(work.parent / "shipped"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(["bash", "scripts/drafter/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
@@ -52,7 +53,9 @@ def test_recipe_runs_end_to_end_and_resumes_from_committed_state(target_dir, tmp
     curve = [json.loads(line) for line in (data / "curve.jsonl").read_text().splitlines()]
     assert [point["step"] for point in curve] == [6]
     assert 1.0 <= curve[0]["tau"] <= 16 and sum(curve[0]["histogram"]) > 0
-    assert (work / "smollm2-b16" / "config.json").is_file()
+    shipped = tmp_path / "shipped"
+    assert (shipped / "config.json").is_file() and (shipped / "draft_vocab" / "counts.safetensors").is_file()
+    assert json.loads((shipped / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
     # A new machine: only the committed state (data/) is left. The rerun generates nothing, restores
     # the checkpoint from its parts and does not train again (the run had finished).

@@ -32,6 +32,9 @@ def main() -> None:
     extra = {}
     if args.counts is not None:
         extra = {f"draft_vocab/{p.name}": p for p in args.counts.iterdir() if p.is_file() and not p.name.startswith(".")}
+    shipped = args.output / "config.json"
+    if shipped.is_file() and "DFlashDraftModel" in read_json(shipped, "drafter").get("architectures", []):
+        shutil.rmtree(args.output)  # an earlier shipment of a drafter (it carries no output marker)
     path = save_checkpoint(args.output, config, tensors)
     for name, source in extra.items():
         (path / name).parent.mkdir(exist_ok=True)
