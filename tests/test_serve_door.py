@@ -133,7 +133,7 @@ def test_reply_of_a_finished_request_is_its_whole_text_and_finish_reason(codec):
 if __name__ != "__main__":
     openai = pytest.importorskip("openai", reason="the serve tests need the [test] extra (openai)")
     pytest.importorskip("uvicorn", reason="trtspec serve needs the [serve] extra")
-    from test_serve import LONG_PROMPT, Server, get, pair_args, post  # noqa: E402
+    from test_serve import LONG_PROMPT, LONG_TOKENS, Server, get, pair_args, post  # noqa: E402
 MODEL = "tiny"  # the served model's name (pair_args); this file also runs as a client script, without test_serve
 MODEL_JSON = json.dumps(MODEL).encode()  # for bodies written as bytes
 
@@ -199,7 +199,7 @@ def test_a_stream_never_stalls_while_large_and_pathological_requests_arrive(door
 
     def stream():
         try:
-            with door.client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1500, stream=True,
+            with door.client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=LONG_TOKENS, stream=True,
                                                 extra_body={"block_size": "AR"}) as chunks:
                 for _ in chunks:
                     arrivals.append(time.monotonic())

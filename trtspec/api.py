@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from trtspec.assets import resolve_drafter, resolve_target
+from trtspec.assets import resolve_drafter, resolve_pair, resolve_target
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import MAX_CONTEXT
 from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
@@ -56,10 +56,11 @@ class Pipeline:
                  device: str = "auto", max_context: int | None = None, cuda_graphs: bool | None = None,
                  draft_vocab: int | None = None, draft_counts: str | Path | None = None):
         torch_device = resolve_device(device)
-        if engine is None or drafter is not None:  # (from the target as given: the default one implies its drafter)
-            drafter = resolve_drafter(drafter, target)
-        if engine is None or target is not None:
-            target = resolve_target(target)
+        if engine is None:
+            target, drafter = resolve_pair(target, drafter)
+        else:  # what it was built from, if given
+            target = resolve_target(target) if target is not None else None
+            drafter = resolve_drafter(drafter, None) if drafter is not None else None
         self.target = self.drafter = None
         self.cuda_graphs = cuda_graphs
         if engine is not None:  # cuda_graphs: replay captured draft/verify calls (CUDA; default: see BatchRunner)

