@@ -122,7 +122,7 @@ def test_default_pair_speculative_equals_autoregressive_on_humaneval(default_pai
 def test_the_quick_start_runs_with_no_model_arguments(smollm2_file):
     """README's first command, shorter: the default pair (its policy choosing the block size if it
     ships one) and the speed-up over AR with the same tokens."""
-    result = trtspec_in_process("--threads", 1, "run", EXAMPLE, "--json", "--max-new-tokens", 24, "--compare-ar")
+    result = trtspec_in_process("--threads", 1, "run", EXAMPLE, "--chat", "--compare-ar", "--json", "--max-new-tokens", 24)
     assert result.returncode == 0, result.stderr.decode()
     output = json.loads(result.stdout)
     assert output["text"].strip() and output["stats"]["new_tokens"] == len(output["tokens"]) > 0
