@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -29,17 +30,21 @@ def main() -> None:
     config = read_json(args.drafter / "config.json", "drafter")
     config["torch_dtype"] = "bfloat16"
     tensors = {name: t.to(torch.bfloat16) for name, t in load_state_dict(args.drafter, "drafter").items()}
-    extra = {}
-    if args.counts is not None:
-        extra = {f"draft_vocab/{p.name}": p for p in args.counts.iterdir() if p.is_file() and not p.name.startswith(".")}
-    shipped = args.output / "config.json"
-    if shipped.is_file() and "DFlashDraftModel" in read_json(shipped, "drafter").get("architectures", []):
-        shutil.rmtree(args.output)  # an earlier shipment of a drafter (it carries no output marker)
-    path = save_checkpoint(args.output, config, tensors)
-    for name, source in extra.items():
-        (path / name).parent.mkdir(exist_ok=True)
-        shutil.copyfile(source, path / name)
-    (path / MARKER).unlink(missing_ok=True)  # a package asset, not a command's output to overwrite later
+    # saved beside, then moved in: the commands' output guard keeps every write out of the bundled models
+    with tempfile.TemporaryDirectory() as staging:
+        path = save_checkpoint(Path(staging) / "drafter", config, tensors)
+        (path / MARKER).unlink(missing_ok=True)  # a package asset, not a command's output to overwrite later
+        if args.counts is not None:
+            (path / "draft_vocab").mkdir()
+            for source in args.counts.iterdir():
+                if source.is_file() and not source.name.startswith("."):
+                    shutil.copyfile(source, path / "draft_vocab" / source.name)
+        shipped = args.output / "config.json"
+        if shipped.is_file() and "DFlashDraftModel" in read_json(shipped, "drafter").get("architectures", []):
+            shutil.rmtree(args.output)  # an earlier shipment of a drafter
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(path), args.output)
+    path = args.output
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     print(f"{path}: {sum(t.numel() for t in tensors.values()) / 1e6:.2f}M parameters, {size / 2**20:.1f} MiB")
 
