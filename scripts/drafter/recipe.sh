@@ -23,6 +23,7 @@ MASK=${MASK:-16}               # <empty_output>: a special token SmolLM2 never w
 NUM_FEATURES=${NUM_FEATURES:-3}   # target layers the drafter taps (DFlash's default spread)
 HELD_OUT=${HELD_OUT:-32}       # held-out prompts the acceptance curve decodes
 SHIP_TO=${SHIP_TO:-trtspec/assets/smollm2-b16}
+INIT_FROM=${INIT_FROM:-}       # continue from a drafter (e.g. the shipped one) on new data, a new run
 mkdir -p "$WORK"
 
 # 1. Prompts: code and chat requests in the chat template, none from HumanEval (the script refuses).
@@ -42,12 +43,13 @@ ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | head -n "$TRAIN_SHARDS" | xarg
 # 4. DFlash training at B = 16: two drafter layers over three target taps, started as copies of the
 #    target's last two layers (from random weights the first 250 steps reached tau 1.23 only), bfloat16 autocast where
 #    the CPU has AMX; resumed from the committed checkpoint, saved back after every chunk.
+if [ -n "$INIT_FROM" ]; then START=(--init-from "$INIT_FROM"); else START=(--layers-from-target); fi
 [ -f "$DATA/checkpoint/index.json" ] && python scripts/drafter/checkpoint.py restore "$DATA/checkpoint" "$WORK/drafter-work"
 while true; do
     status=0
     timeout "${CHUNK_MINUTES}m" trtspec --threads "$THREADS" train-drafter --target "$TARGET" --data "$WORK/train.jsonl" \
         --block-size 16 --layers "$LAYERS" --num-features "$NUM_FEATURES" --mask-token-id "$MASK" --steps "$STEPS" --batch-size 8 \
-        --anchors 32 --max-length 512 --lr "$LR" --layers-from-target --checkpoint-every 25 --work "$WORK/drafter-work" -o "$WORK/smollm2-b16" \
+        --anchors 32 --max-length 512 --lr "$LR" "${START[@]}" --checkpoint-every 25 --work "$WORK/drafter-work" -o "$WORK/smollm2-b16" \
         || status=$?
     [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || exit "$status"  # 124: the chunk's time is up
     python scripts/drafter/checkpoint.py save "$WORK/drafter-work" "$DATA/checkpoint"
