@@ -56,8 +56,9 @@ def save(work: Path, parts: Path) -> None:
 
 def restore(parts: Path, work: Path) -> None:
     index = json.loads((parts / "index.json").read_text())
-    if step_of(work / CHECKPOINT) >= index["step"]:
-        print(f"{work / CHECKPOINT} is already at step {step_of(work / CHECKPOINT)} (parts: {index['step']})")
+    current = step_of(work / CHECKPOINT)
+    if current >= index["step"]:
+        print(f"{work / CHECKPOINT} is already at step {current} (parts: {index['step']})")
         return
     data = b"".join((parts / name).read_bytes() for name in index["parts"])
     if hashlib.sha256(data).hexdigest() != index["sha256"]:
