@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from trtspec.api import Pipeline
 from trtspec.tokenizer import TextCodec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_recipe(target_dir: Path, data: Path, work: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "TARGET": str(target_dir), "DATA": str(data), "WORK": str(work), "THREADS": "1",
            "SHARD_SIZE": "3", "MAX_NEW_TOKENS": "12", "STEPS": "6", "CHUNK_MINUTES": "5", "MASK": "3", "HELD_OUT": "3",
-           "SAMPLED_EVERY": "3", "NUM_FEATURES": "2",
+           "SAMPLED_EVERY": "3", "NUM_FEATURES": "2", "DRAFT_VOCAB": "40",
            "SHIP_TO": str(work.parent / "shipped"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(["bash", "scripts/drafter/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -52,10 +53,12 @@ def test_recipe_runs_end_to_end_and_resumes_from_committed_state(target_dir, tmp
     assert index["step"] == 6 and index["parts"]
     curve = [json.loads(line) for line in (data / "curve.jsonl").read_text().splitlines()]
     assert [point["step"] for point in curve] == [6]
-    assert 1.0 <= curve[0]["tau"] <= 16 and sum(curve[0]["histogram"]) > 0
+    assert 1.0 <= curve[0]["tau"] <= 16 and sum(curve[0]["histogram"]) > 0 and curve[0]["draft_vocab"] == 40
     shipped = tmp_path / "shipped"
     assert (shipped / "config.json").is_file() and (shipped / "draft_vocab" / "counts.safetensors").is_file()
-    assert json.loads((shipped / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    config = json.loads((shipped / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["trtspec_lineage"]["draft_vocab"]["size"] == 40
+    assert Pipeline(target_dir, shipped).draft_vocab_size == 40  # it drafts among the ids it was trained on
 
     # A new machine: only the committed state (data/) is left. The rerun generates nothing, restores
     # the checkpoint from its parts and does not train again (the run had finished).

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from helpers import TRAINED_PROMPTS, code_prompts, generate, random_drafter, single, trtspec_in_process
+from helpers import (TRAINED_PROMPTS, assert_one_line_error, code_prompts, generate, random_drafter, single,
+                     trtspec_in_process)
 from trtspec.api import Pipeline
 from trtspec.errors import TrtspecError
 from trtspec.models import load_drafter, load_target
@@ -99,6 +100,66 @@ def test_distillation_pulls_only_the_early_positions_toward_the_teacher(target_d
         late = torch.arange(batch.labels.shape[1]) % 8 >= 4
         batch.labels[:, ~late] = IGNORE
         assert DrafterLoss(drafter, other, 4, block_size=8)(features, batch) == pytest.approx(DrafterLoss(drafter)(features, batch))
+
+
+def test_a_draft_vocabulary_loss_ranks_only_its_ids(target_dir):
+    """--draft-vocab K: the loss is the cross-entropy among the K ids (labels outside them carry no
+    weight); with every id in any order it is the full loss."""
+    from trtspec.training.trainer import DrafterLoss
+
+    target = load_target(target_dir)
+    drafter = random_drafter(target, layers=1, layer_ids=(0, 1), mask_token_id=1)
+    batch, features = _packed_batch(target, 8, 4)
+    vocab = target.config.vocab_size
+    with torch.no_grad():
+        full = DrafterLoss(drafter)(features, batch)
+        assert DrafterLoss(drafter, vocab_ids=torch.randperm(vocab))(features, batch) == pytest.approx(full)
+        ids = torch.unique(batch.labels[batch.labels != IGNORE])[::2]  # half the labels fall outside
+        hidden = drafter.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
+        chosen = batch.labels != IGNORE
+        inside = torch.isin(batch.labels[chosen], ids)
+        logits = drafter.lm_head(hidden[chosen][inside])[:, ids]
+        labels = (batch.labels[chosen][inside][:, None] == ids).float().argmax(-1)
+        weights = batch.weights[chosen][inside]
+        expected = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * weights).sum() / weights.sum()
+        assert DrafterLoss(drafter, vocab_ids=ids)(features, batch) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_a_drafter_trained_on_a_draft_vocabulary_drafts_among_it(tiny_data, target_dir, tmp_path):
+    """train-drafter --draft-vocab K records K and its ids; loaded with the same data's counts the
+    drafter proposes among exactly those ids by default, and counts that rank others are one line."""
+    from trtspec.models.draft_vocab import ids_sha256
+    from trtspec.training.trainer import response_top_ids
+
+    pipeline, sequences, _ = tiny_data
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": pipeline.codec.decode(ids[:n]), "prompt_ids": ids[:n],
+                                        "response": pipeline.codec.decode(ids[n:]), "response_ids": ids[n:]}) + "\n"
+                            for ids, n in sequences[:8]))
+    trained = trtspec_in_process("train-drafter", "--target", target_dir, "--data", data, "--block-size", 4,
+                                 "-o", tmp_path / "d", "--steps", 3, "--batch-size", 2, "--num-features", 2,
+                                 "--draft-vocab", 12)
+    assert trained.returncode == 0, trained.stderr.decode()
+    ids = response_top_ids(read_training_data(data, pipeline.codec), 12, pipeline.target.config.vocab_size)
+    recorded = json.loads((tmp_path / "d" / "config.json").read_text())["trtspec_lineage"]["draft_vocab"]
+    assert recorded == {"size": 12, "ids_sha256": ids_sha256(ids)}
+    counted = trtspec_in_process("draft-vocab", "--target", target_dir, "--data", data, "-o", tmp_path / "counts")
+    assert counted.returncode == 0, counted.stderr.decode()
+    (tmp_path / "counts").rename(tmp_path / "d" / "draft_vocab")
+    loaded = Pipeline(target_dir, tmp_path / "d")
+    assert loaded.draft_vocab_size == 12 and torch.equal(loaded.draft_ids, ids)
+    assert Pipeline(target_dir, tmp_path / "d", draft_vocab=20).draft_vocab_size == 20  # a flag still overrides
+
+    other = tmp_path / "other.jsonl"
+    other.write_text(data.read_text().splitlines(keepends=True)[0])
+    assert trtspec_in_process("draft-vocab", "--target", target_dir, "--data", other, "-o",
+                              tmp_path / "others").returncode == 0
+    (tmp_path / "d" / "draft_vocab").rename(tmp_path / "kept")
+    (tmp_path / "others").rename(tmp_path / "d" / "draft_vocab")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def f(x):")
+    assert_one_line_error(trtspec_in_process("run", prompt, "--target", target_dir, "--drafter", tmp_path / "d",
+                                             "--max-new-tokens", 4), "do not rank the 12 ids it was trained")
 
 
 @pytest.fixture(scope="module")

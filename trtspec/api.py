@@ -97,7 +97,7 @@ class Pipeline:
                 if self.drafter is not None else None
             if chosen is not None:
                 self.drafter.use_draft_vocab(chosen[0])
-            self.draft_vocab_size = draft_vocab if chosen is not None else None
+            self.draft_vocab_size = chosen[0].numel() if chosen is not None else None
             self.draft_ids = chosen[0] if chosen is not None else None
             context = self.target.config.max_position_embeddings
             self.runner = BatchRunner.eager(self.target, self.drafter, 1, cuda_graphs,

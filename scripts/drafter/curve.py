@@ -48,19 +48,23 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--draft-counts", type=Path,
+                        help="Token counts of the training data (trtspec draft-vocab), for a run trained with --draft-vocab.")
     parser.add_argument("--curve", type=Path, help="JSONL to append the point to.")
     args = parser.parse_args()
     target_dir = resolve_target(args.target)
     drafter_dir, trained = export_drafter(args.work, target_dir)
     block = trained["config"]["block_size"]
-    pipeline = Pipeline(target_dir, drafter_dir, dtype=args.dtype, device="cpu", max_context=512)
+    vocab = trained["config"].get("draft_vocab") or None  # the K ids it was trained to propose among
+    pipeline = Pipeline(target_dir, drafter_dir, dtype=args.dtype, device="cpu", max_context=512,
+                        draft_vocab=vocab, draft_counts=args.draft_counts if vocab else None)
     prompts = [r["prompt_ids"] for r in read_prompt_set(args.held_out, args.prompts)]
     config = replace(GenerationConfig(max_new_tokens=args.max_new_tokens), block=BlockChoice(block))
     core = pipeline.engine_core(EngineConfig(max_running=len(prompts)), load_aware=False)
     began = time.perf_counter()
     stats = [g.stats for g in core.generate(prompts, [config] * len(prompts))]
     point = {"step": trained["step"], "sequences_seen": trained["step"] * trained["config"]["batch_size"],
-             "block_size": block, "tau": round(mean_tau(stats), 3), "histogram": pooled_histogram(stats),
+             "block_size": block, "draft_vocab": vocab, "tau": round(mean_tau(stats), 3), "histogram": pooled_histogram(stats),
              "prompts": len(prompts), "seconds": round(time.perf_counter() - began, 1)}
     print(json.dumps(point))
     if args.curve is not None:

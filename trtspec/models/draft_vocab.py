@@ -108,10 +108,27 @@ def load_counts(directory: str | Path, vocab_size: int) -> TokenCounts:
     return TokenCounts(counts, info)
 
 
+def trained_draft_vocab(drafter_dir: str | Path | None) -> dict | None:
+    """{"size", "ids_sha256"} of the draft vocabulary a drafter was trained with (train-drafter
+    --draft-vocab records it in its config's lineage), or None."""
+    if drafter_dir is None or not (Path(drafter_dir) / "config.json").is_file():
+        return None
+    try:
+        lineage = json.loads((Path(drafter_dir) / "config.json").read_text(encoding="utf-8")).get("trtspec_lineage")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None  # loading the drafter reports a bad config in its own words
+    trained = lineage.get("draft_vocab") if isinstance(lineage, dict) else None
+    return trained if isinstance(trained, dict) and isinstance(trained.get("size"), int) else None
+
+
 def select(k: int | None, counts_dir: str | Path | None, drafter_dir: str | Path | None,
            vocab_size: int) -> tuple[torch.Tensor, TokenCounts] | None:
-    """The draft ids for `--draft-vocab K` (None: the full vocabulary), from `counts_dir` or the
-    drafter's own counts; one line when K is out of range or there are no counts."""
+    """The draft ids for `--draft-vocab K` (None: the drafter's trained K if it has one, else the full
+    vocabulary), from `counts_dir` or the drafter's own counts; one line when K is out of range, there
+    are no counts, or the drafter's own counts do not give the ids it was trained on."""
+    trained = trained_draft_vocab(drafter_dir)
+    if k is None and trained is not None:
+        k = trained["size"]
     if k is None:
         if counts_dir is not None:
             raise TrtspecError("--draft-counts chooses the counts behind --draft-vocab K; give --draft-vocab too")
@@ -123,4 +140,8 @@ def select(k: int | None, counts_dir: str | Path | None, drafter_dir: str | Path
                            f"{DRAFTER_VOCAB_DIR}/ directory: make one with `trtspec draft-vocab --data train.jsonl "
                            "-o DIR` and pass --draft-counts DIR")
     counts = load_counts(source, vocab_size)
-    return counts.top_ids(k), counts
+    ids = counts.top_ids(k)
+    if trained is not None and k == trained["size"] and counts_dir is None and ids_sha256(ids) != trained.get("ids_sha256"):
+        raise TrtspecError(f"{drafter_dir}: its {DRAFTER_VOCAB_DIR}/ counts do not rank the {k} ids it was trained to "
+                           "propose among; count the training data again (trtspec draft-vocab --data) into it")
+    return ids, counts

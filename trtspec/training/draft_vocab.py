@@ -18,6 +18,14 @@ from trtspec.training.data import read_training_data
 CORPUS_CHUNK_LINES = 256  # lines tokenized together (and one progress step) in a corpus file
 
 
+def response_counts(sequences: list[tuple[list[int], int]], vocab_size: int) -> torch.Tensor:
+    """int64 [vocab_size]: how often each id occurs in the responses of (ids, prompt length) pairs."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids, prompt_length in sequences:
+        counts += torch.bincount(torch.tensor(ids[prompt_length:], dtype=torch.long), minlength=vocab_size)
+    return counts
+
+
 def count_tokens(codec, vocab_size: int, data: list[str | Path] = (), corpus: list[str | Path] = (),
                  target_dir: str | Path | None = None, progress: bool = True) -> TokenCounts:
     """Counts of every token id in the responses of `data` files and the text of `corpus` files."""
@@ -27,12 +35,9 @@ def count_tokens(codec, vocab_size: int, data: list[str | Path] = (), corpus: li
     sources = []
     for path in data:
         sequences = read_training_data(path, codec, vocab_size)
-        tokens = 0
-        for ids, prompt_length in tqdm(sequences, desc=f"count {Path(path).name}", unit="seq", disable=not progress,
-                                       dynamic_ncols=True):
-            response = torch.tensor(ids[prompt_length:], dtype=torch.long)
-            counts += torch.bincount(response, minlength=vocab_size)
-            tokens += response.numel()
+        found = response_counts(sequences, vocab_size)
+        counts += found
+        tokens = int(found.sum())
         sources.append({"path": str(path), "sha256": file_sha256(Path(path)), "kind": "continuations",
                         "sequences": len(sequences), "tokens": tokens})
     for path in corpus:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,8 @@ from trtspec.fileio import staged_file
 from trtspec.limits import SEED, check_block_size
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Target, default_target_layer_ids, save_drafter
 from trtspec.models.config import check_target_layer_ids
+from trtspec.models.draft_vocab import TokenCounts, ids_sha256
+from trtspec.training.draft_vocab import response_counts
 from trtspec.training.blocks import IGNORE, PackedBatch, cosine_with_warmup, default_gamma, pack
 
 
@@ -51,6 +53,7 @@ class TrainConfig:
     distill_weight: float = 1.0                 # weight of that KL term against the cross-entropy
     bfloat16_autocast: bool = False             # forward passes in bfloat16, float32 weights and optimizer
     layers_from_target: bool = False            # start the drafter's layers as copies of the target's last ones
+    draft_vocab: int = 0                        # >0: the loss ranks only the K most frequent response ids (FR-Spec)
     lineage: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -78,29 +81,43 @@ class DrafterLoss(nn.Module):
     """
 
     def __init__(self, drafter: DFlashDrafter, teacher: DFlashDrafter | None = None, distill_below: int = 0,
-                 distill_weight: float = 1.0, block_size: int = 0):
+                 distill_weight: float = 1.0, block_size: int = 0, vocab_ids: torch.Tensor | None = None):
         super().__init__()
         if distill_below and teacher is None:
             raise TrtspecError("distilling early positions needs a teacher drafter")
         self.drafter, self.distill_below, self.distill_weight = drafter, distill_below, distill_weight
         self.block_size = block_size
         self.teacher = [teacher]  # in a list: frozen, not a submodule (no gradients, not in DDP's buckets)
+        # A draft vocabulary: logits over its K ids only (the head's other rows never computed, the
+        # step's largest cost), each label mapped to its index among them, labels outside ignored.
+        self.register_buffer("vocab_ids", vocab_ids, persistent=False)
+        if vocab_ids is not None:
+            index = torch.full((drafter.config.vocab_size,), IGNORE, dtype=torch.long, device=vocab_ids.device)
+            index[vocab_ids] = torch.arange(vocab_ids.numel(), device=vocab_ids.device)
+            self.register_buffer("label_index", index, persistent=False)
+
+    def _logits(self, drafter: DFlashDrafter, hidden: torch.Tensor) -> torch.Tensor:
+        head = drafter.lm_head.weight if self.vocab_ids is None else drafter.lm_head.weight[self.vocab_ids]
+        return F.linear(hidden, head).float()
 
     def forward(self, features: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         hidden = self.drafter.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
         chosen = batch.labels != IGNORE
-        logits = self.drafter.lm_head(hidden[chosen]).float()
-        losses = F.cross_entropy(logits, batch.labels[chosen], reduction="none")
+        labels = batch.labels[chosen]
+        if self.vocab_ids is not None:
+            labels = self.label_index[labels]
+        logits = self._logits(self.drafter, hidden[chosen])
+        losses = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE)
         if self.distill_below:
             teacher = self.teacher[0]
             offsets = torch.arange(batch.labels.shape[1], device=logits.device) % self.block_size
             early = (offsets < self.distill_below).expand_as(chosen)[chosen]
             with torch.no_grad():
                 taught = teacher.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
-                reference = teacher.lm_head(taught[chosen]).float().log_softmax(dim=-1)
+                reference = self._logits(teacher, taught[chosen]).log_softmax(dim=-1)
             divergence = F.kl_div(logits.log_softmax(dim=-1), reference, log_target=True, reduction="none").sum(-1)
             losses = losses + self.distill_weight * divergence * early
-        weights = batch.weights[chosen]
+        weights = batch.weights[chosen] * (labels != IGNORE)
         return (losses * weights).sum() / weights.sum().clamp_min(1e-6)
 
 
@@ -136,6 +153,12 @@ class TargetFeatures:
         for row, features in enumerate(rows):
             out[row, :features.shape[0]] = features
         return out
+
+
+def response_top_ids(sequences: list[tuple[list[int], int]], k: int, vocab_size: int) -> torch.Tensor:
+    """The K most frequent response token ids of the data, as `trtspec draft-vocab --data` over the
+    same file ranks them (the shipped counts then select exactly the ids the drafter trained on)."""
+    return TokenCounts(response_counts(sequences, vocab_size)).top_ids(k)
 
 
 def tapped_layers(config: TrainConfig, num_target_layers: int) -> tuple[int, ...]:
@@ -289,6 +312,8 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     """
     if config.mask_token_id < 0 and drafter is None:
         raise TrtspecError("no mask token id: the tokenizer has no <|mask|> token; pass --mask-token-id")
+    vocab_ids = response_top_ids(sequences, config.draft_vocab, target.config.vocab_size) \
+        if config.draft_vocab else None
     sequences = _usable(sequences, config)
     run = _run_inputs(target, sequences, drafter)  # before training changes the starting drafter
     rank, world = _distributed()
@@ -302,7 +327,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
         drafter.float()
     drafter.train()
     loss_module: nn.Module = DrafterLoss(drafter, teacher, config.distill_below, config.distill_weight,
-                                         config.block_size)
+                                         config.block_size, vocab_ids)
     if world > 1:
         loss_module = nn.parallel.DistributedDataParallel(loss_module)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95),
@@ -355,6 +380,9 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
                           "generator": generator.get_state(), "order": order}, checkpoint_path)
     bar.close()
     drafter.eval()
+    if vocab_ids is not None:  # inference drafts among the same K ids by default (Pipeline, build)
+        drafter.config = replace(drafter.config, lineage={
+            **drafter.config.lineage, "draft_vocab": {"size": config.draft_vocab, "ids_sha256": ids_sha256(vocab_ids)}})
     if rank == 0:
         save_drafter(drafter, output)
     if world > 1:
