@@ -368,7 +368,8 @@ def test_a_huge_prompt_does_not_stall_the_other_streams(server):
     """While a stream decodes, another client sends 5 MB prompts (refused at the door by their size,
     400) and prompts just under that cap (tokenized off the streaming threads, with the GIL
     released, then refused as longer than the context). Before: each was tokenized inside
-    execute(), holding the GIL, and the stream stalled for seconds."""
+    execute(), holding the GIL, and the stream stalled ~4 s. The bound leaves room for a loaded
+    machine (0.76 s measured once in a full suite beside the other worker; 0.16 s alone)."""
     from trtspec.tokenizer import TextCodec
 
     cap = TextCodec(server["engine"] / "tokenizer").text_bytes_cap(LONG_CONTEXT)
@@ -408,7 +409,7 @@ def test_a_huge_prompt_does_not_stall_the_other_streams(server):
     during = [b - a for a, b in zip(times, times[1:]) if b >= window["began"] and a <= window["ended"]]
     print(f"\nhuge prompts for {window['ended'] - window['began']:.2f} s: the stream's longest gap "
           f"{max(during):.3f} s (before them: {max(b - a for a, b in zip(times[:5], times[1:5])):.3f} s)")
-    assert max(during) < 0.5, f"the stream stalled {max(during):.2f} s while huge prompts were refused"
+    assert max(during) < 1.5, f"the stream stalled {max(during):.2f} s while huge prompts were refused"
 
 
 def _engine_parameter(repository, key: str, model: str = "trtspec") -> int:
