@@ -44,7 +44,7 @@ def test_the_serving_path_imports_nothing_from_the_measurement_layer():
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["loaded"] == [], f"loading the serving path loads {report['loaded']}"
     modules = {name: Path(file) for name, file in report["files"].items() if file and file.endswith(".py")}
-    assert {"trtspec.api", "trtspec.blockpilot.load", "trtspec.serving.openai_server",
+    assert {"trtspec.api", "trtspec.blockpilot.load", "trtspec.serving.app",
             "trtspec.serving.triton_model", "trtspec.runtime.engine"} <= modules.keys()
     later = {name: sorted(n for n in imported_names(path) if n == MEASUREMENT or n.startswith(MEASUREMENT + "."))
              for name, path in modules.items()}

@@ -1,4 +1,4 @@
-"""`trtspec serve`: the OpenAI-compatible HTTP server (trtspec.serving.openai_server)."""
+"""`trtspec serve`: the OpenAI-compatible HTTP server (trtspec.serving.app, run by trtspec.serving.server)."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
             click.echo(f"trtspec serve: wrote {ray_config}; deploy it with: serve deploy {ray_config}", err=True)
             return
         if port == 0:  # Ray Serve's proxy binds the port itself: pick a free one now
-            from trtspec.serving.openai_server import listen_socket
+            from trtspec.serving.server import listen_socket
 
             with listen_socket(host, 0) as probe:
                 port = probe.getsockname()[1]
@@ -142,8 +142,8 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
     try:
         import prometheus_client
 
-        from trtspec.serving.openai_server import (OpenAIServer, listen_socket, listens_everywhere,
-                                                   serve as run_server, socket_url)
+        from trtspec.serving.app import OpenAIServer
+        from trtspec.serving.server import listen_socket, listens_everywhere, serve as run_server, socket_url
     except ImportError as exc:
         raise TrtspecError(f"trtspec serve needs the serve extra (pip install 'trtspec[serve]'): {exc}") from None
     from trtspec.runtime.engine import EngineConfig

@@ -1,5 +1,5 @@
 """What every front end does between a request and the engine, once: `trtspec serve`
-(`trtspec.serving.openai_server`) and the Triton model (`trtspec.serving.triton_model`) differ
+(`trtspec.serving.app`) and the Triton model (`trtspec.serving.triton_model`) differ
 only in how a request arrives and how its answer leaves.
 
 * `generation_config`: a request's fields as a `GenerationConfig`, the one place a front end

@@ -137,7 +137,7 @@ def build_server(options: ReplicaOptions):
     from trtspec.runtime.engine import EngineConfig
     from trtspec.runtime.schedule import BlockChoice
     from trtspec.serving.metrics import ServingMetrics
-    from trtspec.serving.openai_server import OpenAIServer
+    from trtspec.serving.app import OpenAIServer
 
     _, serve = _ray()
     if options.threads:
@@ -207,7 +207,9 @@ def ingress_app(options: ReplicaOptions):
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 
-    from trtspec.serving.openai_server import ApiError, read_body
+    from trtspec.serving.app import error_response
+    from trtspec.serving.body import read_body
+    from trtspec.serving.protocol import ApiError
 
     _, serve = _ray()
     engines = serve.get_deployment_handle(ENGINE, app_name=APP_NAME).options(stream=True, _by_reference=False)
@@ -221,7 +223,7 @@ def ingress_app(options: ReplicaOptions):
             body = await read_body(http, options.max_body_bytes, options.read_timeout_s) \
                 if http.method in ("POST", "PUT", "PATCH") else b""
         except ApiError as error:
-            return error.response()
+            return error_response(error)
         request = {"method": http.method, "path": http.url.path, "query_string": http.url.query.encode(),
                    "headers": list(http.headers.raw)}
         for attempt in range(RETRIES + 1):
@@ -234,10 +236,11 @@ def ingress_app(options: ReplicaOptions):
                 await asyncio.sleep(0.5 * (attempt + 1))  # the router learns the replica is gone
                 continue
             except BackPressureError:
-                return ApiError(429, "every replica's queue is full", "rate_limit_exceeded", code="queue_full").response()
+                return error_response(ApiError(429, "every replica's queue is full", "rate_limit_exceeded",
+                                              code="queue_full"))
             break
         else:
-            return replica_died.response()
+            return error_response(replica_died)
         if not first.get("more_body"):
             return _raw(Response(first.get("body", b""), status_code=start["status"]), start["headers"])
 
@@ -247,7 +250,7 @@ def ingress_app(options: ReplicaOptions):
                 async for message in answer:
                     yield message.get("body", b"")
             except lost:  # the stream has started: it ends with an error event, as OpenAI's streams do
-                error = replica_died.response().body.decode()
+                error = error_response(replica_died).body.decode()
                 yield f"data: {error}\n\ndata: [DONE]\n\n".encode()
             finally:
                 answer.cancel()  # the client left early: the replica's app sees it disconnect
