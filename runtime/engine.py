@@ -3,11 +3,11 @@
 `EngineCore.step()` is one iteration of the loop: schedule -> run -> step -> emit. The *scheduler* admits
 queued requests between cycles into free cache slots (up to `max_running`), prefills at most one
 chunk of prompt tokens per iteration (so a long prompt never stalls the others for more than one
-chunk; several short prompts share it), and
-groups the decoding requests by their current block size. The *runner*
-(`trtspec.runtime.runner`) makes one batched draft call and one batched verify call per
-group. Each request's own *controller* (the native core) accepts and commits its tokens, and the
-engine *emits* them to the request's callback. Requests leave on a stop id or their limit, or
+chunk; several short prompts share it), and groups the decoding requests by their current block
+size. The *runner* (`trtspec.runtime.runner`) makes one batched draft call and one batched verify
+call per group, of one request or many alike. Each request's own *controller*
+(`trtspec.runtime.controller`) accepts and commits its tokens, and the engine *emits* them to the
+request's callback. Requests leave on a stop id or their limit, or
 when cancelled, and their slots are reused at once.
 
 `EngineCore.generate()` submits requests and steps on the caller's thread (`trtspec run`, bench,
@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ import torch
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.limits import CONCURRENCY
-from trtspec.runtime.controller import Controller, Stepper, native_controller
+from trtspec.runtime.controller import Controller, ControllerFactory, Stepper, native_controller
 from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
 from trtspec.runtime.runner import BatchRunner
@@ -45,7 +45,6 @@ from trtspec.runtime.stats import DecodeStats
 RECENT_S = 1.0  # time constant of Load.recent, the engine's recent running count
 
 OnCommit = Callable[[list[int]], None]
-ControllerFactory = Callable[[list[int], list[int], list[tuple[int, ...]], int, list[int]], Controller]
 
 
 class Busy(TrtspecError):
@@ -134,12 +133,10 @@ class _Active:
     prefilled: int = 0
     features: list[torch.Tensor] = field(default_factory=list)  # prefill features, chunk by chunk
     tail_logits: torch.Tensor | None = None  # the prompt's last PREFILL_LOGITS logits so far
-    core: Controller | None = None
-    stepper: Stepper | None = None
+    controller: Controller | None = None  # from its first token on
+    stepper: Stepper | None = None  # greedy requests' steps from verify's logits
     processor: RowProcessor | None = None  # min_tokens, penalties, biases, a grammar (None: none asked)
     context: torch.Tensor | None = None  # features the drafter cache lacks, [n, F]
-    rows: dict = field(default_factory=dict)  # block size -> the controller's buffers as [1, B] tensors
-    tokens: Any = None  # the controller's committed-token row (a numpy view, taken once)
     stats: DecodeStats | None = None
     began: float = field(default_factory=time.perf_counter)  # admission
     prefill_s: float = 0.0
@@ -161,7 +158,7 @@ class EngineCore:
             raise TrtspecError(f"max-running {config.max_running} exceeds the runner's {runner.slots} cache slots")
         self.runner, self.policy, self.config, self.stop_ids = runner, policy, config, tuple(stop_ids)
         self.chooser = chooser  # load-aware BlockPilot (trtspec.blockpilot.load): (choice, load) -> choice
-        self.controller = controller  # the per-request core (trtspec.runtime.reference has the Python one)
+        self.new_controller = controller  # one per request (trtspec.runtime.reference has the Python one)
         self._queue: deque[Request] = deque()
         self._active: list[_Active] = []
         self._free = list(range(config.max_running - 1, -1, -1))
@@ -169,9 +166,6 @@ class EngineCore:
         self.lock = threading.Condition(threading.RLock())  # the stepping thread re-enters it in _retire
         self.closed = False
         self._recent, self._recent_at = 0.0, time.perf_counter()
-        # One slot, one request at a time: a verify output buffer is never reused by another request
-        # before this one drafts from it, so its features need no copy.
-        self._exclusive = config.max_running == 1
         self._timed = hasattr(chooser, "observe_cycle")  # load-aware BlockPilot times every cycle
         self._turn_ar = False  # the latest `auto` admission was sent to AR by the load: the others follow
 
@@ -231,8 +225,8 @@ class EngineCore:
 
     def load(self) -> Load:
         with self.lock:
-            decoding = [a for a in self._active if a.core is not None]
-            return Load(len(self._queue), len(self._active), tuple(a.core.block_size(0) for a in decoding),
+            decoding = [a for a in self._active if a.controller is not None]
+            return Load(len(self._queue), len(self._active), tuple(a.controller.block_size for a in decoding),
                         tuple(not a.request.config.sampling.greedy for a in decoding), self._recent,
                         self.config.max_running)
 
@@ -287,19 +281,14 @@ class EngineCore:
         self._recent_at = now
 
     def _iteration(self) -> None:
-        if any(a.core is None for a in self._active):
+        if any(a.controller is None for a in self._active):
             self._prefill()
         if self._turn_ar:
             self._follow_to_ar()
         groups: dict[int, list[_Active]] = {}
-        if len(self._active) == 1:  # one request (`trtspec run`): its own group, without the scan
-            only = self._active[0]
-            if only.core is not None and only.core.running:
-                groups[only.core.block_size(0)] = [only]
-        else:
-            for active in self._active:
-                if active.core is not None and active.core.running:
-                    groups.setdefault(active.core.block_size(0), []).append(active)
+        for active in self._active:
+            if active.controller is not None and active.controller.running:
+                groups.setdefault(active.controller.block_size, []).append(active)
         timed = self._timed
         for size, members in sorted(groups.items()):
             began = time.perf_counter() if timed else 0.0
@@ -311,7 +300,7 @@ class EngineCore:
                     self._emit(active)
             if timed:  # what a cycle of this shape costs here, host work included: load-aware BlockPilot's costs
                 self.chooser.observe_cycle(size, len(members), (time.perf_counter() - began) * 1e3)
-        for active in [a for a in self._active if a.core is not None and not a.core.running]:
+        for active in [a for a in self._active if a.controller is not None and not a.controller.running]:
             self._emit(active)  # any that finished without a cycle
 
     def _follow_to_ar(self) -> None:
@@ -323,12 +312,13 @@ class EngineCore:
         the target's own, greedy or sampled. Their statistics keep the speculative cycles only."""
         self._turn_ar = False
         for active in self._active:
-            core = active.core
-            if core is None or not core.running or not active.request.config.block.auto or core.block_size(0) == 1:
+            controller = active.controller
+            if controller is None or not controller.running or not active.request.config.block.auto \
+                    or controller.block_size == 1:
                 continue
             self._record_cycles(active)
-            active.stats.turned_ar_at = core.count(0)
-            core.set_block_size(0, 1)
+            active.stats.turned_ar_at = controller.count
+            controller.set_block_size(1)
             active.context = None  # the drafter is not asked again
 
     def _prefill(self) -> None:
@@ -336,7 +326,7 @@ class EngineCore:
         never stalls the others for more than that; 0: whole prompts); chunks of equal length share
         one call. A request whose prompt is done gets its first token and its block size."""
         budget, chunks = self.config.prefill_chunk or self.runner.max_context, {}
-        for active in [a for a in self._active if a.core is None]:
+        for active in [a for a in self._active if a.controller is None]:
             if budget <= 0:
                 break
             # prompt logprobs: chunks whose every position's logits the prefill returns
@@ -394,7 +384,7 @@ class EngineCore:
         starting = [active for active in starting if not active.failed]
         if not starting:
             return []
-        rows = torch.cat([row for row in rows if row is not None]) if len(rows) > 1 else rows[0]
+        rows = torch.cat([row for row in rows if row is not None])
         first = rows.argmax(dim=-1)
         sampled = [row for row, active in enumerate(starting) if not active.request.config.sampling.greedy]
         if sampled:
@@ -430,95 +420,77 @@ class EngineCore:
                                    prefill_s=active.prefill_s, auto=config.block.auto,
                                    policy_s=time.perf_counter() - began if config.block.auto else 0.0,
                                    queue_s=active.began - request.submitted)
-        active.core = self.controller([choice.size], [active.limit], [config.stop_ids],
-                                      self.runner.mask_token_id or 0, [choice.grow_to])
-        active.core.begin(0, bonus, len(request.prompt))
-        active.stepper = Stepper(active.core, None if config.sampling.greedy else active.sampler.sample)
+        active.controller = self.new_controller(choice.size, active.limit, config.stop_ids,
+                                                self.runner.mask_token_id or 0, choice.grow_to)
+        active.controller.begin(bonus, len(request.prompt))
+        active.stepper = Stepper(active.controller) if config.sampling.greedy else None
         active.context = context if choice.size > 1 else None
         active.features, active.tail_logits = [], None
         active.decoding_since = began
 
-    def _rows(self, active: _Active, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The request's controller buffers at block size `size` as [1, B] tensors (made once per
-        size): the verify block, the draft block and the verify block's draft positions."""
-        rows = active.rows.get(size)
-        if rows is None:
-            verify, draft = torch.from_numpy(active.core.verify_blocks), torch.from_numpy(active.core.draft_blocks)
-            rows = active.rows[size] = verify[:1, :size], draft[:1, :size], verify[:1, 1:size]
-        return rows
-
     def _draft(self, size: int, members: list[_Active]) -> None:
-        if len(members) == 1:  # the drafter writes its proposals into the controller's verify block
-            active = members[0]
-            _, block, proposals = self._rows(active, size)
-            self.runner.draft([active.slot], [active.context], block, [active.core.start(0)], out=proposals)
-            active.context = None  # the drafter cache holds it now
-            return
-        blocks = torch.cat([self._rows(a, size)[1] for a in members])
-        drafts = self.runner.draft([a.slot for a in members], [a.context for a in members], blocks,
-                                   [a.core.start(0) for a in members]).cpu().numpy()
+        """The group's proposals, into each controller's verify block (positions 1..B-1)."""
+        drafts = self.runner.draft([a.slot for a in members], [a.context for a in members],
+                                   [a.controller.draft_block[:size] for a in members],
+                                   [a.controller.start for a in members]).cpu().numpy()
         for row, active in enumerate(members):
-            active.core.verify_blocks[0, 1:size] = drafts[row]
-            active.context = None
+            active.controller.verify_block[1:size] = drafts[row]
+            active.context = None  # the drafter cache holds it now
 
     def _verify(self, size: int, members: list[_Active]) -> None:
+        """The group's verify call, then each request's step (processing, sampling, accept, commit)."""
         drafting = self.runner.mask_token_id is not None and size > 1  # an AR request never drafts
-        alone = len(members) == 1
-        blocks = self._rows(members[0], size)[0] if alone else torch.cat([self._rows(a, size)[0] for a in members])
-        logits, features = self.runner.verify([a.slot for a in members], blocks, [a.core.start(0) for a in members])
+        logits, features = self.runner.verify([a.slot for a in members],
+                                              [a.controller.verify_block[:size] for a in members],
+                                              [a.controller.start for a in members])
         asked = [self._alone(active, self._process, active, logits[row], size) for row, active in enumerate(members)]
         live = [row for row, active in enumerate(members) if not active.failed]
         # the sampled rows are drawn together (per row, a small model's batch is mostly dispatch cost)
-        sampled = [row for row in live if members[row].stepper.posterior_of is not None]
+        sampled = [row for row in live if members[row].stepper is None]
         drawn = {}
-        if len(sampled) > 1:  # all of them: the logits as they are (indexing copies [R, B, V])
+        if sampled:  # all of them: the logits as they are (indexing copies [R, B, V])
             rows = logits if len(sampled) == len(members) else logits[sampled]
             drawn = dict(zip(sampled, sample_requests([members[row].sampler for row in sampled], rows).cpu()))
         for row in live:
             active = members[row]
             if row in drawn:
-                active.core.step(drawn[row])
-            else:  # greedy alone, it steps on the whole output buffer (the same tensor every cycle, so
-                # the stepper's numpy view of it is made once); otherwise on its [B, V] rows
-                active.stepper(logits if alone and active.stepper.posterior_of is None else logits[row])
+                active.controller.step(drawn[row])
+            else:
+                active.stepper(logits, row)
             if asked[row] is not None:
                 self._record_logprobs(active, *asked[row])
             active.calls += 1
             active.shared += len(members)
-            if drafting:
-                context = features[row, :active.core.accepted(0) + 1]
-                active.context = context if self._exclusive else context.clone()
+            if drafting:  # a copy: the next verify of this shape overwrites the buffer
+                active.context = features[row, :active.controller.accepted + 1].clone()
 
     @staticmethod
     def _process(active: _Active, rows: torch.Tensor, size: int) -> tuple[torch.Tensor, int] | None:
         """Before the step: the request's processing of its verify rows [B, V] (in place), and, when it
         asks for logprobs, the rows' log-probabilities as the target gave them and the committed count
         (for _record_logprobs after the step)."""
-        asked = None
+        asked, controller = None, active.controller
         if active.request.config.logprobs is not None:
-            asked = torch.log_softmax(rows.float(), dim=-1), active.core.count(0)
+            asked = torch.log_softmax(rows.float(), dim=-1), controller.count
         if active.processor is not None:
-            core = active.core
-            active.processor(rows, core.tokens[0, :core.count(0)], core.verify_blocks[0, 1:size])
+            active.processor(rows, controller.tokens[:controller.count], controller.verify_block[1:size])
         return asked
 
     @staticmethod
     def _record_logprobs(active: _Active, rows: torch.Tensor, before: int) -> None:
         """The step's committed tokens with their log-probabilities: row j gave token before + j."""
-        core = active.core
-        fresh = core.tokens[0, before:core.count(0)].tolist()
+        controller = active.controller
+        fresh = controller.tokens[before:controller.count].tolist()
         if fresh:
             active.request.logprobs.extend(token_logprobs(rows[:len(fresh)], fresh, active.request.config.logprobs,
                                                           normalised=True))
 
     def _emit(self, active: _Active) -> None:
         """Hand newly committed tokens to the request; retire it when it has finished."""
-        core, request = active.core, active.request
-        count = core.count(0)
+        controller, request = active.controller, active.request
+        count = controller.count
         if count > active.emitted:
-            if active.tokens is None:
-                active.tokens = core.tokens[0]
-            fresh = active.tokens[active.emitted:count].tolist()
+            fresh = controller.tokens[active.emitted:count].tolist()
             active.emitted = count
             request.tokens.extend(fresh)
             if request.first_token_at is None:
@@ -529,15 +501,15 @@ class EngineCore:
                 except Exception as error:  # Cancelled, or the front end's callback failed: this request ends
                     self._retire(active, error)
                     return
-        if not core.running:
+        if not controller.running:
             self._retire(active)
 
     @staticmethod
     def _record_cycles(active: _Active) -> None:
         """The request's cycles so far (acceptance histogram, grown cycles, ceilings) in its statistics."""
-        stats, core = active.stats, active.core
-        stats.histogram = core.histograms[0, :max(stats.block_size, stats.grow_to)].tolist()
-        stats.grown_cycles, stats.ceilings = core.grown_cycles(0), core.ceilings(0)
+        stats, controller = active.stats, active.controller
+        stats.histogram = controller.histogram[:max(stats.block_size, stats.grow_to)].tolist()
+        stats.grown_cycles, stats.ceilings = controller.grown_cycles, controller.ceilings
 
     def _retire(self, active: _Active, error: BaseException | None = None) -> None:
         """Free the slot at once and finish the request (with its statistics, or its error)."""
@@ -546,12 +518,12 @@ class EngineCore:
                 return
             self._active.remove(active)
             self._free.append(active.slot)
-        stats, core = active.stats, active.core
-        if stats is not None and core is not None:
+        stats, controller = active.stats, active.controller
+        if stats is not None and controller is not None:
             if not stats.turned_ar_at:  # one that turned AR under load keeps its speculative cycles
                 self._record_cycles(active)
-            stats.new_tokens = core.count(0)
-            stats.finish_reason = "cancelled" if error is not None else core.finish_reason(0)
+            stats.new_tokens = controller.count
+            stats.finish_reason = "cancelled" if error is not None else controller.finish_reason
             stats.decode_s = time.perf_counter() - active.decoding_since
             stats.batch_mean = active.shared / active.calls if active.calls else 0.0
             if error is None and hasattr(self.chooser, "observe"):  # every request's acceptance, auto or not

@@ -1,10 +1,10 @@
-"""The decode controller in plain Python: the specification the native core is tested against.
+"""The decode controller in plain Python: the specification the native controller is tested against.
 
-This is the per-cycle logic exactly as the decode loop ran it before it moved to C++ (the
-acceptance rule on torch tensors, an output that applies stop ids and the token limit, the
-histogram of DecodeStats), wrapped in the controller interface of `trtspec.runtime.controller`
-so the same loop can run either: the tests check the native core against it cycle by cycle, and
-`trtspec bench --profile` times the pure-Python loop beside the native one.
+The per-cycle logic written for reading (the acceptance rule on torch tensors, an output that
+applies stop ids and the token limit, the histogram of DecodeStats) behind the controller
+interface of `trtspec.runtime.controller`, so the same loop can run either: the tests check the
+native controller against it cycle by cycle, and `trtspec bench --profile` times the pure-Python
+loop beside the native one.
 """
 
 from __future__ import annotations
@@ -51,122 +51,91 @@ class Output:
 
 
 class PythonController:
-    """The controller interface (see trtspec.runtime.controller.Controller) over per-request
-    Outputs and DecodeStats; blocks are numpy buffers like the native core's."""
+    """The controller interface (see trtspec.runtime.controller.Controller) over an Output and
+    DecodeStats; its blocks are numpy buffers like the native controller's."""
 
-    def __init__(self, block_sizes, limits, stop_ids, mask_token_id: int, grow_to=()):
-        self.block_sizes, self.limits = list(block_sizes), list(limits)
-        self.grow_to = list(grow_to) or [0] * len(self.block_sizes)
-        self.active = list(self.block_sizes)  # the next cycle's block size
-        self.grown = [0] * len(self.block_sizes)
-        self.ceiling_cycles = [0] * len(self.block_sizes)
-        width, requests = max(self.block_sizes + self.grow_to), len(self.block_sizes)
-        self.verify_blocks = np.zeros((requests, width), dtype=np.int64)
-        self.draft_blocks = np.full((requests, width), mask_token_id, dtype=np.int64)
-        self.outputs = [Output(limit, tuple(ids)) for limit, ids in zip(self.limits, stop_ids, strict=True)]
-        self.stats = [DecodeStats(block_size=b, grow_to=g) for b, g in zip(self.block_sizes, self.grow_to)]
-        self.starts = [0] * requests
-        self.accepted_lengths = [0] * requests
-        self.kept: list[list[int]] = [[] for _ in range(requests)]
-        self.begun = [False] * requests
-        # committed tokens, also as one buffer that callers may hold a view of (as the native core's)
-        self._tokens = np.zeros((requests, max(self.limits)), dtype=np.int64)
+    def __init__(self, block_size: int, limit: int, stop_ids, mask_token_id: int, grow_to: int = 0):
+        self.choice = BlockChoice(block_size, grow_to)
+        self.limit, self.stop_ids = limit, tuple(stop_ids)
+        width = max(block_size, grow_to)
+        self.verify_block = np.zeros(width, dtype=np.int64)
+        self.draft_block = np.full(width, mask_token_id, dtype=np.int64)
+        self.tokens = np.zeros(limit, dtype=np.int64)  # committed tokens, a buffer callers may hold a view of
+        self.output = Output(limit, self.stop_ids)
+        self.output.finish_reason = "length"  # not begun: nothing to run
+        self.stats = DecodeStats(block_size=block_size, grow_to=grow_to)
+        self.block_size = block_size  # the next cycle's
+        self.grown_cycles = self.ceilings = self.start = self.accepted = self.committed = 0
 
-    def _commit(self, request: int, tokens: list[int]) -> list[int]:
-        output = self.outputs[request]
-        first = len(output.tokens)
-        kept = output.commit(tokens)
-        self._tokens[request, first:first + len(kept)] = kept
+    def begin(self, token: int, start: int) -> None:
+        self.output = Output(self.limit, self.stop_ids)
+        self.stats = DecodeStats(block_size=self.choice.size, grow_to=self.choice.grow_to)
+        self.block_size = self.choice.size
+        self.grown_cycles = self.ceilings = self.accepted = 0
+        self.committed = len(self._commit([token]))
+        self.start = start
+        self.verify_block[0] = self.draft_block[0] = token
+
+    def set_block_size(self, size: int) -> None:
+        if not 1 <= size <= len(self.verify_block):
+            raise ValueError(f"block size {size} is outside 1..{len(self.verify_block)}")
+        self.choice = BlockChoice(size)
+        self.block_size = size
+
+    def _commit(self, tokens: list[int]) -> list[int]:
+        first = len(self.output.tokens)
+        kept = self.output.commit(tokens)
+        self.tokens[first:first + len(kept)] = kept
         return kept
 
-    def begin(self, request: int, token: int, start: int) -> None:
-        self.outputs[request] = Output(self.limits[request], tuple(self.outputs[request].stop_ids))
-        self.stats[request] = DecodeStats(block_size=self.block_sizes[request], grow_to=self.grow_to[request])
-        self.active[request] = self.block_sizes[request]
-        self.grown[request] = self.ceiling_cycles[request] = 0
-        self.kept[request] = self._commit(request, [token])
-        self.starts[request], self.accepted_lengths[request] = start, 0
-        self.verify_blocks[request, 0] = self.draft_blocks[request, 0] = token
-        self.begun[request] = True
-
-    def set_block_size(self, request: int, size: int) -> None:
-        if not 1 <= size <= self.verify_blocks.shape[1]:
-            raise ValueError(f"block size {size} is outside 1..{self.verify_blocks.shape[1]}")
-        self.block_sizes[request] = self.active[request] = size
-        self.grow_to[request] = 0
-
-    def _running(self, request: int) -> bool:
-        return self.begun[request] and not self.outputs[request].finish_reason
-
     @property
-    def running(self) -> int:
-        return sum(self._running(r) for r in range(len(self.outputs)))
+    def running(self) -> bool:
+        return not self.output.finish_reason
 
-    def step(self, posterior) -> int:
-        posterior = torch.as_tensor(posterior)
-        posterior = posterior[None] if posterior.dim() == 1 else posterior
-        for r, b in enumerate(self.active):
-            if not self._running(r):
-                continue
-            base = self.block_sizes[r]
-            row = posterior[r, :b]
-            drafts = torch.from_numpy(self.verify_blocks[r, 1:b])
-            accepted = int(accepted_length(drafts, row)) if b > 1 else 0
-            bonus = int(row[accepted])
-            self.stats[r].record_cycle(accepted)
-            self.kept[r] = self._commit(r, drafts[:accepted].tolist() + [bonus])
-            self.starts[r] += accepted + 1
-            self.accepted_lengths[r] = accepted
-            # A growing block: a cycle that filled a base block makes the next one run grown.
-            self.grown[r] += b != base
-            self.ceiling_cycles[r] += accepted == b - 1
-            self.active[r] = BlockChoice(base, self.grow_to[r]).next_size(accepted)
-            self.verify_blocks[r, 0] = self.draft_blocks[r, 0] = bonus
+    def step(self, posterior) -> bool:
+        if not self.running:
+            return False
+        b, base = self.block_size, self.choice.size
+        row = torch.as_tensor(posterior)[:b]
+        drafts = torch.from_numpy(self.verify_block[1:b])
+        accepted = int(accepted_length(drafts, row)) if b > 1 else 0
+        bonus = int(row[accepted])
+        self.stats.record_cycle(accepted)
+        self.committed = len(self._commit(drafts[:accepted].tolist() + [bonus]))
+        self.start += accepted + 1
+        self.accepted = accepted
+        # A growing block: a cycle that filled a base block makes the next one run grown.
+        self.grown_cycles += b != base
+        self.ceilings += accepted == b - 1
+        self.block_size = self.choice.next_size(accepted)
+        self.verify_block[0] = self.draft_block[0] = bonus
         return self.running
 
-    def step_greedy(self, logits) -> int:
+    def step_greedy(self, logits) -> bool:
         return self.step(torch.as_tensor(logits).argmax(dim=-1))
 
     @property
-    def tokens(self) -> np.ndarray:
-        return self._tokens
-
-    @property
-    def histograms(self) -> np.ndarray:
-        out = np.zeros(self.verify_blocks.shape, dtype=np.int64)
-        for r, stats in enumerate(self.stats):
-            out[r, :len(stats.histogram)] = stats.histogram
+    def histogram(self) -> np.ndarray:
+        out = np.zeros(self.verify_block.shape, dtype=np.int64)
+        out[:len(self.stats.histogram)] = self.stats.histogram
         return out
 
-    def count(self, request: int) -> int:
-        return len(self.outputs[request].tokens)
+    @property
+    def count(self) -> int:
+        return len(self.output.tokens)
 
-    def start(self, request: int) -> int:
-        return self.starts[request]
+    @property
+    def finish_reason(self) -> str:
+        return self.output.finish_reason
 
-    def accepted(self, request: int) -> int:
-        return self.accepted_lengths[request]
+    @property
+    def cycles(self) -> int:
+        return self.stats.cycles
 
-    def committed(self, request: int) -> int:
-        return len(self.kept[request])
+    @property
+    def tau(self) -> float:
+        return self.stats.tau
 
-    def finish_reason(self, request: int) -> str:
-        return self.outputs[request].finish_reason
-
-    def cycles(self, request: int) -> int:
-        return self.stats[request].cycles
-
-    def tau(self, request: int) -> float:
-        return self.stats[request].tau
-
-    def ceiling_fraction(self, request: int) -> float:
-        return self.ceiling_cycles[request] / self.cycles(request) if self.cycles(request) else 0.0
-
-    def block_size(self, request: int) -> int:
-        return self.active[request]
-
-    def grown_cycles(self, request: int) -> int:
-        return self.grown[request]
-
-    def ceilings(self, request: int) -> int:
-        return self.ceiling_cycles[request]
+    @property
+    def ceiling_fraction(self) -> float:
+        return self.ceilings / self.cycles if self.cycles else 0.0

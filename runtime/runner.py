@@ -8,16 +8,16 @@ slot from admission to its end, and what its slot holds is implied by its positi
 cache is valid below the request's start, the drafter cache below the start of the context it
 has not seen yet. So nothing is ever rolled back: rejected drafts' keys are simply overwritten.
 
-A call of one request (every call of `trtspec run`, and a server with one client) takes a
-shorter path: its new keys are written straight into its cache slot, its index inputs go
-through numpy views of buffers kept per batch size, and the drafter can write its proposals
-into the caller's buffer. On a CPU cycle of a small model each torch call costs about as much
-as the controller's whole step, so these are what keeps batch 1 as fast as a loop written for it.
+Every call, of one request or of many, takes the same path. Its index and token inputs are
+staged in buffers kept per shape (on the CPU written through numpy views: for a small model a
+torch call per input costs about as much as the controller's whole step), and decode outputs
+are buffers kept per shape too, so a cycle allocates nothing.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -68,13 +68,8 @@ class BatchRunner:
         self._caches = {graph: [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2)]
                         for graph, shape in shapes.items()}
         self._outputs: dict[tuple, dict[str, torch.Tensor]] = {}
-        self._bound: dict[tuple, dict[str, torch.Tensor]] = {}
-        self._indices: dict[tuple[str, int], tuple[torch.Tensor, np.ndarray | None]] = {}
+        self._staged: dict[tuple, tuple[torch.Tensor, np.ndarray | None]] = {}
         self._cpu = self.device.type == "cpu"
-        # A single-slot runner lets the graphs write their new keys/values straight into the cache:
-        # [positions, 1, ...] seen as the graphs' [1, positions, ...] (same memory).
-        self._rows = {graph: tuple(c.view(1, c.shape[0], *c.shape[2:]) for c in caches)
-                      for graph, caches in self._caches.items()} if slots == 1 else {}
 
     # ---- making one --------------------------------------------------------------------------------
 
@@ -141,12 +136,11 @@ class BatchRunner:
 
     # ---- running a graph ---------------------------------------------------------------------------
 
-    def _run(self, graph: str, profile: ProfileKey, sizes: dict[str, int], past: int, inputs: dict[str, torch.Tensor],
-             new_at: int | None = None, into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Run `graph` over the first `past` cache positions. `new_at`: a single-slot runner's new
-        keys/values go straight to that position of its cache; `into`: the caller's tensor for the
-        proposals (drafts). In static mode a decode call's rows are padded to their batch bucket (the
-        padding rows read the cache and their outputs are dropped: nothing they compute is stored)."""
+    def _run(self, graph: str, profile: ProfileKey, sizes: dict[str, int], past: int,
+             inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run `graph` over the first `past` cache positions. In static mode a decode call's rows are
+        padded to their batch bucket (the padding rows read the cache and their outputs are dropped:
+        nothing they compute is stored)."""
         cache_k, cache_v = self._caches[graph]
         rows = sizes["batch"]
         replayed = self.static and profile != PREFILL
@@ -168,21 +162,8 @@ class BatchRunner:
                     for name, t in inputs.items()}
             for name, tensor in inputs.items():
                 bound[name][:rows].copy_(tensor, non_blocking=True)
-            inputs, past, new_at = dict(bound), cache_k.shape[0], None
+            inputs, past = dict(bound), cache_k.shape[0]
         inputs["past_k"], inputs["past_v"] = cache_k[:past], cache_v[:past]
-        if new_at is not None or into is not None:
-            bound = self._bound.get(key) if profile != PREFILL else None
-            if bound is None:  # this shape's outputs, some of them pointed elsewhere per call
-                bound = dict(outputs)
-                if profile != PREFILL:
-                    self._bound[key] = bound
-            if "drafts" in outputs:
-                bound["drafts"] = outputs["drafts"] if into is None else into
-            if new_at is not None:
-                count = outputs["new_k"].shape[1]
-                rows_k, rows_v = self._rows[graph]
-                bound["new_k"], bound["new_v"] = rows_k[:, new_at:new_at + count], rows_v[:, new_at:new_at + count]
-            outputs = bound
         self.executor.run(graph, profile, inputs, outputs)
         if replayed and sizes["batch"] > rows:
             return {name: tensor[:rows] for name, tensor in outputs.items()}
@@ -206,18 +187,15 @@ class BatchRunner:
         cache_k[positions, rows] = new_k
         cache_v[positions, rows] = new_v
 
-    @property
-    def _direct(self) -> bool:
-        """New keys/values written by the graph itself: one slot, not replayed (static mode stages them)."""
-        return self.slots == 1 and not self.static
-
-    def _long(self, name: str, values: list[int]) -> torch.Tensor:
-        """`values` as an int64 tensor on the device, in a buffer kept per (name, length): on the CPU
-        written through a numpy view (a torch call per input costs more than the copy)."""
-        known = self._indices.get((name, len(values)))
+    def _long(self, name: str, values: Sequence[int] | Sequence[np.ndarray]) -> torch.Tensor:
+        """`values` (integers, or equal-length rows of them) as an int64 tensor on the device, in a
+        buffer kept per (name, shape): on the CPU written through a numpy view (a torch call per
+        input costs more than the copy)."""
+        shape = (len(values), *np.shape(values[0]))
+        known = self._staged.get((name, shape))
         if known is None:
-            tensor = torch.zeros(len(values), dtype=torch.long, device=self.device)
-            known = self._indices[name, len(values)] = tensor, tensor.numpy() if self._cpu else None
+            tensor = torch.zeros(shape, dtype=torch.long, device=self.device)
+            known = self._staged[name, shape] = tensor, tensor.numpy() if self._cpu else None
         tensor, host = known
         if host is not None:
             if len(values) == 1:
@@ -225,7 +203,7 @@ class BatchRunner:
             else:
                 host[:] = values
         else:
-            tensor.copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+            tensor.copy_(torch.from_numpy(np.asarray(values, dtype=np.int64)), non_blocking=True)
         return tensor
 
     # ---- the step functions ------------------------------------------------------------------------
@@ -236,72 +214,56 @@ class BatchRunner:
         tokens = torch.tensor(chunks, dtype=torch.long, device=self.device)
         batch, count = tokens.shape
         out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots}, max(starts),
-                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
-                        new_at=starts[0] if self._direct else None)
-        if not self._direct:
-            self._store(TARGET, starts, count, slots, out)
+                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)})
+        self._store(TARGET, starts, count, slots, out)
         return out["logits"], out["features"]
 
-    def verify(self, slots: list[int], blocks: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [b, B, V] and drafter features [b, B, F] of each row's block at its start (B = 1: AR steps)."""
-        batch, size = blocks.shape
+    def verify(self, slots: list[int], blocks: Sequence[np.ndarray], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [b, B, V] and drafter features [b, B, F] of each row's block [B] (int64: the bonus,
+        then the drafts) at its start (B = 1: AR steps). Both are buffers the next call of this shape
+        overwrites."""
+        tokens = self._long("blocks", blocks)
+        batch, size = tokens.shape
         out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots}, max(starts),
-                        {"tokens": blocks if self._cpu else blocks.to(self.device), "starts": self._long("starts", starts),
-                         "slots": self._long("slots", slots)}, new_at=starts[0] if self._direct else None)
-        if not self._direct:
-            self._store(TARGET, starts, size, slots, out)
+                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)})
+        self._store(TARGET, starts, size, slots, out)
         return out["logits"], out["features"]
 
-    def draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: torch.Tensor, starts: list[int],
-              out: torch.Tensor | None = None) -> torch.Tensor:
-        """Greedy proposals [b, B-1]. Row r's context [n_r, F] holds the features of the n_r positions
-        before its start that its drafter cache lacks (a first cycle: the whole prompt). With `out`
-        ([b, B-1] int64) the proposals are written there (by the graph itself when it can)."""
-        if len(contexts) == 1:
-            return self._draft(slots, contexts, blocks, starts, out)
+    def draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: Sequence[np.ndarray],
+              starts: list[int]) -> torch.Tensor:
+        """Greedy proposals [b, B-1] (a buffer the next call of this shape overwrites). Row r's
+        context [n_r, F] holds the features of the n_r positions before its start that its drafter
+        cache lacks (a first cycle: the whole prompt); its block [B] is int64: the bonus, then MASK x (B-1)."""
+        staged = self._long("draft_blocks", blocks)
         counts = [c.shape[0] for c in contexts]
         short = [r for r, n in enumerate(counts) if n <= SHORT_CONTEXT]
-        if len(short) == len(counts):
-            return self._draft(slots, contexts, blocks, starts, out)
-        drafts = out if out is not None else \
-            torch.empty(blocks.shape[0], blocks.shape[1] - 1, dtype=torch.long, device=self.device)
-        groups = ([short] if short else []) + [[r] for r in range(len(counts)) if counts[r] > SHORT_CONTEXT]
-        for rows in groups:  # a long context (a prompt) is drafted alone rather than padding every row to it
-            drafts[rows] = self._draft([slots[r] for r in rows], [contexts[r] for r in rows], blocks[rows],
+        # a long context (a prompt) is drafted alone rather than padding every row to it
+        groups = ([short] if short else []) + [[r] for r, n in enumerate(counts) if n > SHORT_CONTEXT]
+        if len(groups) == 1:
+            return self._draft(slots, contexts, staged, starts)
+        drafts = torch.empty(staged.shape[0], staged.shape[1] - 1, dtype=torch.long, device=self.device)
+        for rows in groups:
+            drafts[rows] = self._draft([slots[r] for r in rows], [contexts[r] for r in rows], staged[rows],
                                        [starts[r] for r in rows])
         return drafts
 
-    def _draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: torch.Tensor, starts: list[int],
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def _draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: torch.Tensor,
+               starts: list[int]) -> torch.Tensor:
         batch, size = blocks.shape
         counts = [c.shape[0] for c in contexts]
         width = context_bucket(max(counts)) if self.static else max(counts)
-        padded_rows = batch > 1 or width > counts[0]  # rows left-padded to the width: their padding is not stored
-        if not padded_rows:
-            padded = contexts[0].unsqueeze(0)
+        keep = None  # the rows' positions to store: not their left padding, when they are padded to the width
+        if all(n == width for n in counts):
+            padded = torch.stack(contexts)
         else:
             padded = contexts[0].new_zeros(batch, width, contexts[0].shape[-1])
             for row, context in enumerate(contexts):
                 padded[row, width - len(context):] = context
+            keep = torch.arange(width, device=self.device)[None, :] >= (width - self._long("counts", counts))[:, None]
         sizes = {"batch": batch, "context": width, "block": size, "proposals": size - 1, "slots": self.slots}
         first = [s - n for s, n in zip(starts, counts)]  # where each row's new context begins
-        # the graph writes the proposals into `out` itself when it is a contiguous buffer on the device
-        into = out if out is not None and not self.static and out.is_cuda != self._cpu and out.is_contiguous() \
-            else None
         result = self._run(DRAFT, size, sizes, max(first),
-                           {"context": padded, "counts": self._long("counts", counts),
-                            "block": blocks if self._cpu else blocks.to(self.device),
-                            "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
-                           new_at=first[0] if self._direct else None, into=into)
-        if not self._direct:
-            keep = None
-            if padded_rows:
-                offsets = torch.arange(width, device=self.device)
-                keep = offsets[None, :] >= (width - self._long("counts", counts))[:, None]
-            self._store(DRAFT, [s - width for s in starts], width, slots, result, keep)
-        drafts = result["drafts"]
-        if out is not None and into is None:
-            out.copy_(drafts)
-            return out
-        return drafts
-
+                           {"context": padded, "counts": self._long("counts", counts), "block": blocks,
+                            "starts": self._long("starts", starts), "slots": self._long("slots", slots)})
+        self._store(DRAFT, [s - width for s in starts], width, slots, result, keep)
+        return result["drafts"]
