@@ -1,16 +1,16 @@
 """The engine: every request is decoded here, alone or many together, each with its own block size.
 
-`EngineCore.step()` is one iteration of the loop: schedule -> run -> step -> emit. The *scheduler* admits
-queued requests between cycles into free cache slots (up to `max_running`), prefills at most one
-chunk of prompt tokens per iteration (so a long prompt never stalls the others for more than one
-chunk; several short prompts share it), and groups the decoding requests by their current block
-size. The *runner* (`trtspec.runtime.runner`) makes one batched draft call and one batched verify
-call per group, of one request or many alike. Each request's own *controller*
-(`trtspec.runtime.controller`) accepts and commits its tokens, and the engine *emits* them to the
-request's callback. Requests leave on a stop id or their limit, or
-when cancelled, and their slots are reused at once.
+`LocalEngine.step()` is one iteration of the loop: schedule -> run -> step -> emit. The
+*scheduler* admits queued requests between cycles into free cache slots (up to `max_running`),
+prefills at most one chunk of prompt tokens per iteration (so a long prompt never stalls the
+others for more than one chunk; several short prompts share it), and groups the decoding requests
+by their current block size. The *runner* (`trtspec.runtime.runner`) makes one batched draft call
+and one batched verify call per group, of one request or many alike. Each request's own
+*controller* (`trtspec.runtime.controller`) accepts and commits its tokens, and the engine *emits*
+them to the request's callback. Requests leave on a stop id or their limit, or when cancelled, and
+their slots are reused at once.
 
-`EngineCore.generate()` submits requests and steps on the caller's thread (`trtspec run`, bench,
+`LocalEngine.generate()` submits requests and steps on the caller's thread (`trtspec run`, bench,
 labels, data generation, the build's self-check); `Engine` runs the same `step()` on a background
 thread for servers (`trtspec serve`, the Triton model, `bench --concurrency`). Either way
 `submit()` returns a `Request` handle; `on_commit` receives each cycle's newly committed token ids
@@ -39,7 +39,7 @@ from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.sampling import Sampler, sample_requests
-from trtspec.runtime.schedule import BlockChoice, BlockPolicy
+from trtspec.runtime.schedule import BlockChoice, BlockChooser, BlockPolicy, Load
 from trtspec.runtime.stats import DecodeStats
 
 RECENT_S = 1.0  # time constant of Load.recent, the engine's recent running count
@@ -63,18 +63,6 @@ class EngineConfig:
             raise TrtspecError(f"max-queued must be >= 1, got {self.max_queued}")
         if self.prefill_chunk < 0:
             raise TrtspecError(f"prefill-chunk must be >= 0 (0: whole prompts), got {self.prefill_chunk}")
-
-
-@dataclass(frozen=True)
-class Load:
-    """What the engine holds right now (a server's gauges)."""
-
-    queued: int
-    running: int
-    block_sizes: tuple[int, ...]  # current block size of each running request that is decoding, oldest first
-    sampled: tuple[bool, ...] = ()  # whether each of them samples (T > 0), in the same order
-    recent: float = 0.0  # requests running, averaged over the last second or so (RECENT_S)
-    slots: int = 0  # requests that can run together (max_running; 0: unknown)
 
 
 class Request:
@@ -144,20 +132,20 @@ class _Active:
     calls: int = 0          # verify calls this request took part in
     shared: int = 0         # requests in those calls, summed
     emitted: int = 0        # committed tokens already handed to on_commit
-    failed: bool = False    # its own error ended it (`EngineCore._alone`): the rest of the iteration skips it
+    failed: bool = False    # its own error ended it (`LocalEngine._alone`): the rest of the iteration skips it
 
 
-class EngineCore:
+class LocalEngine:
     """Continuous batching over one `BatchRunner`, stepped by its caller: submit from any thread,
     step on one. `generate()` decodes a list of requests to the end on the caller's thread."""
 
     def __init__(self, runner: BatchRunner, policy: BlockPolicy | None = None, config: EngineConfig = EngineConfig(),
-                 stop_ids: tuple[int, ...] = (), chooser: Callable | None = None,
+                 stop_ids: tuple[int, ...] = (), chooser: BlockChooser | None = None,
                  controller: ControllerFactory = native_controller):
         if config.max_running > runner.slots:
             raise TrtspecError(f"max-running {config.max_running} exceeds the runner's {runner.slots} cache slots")
         self.runner, self.policy, self.config, self.stop_ids = runner, policy, config, tuple(stop_ids)
-        self.chooser = chooser  # load-aware BlockPilot (trtspec.blockpilot.load): (choice, load) -> choice
+        self.chooser = chooser  # load-aware BlockPilot (trtspec.blockpilot.load); None: the policy's choice stands
         self.new_controller = controller  # one per request (trtspec.runtime.reference has the Python one)
         self._queue: deque[Request] = deque()
         self._active: list[_Active] = []
@@ -166,8 +154,7 @@ class EngineCore:
         self.lock = threading.Condition(threading.RLock())  # the stepping thread re-enters it in _retire
         self.closed = False
         self._recent, self._recent_at = 0.0, time.perf_counter()
-        self._timed = hasattr(chooser, "observe_cycle")  # load-aware BlockPilot times every cycle
-        self._turn_ar = False  # the latest `auto` admission was sent to AR by the load: the others follow
+        self._chosen: BlockChoice | None = None  # the latest `auto` admission's block, for the chooser's switches
 
     # ---- front-end side ------------------------------------------------------------------------
 
@@ -283,13 +270,13 @@ class EngineCore:
     def _iteration(self) -> None:
         if any(a.controller is None for a in self._active):
             self._prefill()
-        if self._turn_ar:
-            self._follow_to_ar()
+        if self._chosen is not None:
+            self._switch_to_ar(self._chosen)
         groups: dict[int, list[_Active]] = {}
         for active in self._active:
             if active.controller is not None and active.controller.running:
                 groups.setdefault(active.controller.block_size, []).append(active)
-        timed = self._timed
+        timed = self.chooser is not None
         for size, members in sorted(groups.items()):
             began = time.perf_counter() if timed else 0.0
             if size > 1:
@@ -303,22 +290,19 @@ class EngineCore:
         for active in [a for a in self._active if a.controller is not None and not a.controller.running]:
             self._emit(active)  # any that finished without a cycle
 
-    def _follow_to_ar(self) -> None:
-        """The load-aware chooser sent the latest `auto` admission to AR: it judged the whole batch
-        better off autoregressive at its size. The `auto` requests still speculating turn AR from
-        their next cycle, rather than keep a second call per iteration for the rest of their lives
-        (a batch of 4 greedy requests at B = 8 beside 4 at AR serves 0.73x of one kind per batch:
-        docs/serving.md, "Replicas on Ray Serve: routing"). Lossless: every token after the turn is
-        the target's own, greedy or sampled. Their statistics keep the speculative cycles only."""
-        self._turn_ar = False
-        for active in self._active:
-            controller = active.controller
-            if controller is None or not controller.running or not active.request.config.block.auto \
-                    or controller.block_size == 1:
-                continue
+    def _switch_to_ar(self, chosen: BlockChoice) -> None:
+        """The chooser's switches after an `auto` admission got `chosen`: the requests it names turn
+        AR from their next cycle (a batch of two block sizes pays two calls per iteration).
+        Lossless: every token after the turn is the target's own, greedy or sampled. Their
+        statistics keep the speculative cycles only."""
+        self._chosen = None
+        decoding = [a for a in self._active if a.controller is not None and a.controller.running]
+        running = [(a.request.config.block, a.controller.block_size) for a in decoding]
+        for index in self.chooser.requests_to_switch(chosen, running):
+            active = decoding[index]
             self._record_cycles(active)
-            active.stats.turned_ar_at = controller.count
-            controller.set_block_size(1)
+            active.stats.turned_ar_at = active.controller.count
+            active.controller.set_block_size(1)
             active.context = None  # the drafter is not asked again
 
     def _prefill(self) -> None:
@@ -413,9 +397,9 @@ class EngineCore:
         if choice.auto:
             ask_policy = functools.partial(self.policy.choose, context, tail)  # the chooser may not need it
             choice = ask_policy() if self.chooser is None else \
-                self.chooser(ask_policy, self.load(), not config.sampling.greedy)
+                self.chooser.choose(ask_policy, self.load(), not config.sampling.greedy)
             check_built_sizes(self.runner, choice)
-            self._turn_ar = self._timed and choice.size == 1
+            self._chosen = choice if self.chooser is not None else None
         active.stats = DecodeStats(block_size=choice.size, grow_to=choice.grow_to, prompt_tokens=len(request.prompt),
                                    prefill_s=active.prefill_s, auto=config.block.auto,
                                    policy_s=time.perf_counter() - began if config.block.auto else 0.0,
@@ -526,9 +510,9 @@ class EngineCore:
             stats.finish_reason = "cancelled" if error is not None else controller.finish_reason
             stats.decode_s = time.perf_counter() - active.decoding_since
             stats.batch_mean = active.shared / active.calls if active.calls else 0.0
-            if error is None and hasattr(self.chooser, "observe"):  # every request's acceptance, auto or not
-                self.chooser.observe(BlockChoice(stats.block_size, stats.grow_to), stats.histogram,
-                                     not active.request.config.sampling.greedy)
+            if error is None and self.chooser is not None:  # every request's acceptance, auto or not
+                self.chooser.observe_request(BlockChoice(stats.block_size, stats.grow_to), stats.histogram,
+                                             not active.request.config.sampling.greedy)
             if active.request.first_token_at is not None:
                 stats.ttft_s = active.request.first_token_at - active.request.submitted
         active.request.stats = stats
@@ -548,51 +532,51 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, normalised
 
 
 class Engine:
-    """An `EngineCore` stepped on a background thread, for servers: submit from any thread."""
+    """A `LocalEngine` stepped on a background thread, for servers: submit from any thread."""
 
-    def __init__(self, core: EngineCore):
-        self.core = core
+    def __init__(self, local: LocalEngine):
+        self.local = local
         self._thread = threading.Thread(target=self._loop, name="trtspec-engine", daemon=True)
         self._thread.start()
 
     def submit(self, prompt: list[int], config: GenerationConfig, on_commit: OnCommit | None = None,
                on_finish: Callable[[Request], None] | None = None) -> Request:
-        """Queue a request (see EngineCore.submit)."""
-        return self.core.submit(prompt, config, on_commit, on_finish)
+        """Queue a request (see LocalEngine.submit)."""
+        return self.local.submit(prompt, config, on_commit, on_finish)
 
     def load(self) -> Load:
-        return self.core.load()
+        return self.local.load()
 
     @property
     def alive(self) -> bool:
         """Whether the engine still takes and decodes requests (its thread runs and it is not closed)."""
-        return self._thread.is_alive() and not self.core.closed
+        return self._thread.is_alive() and not self.local.closed
 
     @property
     def runner(self) -> BatchRunner:
-        return self.core.runner
+        return self.local.runner
 
     @property
     def config(self) -> EngineConfig:
-        return self.core.config
+        return self.local.config
 
     @property
     def policy(self) -> BlockPolicy | None:
-        return self.core.policy
+        return self.local.policy
 
     @property
-    def chooser(self) -> Callable | None:
-        return self.core.chooser
+    def chooser(self) -> BlockChooser | None:
+        return self.local.chooser
 
     def close(self, cancel: bool = True, timeout: float | None = 60.0) -> None:
         """Stop taking requests; cancel what is queued and running (or let it finish), then stop."""
-        core = self.core
-        with core.lock:
-            core.closed = True
+        local = self.local
+        with local.lock:
+            local.closed = True
             if cancel:
-                for request in list(core._queue) + [a.request for a in core._active]:
+                for request in list(local._queue) + [a.request for a in local._active]:
                     request.cancel()
-            core.lock.notify()
+            local.lock.notify()
         self._thread.join(timeout)
 
     def __enter__(self) -> "Engine":
@@ -603,12 +587,12 @@ class Engine:
 
     def _loop(self) -> None:
         """Step until closed and drained; sleep on the lock while there is nothing to do."""
-        core = self.core
+        local = self.local
         while True:
-            with core.lock:
-                if not core.busy:
-                    if core.closed:
+            with local.lock:
+                if not local.busy:
+                    if local.closed:
                         return
-                    core.lock.wait(0.05)
+                    local.lock.wait(0.05)
                     continue
-            core.step()
+            local.step()

@@ -10,7 +10,7 @@ sign that one has begun; the native controller applies the rule per cycle, no Py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -101,6 +101,37 @@ class BlockPolicy(Protocol):
     (BlockPilot, trtspec.blockpilot, is the product's; the loop knows nothing of its training)."""
 
     def choose(self, features: torch.Tensor, logits: torch.Tensor) -> "BlockChoice": ...
+
+
+@dataclass(frozen=True)
+class Load:
+    """What an engine holds right now (a server's gauges, and what a BlockChooser judges by)."""
+
+    queued: int
+    running: int
+    block_sizes: tuple[int, ...]  # current block size of each running request that is decoding, oldest first
+    sampled: tuple[bool, ...] = ()  # whether each of them samples (T > 0), in the same order
+    recent: float = 0.0  # requests running, averaged over the last second or so (engine.RECENT_S)
+    slots: int = 0  # requests that can run together (max_running; 0: unknown)
+
+
+class BlockChooser(Protocol):
+    """What the engine asks of a load-aware chooser (BlockPilot's: trtspec.blockpilot.load), which
+    turns the policy's one-shot choice into the one that pays for the batch a request joins."""
+
+    def choose(self, choice: BlockChoice | Callable[[], BlockChoice], load: Load, sampled: bool) -> BlockChoice:
+        """The block to run for an `auto` admission: the policy's `choice` (or a function that gives
+        it, asked only when its answer can change the outcome) at the engine's `load`."""
+
+    def requests_to_switch(self, chosen: BlockChoice, running: Sequence[tuple[BlockChoice, int]]) -> list[int]:
+        """After an `auto` admission got `chosen`: which of the decoding requests (each: what it
+        asked for, its current block size) turn AR from their next cycle, by their index."""
+
+    def observe_cycle(self, size: int, batch: int, ms: float) -> None:
+        """The engine ran one cycle of `batch` requests at `size` (1: AR) in `ms` milliseconds."""
+
+    def observe_request(self, choice: BlockChoice, histogram: list[int], sampled: bool) -> None:
+        """A request that ran at `choice` finished with this acceptance histogram."""
 
 
 def parse_block_choices(text: str, allow_auto: bool = False, allow_growth: bool = True,

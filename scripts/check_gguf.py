@@ -119,7 +119,7 @@ def main() -> int:
         for name, (pipeline, block) in runs.items():
             started = time.perf_counter()
             config = GenerationConfig(block=block, max_new_tokens=a.max_new_tokens)
-            tokens = cut(pipeline.core.generate([ids], [config])[0].tokens, stops)
+            tokens = cut(pipeline.local_engine.generate([ids], [config])[0].tokens, stops)
             totals[name] += time.perf_counter() - started
             verdict = parting(tokens, expected)
             failures += verdict != "equal"

@@ -263,38 +263,38 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 
 
-def core_of(runner, *, controller=None, policy=None):
-    """An engine core of one slot over `runner`: one request at a time, stepped on the caller's
+def local_engine_of(runner, *, controller=None, policy=None):
+    """A local engine of one slot over `runner`: one request at a time, stepped on the caller's
     thread (what `Pipeline.generate` uses)."""
     from trtspec.runtime.controller import native_controller
-    from trtspec.runtime.engine import EngineConfig, EngineCore
+    from trtspec.runtime.engine import EngineConfig, LocalEngine
 
-    return EngineCore(runner, policy, EngineConfig(max_running=1, prefill_chunk=0),
+    return LocalEngine(runner, policy, EngineConfig(max_running=1, prefill_chunk=0),
                       controller=controller or native_controller)
 
 
 def single(target: Qwen3Target, drafter: DFlashDrafter | None = None, *, max_context: int | None = None, **options):
-    """`core_of` the eager step modules of a target (and drafter)."""
+    """`local_engine_of` the eager step modules of a target (and drafter)."""
     from trtspec.runtime.runner import BatchRunner
 
-    return core_of(BatchRunner.eager(target, drafter, 1, max_context=max_context), **options)
+    return local_engine_of(BatchRunner.eager(target, drafter, 1, max_context=max_context), **options)
 
 
 def opened(directory, device=torch.device("cpu"), **options):
-    """`core_of` a built engine directory."""
+    """`local_engine_of` a built engine directory."""
     from trtspec.runtime.runner import BatchRunner
 
-    return core_of(BatchRunner.open(directory, torch.device(device), **options))
+    return local_engine_of(BatchRunner.open(directory, torch.device(device), **options))
 
 
-def ar_of(core):
-    """`core_of` the same runner's graphs without the drafter (the AR baseline), caches of its own."""
-    return core_of(core.runner.with_slots(1, drafter=False))
+def ar_of(local):
+    """`local_engine_of` the same runner's graphs without the drafter (the AR baseline), caches of its own."""
+    return local_engine_of(local.runner.with_slots(1, drafter=False))
 
 
-def generate(core, prompt: list[int], config):
-    """One request decoded to its end by `core` (an EngineCore)."""
-    return core.generate([prompt], [config])[0]
+def generate(local, prompt: list[int], config):
+    """One request decoded to its end by `local` (a LocalEngine)."""
+    return local.generate([prompt], [config])[0]
 
 
 def processed_logits(logits: torch.Tensor, prompt: list[int], output: list[int], processing) -> torch.Tensor:

@@ -8,10 +8,10 @@ the ordinary mode; capture and replay themselves need a GPU.
 import pytest
 import torch
 
-from helpers import ar_of, core_of, generate, opened
+from helpers import ar_of, local_engine_of, generate, opened
 from trtspec.engines.capture import CudaGraphs, binding_key
 from trtspec.engines.executor import PREFILL
-from trtspec.runtime.engine import EngineConfig, EngineCore
+from trtspec.runtime.engine import EngineConfig, LocalEngine
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.runner import BATCH_BUCKETS, bucket, context_bucket
 from trtspec.runtime.schedule import BlockChoice
@@ -30,7 +30,7 @@ def test_static_bindings_decode_like_the_ordinary_engine(ort_engine_dir, block_s
     ordinary = opened(ort_engine_dir, torch.device("cpu"))
     if block_size == 1:
         ordinary = ar_of(ordinary)
-    static = core_of(ordinary.runner.with_slots(1, drafter=block_size > 1))
+    static = local_engine_of(ordinary.runner.with_slots(1, drafter=block_size > 1))
     static.runner.static = True
     assert _greedy(static, block_size) == _greedy(ordinary, block_size)
 
@@ -62,7 +62,7 @@ def test_static_batches_pad_to_buckets_and_reuse_one_binding_per_shape(ort_engin
     static_runner = ordinary.runner.with_slots(6)
     static_runner.static = True
     recorder = static_runner.executor = KeyRecorder(static_runner.executor)
-    engine = EngineCore(static_runner, config=EngineConfig(max_running=6, prefill_chunk=16))
+    engine = LocalEngine(static_runner, config=EngineConfig(max_running=6, prefill_chunk=16))
     prompts = PROMPTS + [[7, 8, 9] * 6, [11, 12], [60] * 20, [2, 4, 6, 8]]
     configs = [GenerationConfig(block=BlockChoice(size), max_new_tokens=limit)
                for size, limit in zip((4, 8, 1, 4, 8, 4, 1), (20, 31, 17, 40, 9, 26, 33))]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ar_of, core_of, generate, single
+from helpers import ar_of, local_engine_of, generate, single
 from trtspec.perf.cycle_costs import (QWEN3_4B, TINY, CycleCostConfig, drafter_config, measure, random_pair,
                                  runtime_engine, tiny)
 from trtspec.errors import TrtspecError
@@ -47,7 +47,7 @@ def test_the_timed_runtime_engine_decodes_like_eager_pytorch(target_dir, drafter
     drafter = load_drafter(drafter_dir, target)
     runner = runtime_engine(target, drafter, (4, 8), max_context=96, cuda_graphs=False)
     runner.static = static  # the fixed bindings replay needs, here without the capture (a CPU has none)
-    engine = core_of(runner)
+    engine = local_engine_of(runner)
     eager = single(target, drafter)
     prompt = torch.randint(2, target.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     for block_size in (4, 8):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from helpers import ar_of, core_of, generate, predictable_pair, random_drafter, single, tiny_config
+from helpers import ar_of, local_engine_of, generate, predictable_pair, random_drafter, single, tiny_config
 from trtspec.errors import TrtspecError
 from trtspec.models import Qwen3Target
-from trtspec.runtime.engine import EngineConfig, EngineCore
+from trtspec.runtime.engine import EngineConfig, LocalEngine
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AR, BlockChoice
@@ -49,7 +49,7 @@ def test_greedy_speculative_equals_autoregressive(engine_name, request):
     schedules = [(b, 0) for b in BLOCK_SIZES] + list(GROWING)
     prompts = _prompts(8, 64)
     jobs = [(prompt, b, g) for prompt in prompts for b, g in schedules]
-    together = EngineCore(engine.runner.with_slots(len(jobs)), config=EngineConfig(max_running=len(jobs)))
+    together = LocalEngine(engine.runner.with_slots(len(jobs)), config=EngineConfig(max_running=len(jobs)))
     configs = [GenerationConfig(block=BlockChoice(b, g), max_new_tokens=70) for _, b, g in jobs]
     expected = {tuple(prompt): generate(engine, prompt, GenerationConfig(block=AR, max_new_tokens=70)).tokens
                 for prompt in prompts}
@@ -136,7 +136,7 @@ def test_empty_prompt_and_missing_drafter(unhelpful):
     with pytest.raises(TrtspecError, match="empty"):
         generate(unhelpful, [], GenerationConfig(block=BlockChoice(4)))
     with pytest.raises(TrtspecError, match="needs a drafter"):
-        generate(core_of(unhelpful.runner.with_slots(1, drafter=False)), [3, 4], GenerationConfig(block=BlockChoice(4)))
+        generate(local_engine_of(unhelpful.runner.with_slots(1, drafter=False)), [3, 4], GenerationConfig(block=BlockChoice(4)))
 
 
 def test_a_bfloat16_pair_decodes_with_logits_in_its_own_dtype(monkeypatch):

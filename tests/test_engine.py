@@ -20,7 +20,7 @@ from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime import reference as oracle
 from trtspec.runtime.processing import Processing
 from trtspec.runtime.request import GenerationConfig
-from trtspec.runtime.engine import Busy, Engine, EngineConfig, EngineCore
+from trtspec.runtime.engine import Busy, Engine, EngineConfig, LocalEngine
 from trtspec.runtime.reference import PythonController
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.sampling import SamplingConfig
@@ -50,8 +50,8 @@ def pair_ort(target_dir, trained_drafter_dir, tmp_path_factory):
 
 
 def _alone(pipeline, ids, config):
-    """The request decoded by itself: the pipeline's one-slot engine core (what `trtspec run` uses)."""
-    return pipeline.core.generate([ids], [config])[0]
+    """The request decoded by itself: the pipeline's one-slot local engine (what `trtspec run` uses)."""
+    return pipeline.local_engine.generate([ids], [config])[0]
 
 
 def _requests(pipeline, count):
@@ -107,7 +107,7 @@ def _sample_in_batches(pair, count: int, controller=None, static: bool = False) 
     options = {"controller": controller} if controller is not None else {}
     runner = BatchRunner.eager(*pair, slots=64)
     runner.static = static
-    engine = Engine(EngineCore(runner,
+    engine = Engine(LocalEngine(runner,
                                config=EngineConfig(max_running=64, max_queued=count * 2), **options))
     try:
         sampled = []
@@ -131,8 +131,8 @@ def test_seeded_requests_draw_in_a_batch_what_they_draw_alone():
                                 processing=Processing(repetition_penalty=1.3) if i % 4 == 1 else Processing(),
                                 logprobs=2 if i % 5 == 0 else None) for i in range(12)]
     prompts = [[2, 3, 4 + i % 5] for i in range(12)]
-    together = EngineCore(BatchRunner.eager(*pair, slots=8), config=EngineConfig(max_running=8))
-    alone = EngineCore(BatchRunner.eager(*pair, slots=1), config=EngineConfig(max_running=1))
+    together = LocalEngine(BatchRunner.eager(*pair, slots=8), config=EngineConfig(max_running=8))
+    alone = LocalEngine(BatchRunner.eager(*pair, slots=1), config=EngineConfig(max_running=1))
     batched = together.generate(prompts, configs)
     for prompt, config, generation in zip(prompts, configs, batched):
         expected = alone.generate([prompt], [config])[0]
@@ -202,7 +202,7 @@ def test_a_full_queue_answers_busy(tiny):
     first ones yet (requests can arrive faster than cycles end); the next one is refused."""
     with tiny.engine(EngineConfig(max_running=2, max_queued=1)) as engine:
         config = GenerationConfig(block=BlockChoice(4), max_new_tokens=200)
-        with engine.core.lock:  # the loop cannot admit anything meanwhile: the worst case for arrivals
+        with engine.local.lock:  # the loop cannot admit anything meanwhile: the worst case for arrivals
             held = [engine.submit([5, 9, 33], config) for _ in range(3)]
             with pytest.raises(Busy, match="busy"):
                 engine.submit([5, 9, 33], config)
@@ -227,7 +227,7 @@ def test_cancelling_frees_the_slot_within_a_cycle(tiny):
 def test_the_engine_needs_its_slots(tiny):
     runner = BatchRunner.eager(tiny.target, tiny.drafter, slots=2)
     with pytest.raises(TrtspecError, match="cache slots"):
-        EngineCore(runner, config=EngineConfig(max_running=3))
+        LocalEngine(runner, config=EngineConfig(max_running=3))
     with pytest.raises(TrtspecError, match="max-running"):
         EngineConfig(max_running=0)
 
@@ -274,26 +274,28 @@ def test_auto_requests_still_speculating_turn_ar_when_the_load_sends_a_later_one
     every output is still exactly AR's, and their statistics keep their speculative cycles."""
     from trtspec.runtime.stats import committed_tokens
 
-    core = pair_eager.engine_core(EngineConfig(max_running=8))
+    from trtspec.blockpilot.load import LoadAwareChooser
+
+    local = pair_eager.stepped_engine(EngineConfig(max_running=8))
     admissions = []
 
-    def first_wave_then_ar(choice, load, sampled=False):  # the chooser's verdicts, in a fixed order
-        admissions.append(load)
-        return BlockChoice(8) if len(admissions) <= 3 else AR
-    first_wave_then_ar.observe, first_wave_then_ar.observe_cycle = core.chooser.observe, core.chooser.observe_cycle
-    core.chooser = first_wave_then_ar
+    class FirstWaveThenAR(LoadAwareChooser):  # the chooser's verdicts, in a fixed order; its switches
+        def choose(self, choice, load, sampled=False):
+            admissions.append(load)
+            return BlockChoice(8) if len(admissions) <= 3 else AR
+    local.chooser = FirstWaveThenAR(local.chooser.costs, local.chooser.choices)
     prompts = [pair_eager.codec.encode(p) for p in code_prompts(5, words=40, seed=3)]
     auto, fixed = GenerationConfig(block=AUTO, max_new_tokens=48), GenerationConfig(block=BlockChoice(8), max_new_tokens=48)
-    requests = [core.submit(prompt, auto) for prompt in prompts[:3]] + [core.submit(prompts[3], fixed)]
+    requests = [local.submit(prompt, auto) for prompt in prompts[:3]] + [local.submit(prompts[3], fixed)]
     for _ in range(4):
-        core.step()
-    assert core.load().block_sizes == (8, 8, 8, 8)  # prefilled and speculating, none finished
-    requests.append(core.submit(prompts[4], auto))
-    core.step()
-    assert core.load().block_sizes == (1, 1, 1, 8, 1)  # the burst followed the late one; the fixed one did not
-    while core.busy:
-        core.step()
-    expected = pair_eager.core.generate(prompts, [GenerationConfig(block=AR, max_new_tokens=48)] * 5)
+        local.step()
+    assert local.load().block_sizes == (8, 8, 8, 8)  # prefilled and speculating, none finished
+    requests.append(local.submit(prompts[4], auto))
+    local.step()
+    assert local.load().block_sizes == (1, 1, 1, 8, 1)  # the burst followed the late one; the fixed one did not
+    while local.busy:
+        local.step()
+    expected = pair_eager.local_engine.generate(prompts, [GenerationConfig(block=AR, max_new_tokens=48)] * 5)
     assert [r.result(timeout=0).tokens for r in requests] == [g.tokens for g in expected]
     for request in requests[:3]:
         stats = request.stats
@@ -301,6 +303,16 @@ def test_auto_requests_still_speculating_turn_ar_when_the_load_sends_a_later_one
         assert stats.turned_ar_at == 1 + committed_tokens(stats.histogram) < 48  # its cycles: those before it
     assert requests[3].stats.turned_ar_at == 0 and 1 + committed_tokens(requests[3].stats.histogram) >= 48
     assert requests[4].stats.block_size == 1 and requests[4].stats.turned_ar_at == 0
+
+
+def test_an_ar_verdict_switches_only_the_auto_requests_still_speculating():
+    from trtspec.blockpilot.costs import CostTable
+    from trtspec.blockpilot.load import LoadAwareChooser
+
+    chooser = LoadAwareChooser(CostTable((1, 2), {1: [10.0, 11.0], 8: [20.0, 25.0]}))
+    running = [(AUTO, 8), (BlockChoice(8), 8), (AUTO, 1), (AUTO, 12)]  # (asked for, current size)
+    assert chooser.requests_to_switch(AR, running) == [0, 3]
+    assert chooser.requests_to_switch(BlockChoice(8), running) == []
 
 
 def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
@@ -315,24 +327,24 @@ def test_load_aware_blockpilot_keeps_speculation_only_while_it_pays():
     chooser = LoadAwareChooser(costs)
     twelve = BlockChoice(12)
     for _ in range(20):
-        chooser.observe(twelve, _cycles(12, {3: 32}))  # tau 4 at B=12: 4 / 30 ms beats 1 / 10.5 ms alone
-    assert chooser(twelve, Load(0, 1, ())) == twelve
-    assert chooser(twelve, Load(0, 9, (1,) * 8)) == BlockChoice(1)  # joining eight AR requests is nearly free
-    assert chooser(twelve, Load(0, 17, (12,) * 16)) == BlockChoice(1)  # 17 at AR beat 17 at 12 by far: drift
-    assert chooser(twelve, Load(0, 3, (12, 12))) == twelve
-    assert chooser(BlockChoice(1), Load(0, 1, ())) == BlockChoice(1)
+        chooser.observe_request(twelve, _cycles(12, {3: 32}))  # tau 4 at B=12: 4 / 30 ms beats 1 / 10.5 ms alone
+    assert chooser.choose(twelve, Load(0, 1, ())) == twelve
+    assert chooser.choose(twelve, Load(0, 9, (1,) * 8)) == BlockChoice(1)  # joining eight AR requests is nearly free
+    assert chooser.choose(twelve, Load(0, 17, (12,) * 16)) == BlockChoice(1)  # 17 at AR beat 17 at 12 by far: drift
+    assert chooser.choose(twelve, Load(0, 3, (12, 12))) == twelve
+    assert chooser.choose(BlockChoice(1), Load(0, 1, ())) == BlockChoice(1)
     # Sampled requests learn their own tau: accepting little at T > 0 sends them to AR, not greedy ones.
-    assert chooser(twelve, Load(0, 1, ()), sampled=True) == twelve  # the prior: speculation
+    assert chooser.choose(twelve, Load(0, 1, ()), sampled=True) == twelve  # the prior: speculation
     for _ in range(20):
-        chooser.observe(twelve, _cycles(12, {1: 32}), sampled=True)  # 2 / 30 ms < 1 / 10.5 ms
-    assert chooser(twelve, Load(0, 1, ()), sampled=True) == BlockChoice(1)
-    assert chooser(twelve, Load(0, 1, ())) == twelve
+        chooser.observe_request(twelve, _cycles(12, {1: 32}), sampled=True)  # 2 / 30 ms < 1 / 10.5 ms
+    assert chooser.choose(twelve, Load(0, 1, ()), sampled=True) == BlockChoice(1)
+    assert chooser.choose(twelve, Load(0, 1, ())) == twelve
     # A sampled neighbour shares the greedy request's call and commits its own (smaller) tau.
     expected = (chooser.tau(12) + chooser.tau(12, sampled=True)) / costs.cost(12, 2)
     assert chooser.rate(12, [False, True]) == pytest.approx(expected)
     for _ in range(200):
-        chooser.observe(twelve, _cycles(12, {0: 16, 1: 16}))  # it turns out to accept little: AR even alone
-    assert chooser(twelve, Load(0, 1, ())) == BlockChoice(1)
+        chooser.observe_request(twelve, _cycles(12, {0: 16, 1: 16}))  # it turns out to accept little: AR even alone
+    assert chooser.choose(twelve, Load(0, 1, ())) == BlockChoice(1)
     assert chooser.decisions == {"kept": 4, "ar": 4}
 
 
@@ -348,23 +360,23 @@ def test_load_aware_blockpilot_asks_the_policy_only_when_speculation_has_a_chanc
     costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches],
                                 12: [25 + 5 * n for n in batches]})
     chooser, asked = LoadAwareChooser(costs), []
-    chooser.observe(BlockChoice(12), _cycles(12, {2: 1000}))  # tau 3 at 12 and at 8
+    chooser.observe_request(BlockChoice(12), _cycles(12, {2: 1000}))  # tau 3 at 12 and at 8
 
     def policy() -> BlockChoice:
         asked.append(True)
         return BlockChoice(12)
 
-    assert chooser(policy, Load(0, 16, (1,) * 15)) == BlockChoice(1) and not asked  # 16 x 3 / 68 ms < 16 / 18 ms
-    assert chooser(policy, Load(0, 1, ())) == BlockChoice(8) and asked == [True]  # 3 / 23 ms > 3 / 30 ms, 1 / 10.5 ms
+    assert chooser.choose(policy, Load(0, 16, (1,) * 15)) == BlockChoice(1) and not asked  # 16 x 3 / 68 ms < 16 / 18 ms
+    assert chooser.choose(policy, Load(0, 1, ())) == BlockChoice(8) and asked == [True]  # 3 / 23 ms > 3 / 30 ms, 1 / 10.5 ms
     assert chooser.decisions == {"ar": 1, "smaller": 1}
     # told what the policy can answer: where the load settles on 8, an answer of 8 or 12 comes out as 8 ...
     told = LoadAwareChooser(costs, (BlockChoice(8), BlockChoice(12)))
-    told.observe(BlockChoice(12), _cycles(12, {2: 1000}))
-    assert told(policy, Load(0, 1, ())) == BlockChoice(8) and asked == [True] and told.decisions == {"load": 1}
+    told.observe_request(BlockChoice(12), _cycles(12, {2: 1000}))
+    assert told.choose(policy, Load(0, 1, ())) == BlockChoice(8) and asked == [True] and told.decisions == {"load": 1}
     # ... but a growing block from 8 would run as it is: a policy that can answer one is asked
     grows = LoadAwareChooser(costs, (BlockChoice(8, grow_to=12), BlockChoice(12)))
-    grows.observe(BlockChoice(12), _cycles(12, {2: 1000}))
-    assert grows(policy, Load(0, 1, ())) == BlockChoice(8) and asked == [True, True]
+    grows.observe_request(BlockChoice(12), _cycles(12, {2: 1000}))
+    assert grows.choose(policy, Load(0, 1, ())) == BlockChoice(8) and asked == [True, True]
 
 
 def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it():
@@ -381,23 +393,23 @@ def test_load_aware_blockpilot_takes_a_smaller_block_when_the_batch_pays_for_it(
                                 12: [24 + 5 * n for n in batches]})
     chooser, twelve = LoadAwareChooser(costs), BlockChoice(12)
     cycles = 10_000 * PRIOR_CYCLES  # the prior weighs nothing beside this
-    chooser.observe(twelve, _cycles(12, {11: cycles // 2, 3: cycles // 2}))  # tau 8 at B=12
+    chooser.observe_request(twelve, _cycles(12, {11: cycles // 2, 3: cycles // 2}))  # tau 8 at B=12
     assert chooser.tau(12) == pytest.approx(8.0, rel=1e-3)
     assert chooser.tau(8) == pytest.approx(6.0, rel=1e-3)  # (8 + 4) / 2: the full blocks cut at 8
     assert chooser.tau(8, sampled=True) < 3.0  # no sampled request ran: the prior alone
     # alone: 8 / 29 ms (B=12) > 6 / 23 ms (B=8) > 1 / 10.5 ms (AR)
-    assert chooser(twelve, Load(0, 1, ())) == twelve
+    assert chooser.choose(twelve, Load(0, 1, ())) == twelve
     # a batch of four: 4 x 6 / 32 ms at 8 > 4 x 8 / 44 ms at 12 > 4 / 12 ms at AR
-    assert chooser(twelve, Load(0, 4, ())) == BlockChoice(8)  # four arrived together, none decodes yet
-    assert chooser(twelve, Load(0, 4, (8, 8, 8))) == BlockChoice(8)
-    assert chooser(twelve, Load(3, 1, (), slots=4)) == BlockChoice(8)  # one admitted, three queued for free slots
-    assert chooser(twelve, Load(3, 1, (), slots=1)) == twelve  # ... but no slot is free: it runs alone
+    assert chooser.choose(twelve, Load(0, 4, ())) == BlockChoice(8)  # four arrived together, none decodes yet
+    assert chooser.choose(twelve, Load(0, 4, (8, 8, 8))) == BlockChoice(8)
+    assert chooser.choose(twelve, Load(3, 1, (), slots=4)) == BlockChoice(8)  # one admitted, three queued for free slots
+    assert chooser.choose(twelve, Load(3, 1, (), slots=1)) == twelve  # ... but no slot is free: it runs alone
     # ... but 12 is within STAY_MARGIN (10%) of 8 there (3% below): with three at 12 already, joining them beats
     # opening a second call
-    assert chooser(twelve, Load(0, 4, (12, 12, 12))) == twelve
-    assert chooser(BlockChoice(8), Load(0, 1, ())) == BlockChoice(8)  # never a larger block than the policy's
+    assert chooser.choose(twelve, Load(0, 4, (12, 12, 12))) == twelve
+    assert chooser.choose(BlockChoice(8), Load(0, 1, ())) == BlockChoice(8)  # never a larger block than the policy's
     # alone for an instant, but four ran lately (clients about to come back): judged as a batch of four
-    assert chooser(twelve, Load(0, 1, (), recent=3.8)) == BlockChoice(8)
+    assert chooser.choose(twelve, Load(0, 1, (), recent=3.8)) == BlockChoice(8)
     assert chooser.decisions == {"kept": 4, "smaller": 4}
 
 
@@ -414,16 +426,16 @@ def test_load_aware_blockpilot_explores_before_it_judges():
     batches = (1, 2, 4, 8, 16)
     costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches]})
     chooser, eight = LoadAwareChooser(costs), BlockChoice(8)
-    assert chooser(eight, Load(0, 8, ())) == eight  # the prior (2.74) would lose to AR at eight requests
+    assert chooser.choose(eight, Load(0, 8, ())) == eight  # the prior (2.74) would lose to AR at eight requests
     # one explores at a time: while it decodes, the next admission goes by the prior
-    assert chooser(eight, Load(0, 8, (8,))) == BlockChoice(1)
-    assert chooser(eight, Load(0, 8, (1, 1))) == BlockChoice(1)  # nor beside a batch heading to AR
-    chooser.observe(eight, _cycles(8, {1: int(PRIOR_CYCLES) - 1}))  # tau 2, one cycle short of enough
-    assert chooser(eight, Load(0, 8, ())) == eight
-    chooser.observe(eight, _cycles(8, {0: OBSERVED_MIN - 1}))  # a short request: counted, it would tip it to AR
-    assert chooser.tau(8) > 2 and chooser(eight, Load(0, 8, ())) == eight
-    chooser.observe(eight, _cycles(8, {1: OBSERVED_MIN}))
-    assert chooser(eight, Load(0, 8, ())) == BlockChoice(1)  # 8 x 2 / 44 ms < 8 / 14 ms
+    assert chooser.choose(eight, Load(0, 8, (8,))) == BlockChoice(1)
+    assert chooser.choose(eight, Load(0, 8, (1, 1))) == BlockChoice(1)  # nor beside a batch heading to AR
+    chooser.observe_request(eight, _cycles(8, {1: int(PRIOR_CYCLES) - 1}))  # tau 2, one cycle short of enough
+    assert chooser.choose(eight, Load(0, 8, ())) == eight
+    chooser.observe_request(eight, _cycles(8, {0: OBSERVED_MIN - 1}))  # a short request: counted, it would tip it to AR
+    assert chooser.tau(8) > 2 and chooser.choose(eight, Load(0, 8, ())) == eight
+    chooser.observe_request(eight, _cycles(8, {1: OBSERVED_MIN}))
+    assert chooser.choose(eight, Load(0, 8, ())) == BlockChoice(1)  # 8 x 2 / 44 ms < 8 / 14 ms
     assert chooser.decisions == {"kept": 3, "ar": 3}
     # 12, never run, is not explored where it could not pay: 8's cycles, ceilings extended to 12,
     # give at most tau 2 here; with every cycle a ceiling at 8 it could (tau up to 12), so it is
@@ -431,10 +443,10 @@ def test_load_aware_blockpilot_explores_before_it_judges():
     costs = CostTable(batches, {1: [10 + 0.5 * n for n in batches], 8: [20 + 3 * n for n in batches],
                                 12: [24 + 4 * n for n in batches]})
     chooser = LoadAwareChooser(costs)
-    chooser.observe(eight, _cycles(8, {1: int(PRIOR_CYCLES)}))
-    assert chooser(twelve, Load(0, 8, ())) == BlockChoice(1)
-    chooser.observe(eight, _cycles(8, {7: 40 * int(PRIOR_CYCLES)}))
-    assert chooser(twelve, Load(0, 8, ())) == twelve
+    chooser.observe_request(eight, _cycles(8, {1: int(PRIOR_CYCLES)}))
+    assert chooser.choose(twelve, Load(0, 8, ())) == BlockChoice(1)
+    chooser.observe_request(eight, _cycles(8, {7: 40 * int(PRIOR_CYCLES)}))
+    assert chooser.choose(twelve, Load(0, 8, ())) == twelve
 
 
 def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():
@@ -446,8 +458,8 @@ def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():
     from trtspec.runtime.schedule import BlockChoice
 
     chooser, eight = LoadAwareChooser(CostTable((1, 2, 4), {1: [10.0, 11.0, 12.0], 8: [20.0, 30.0, 60.0]})), BlockChoice(8)
-    chooser.observe(eight, _cycles(8, {3: 100_000}))  # tau 4 at B = 8
-    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # the table: 4 x 4 / 60 ms < 4 / 12 ms (by > AR_MARGIN)
+    chooser.observe_request(eight, _cycles(8, {3: 100_000}))  # tau 4 at B = 8
+    assert chooser.choose(eight, Load(0, 4, ())) == BlockChoice(1)  # the table: 4 x 4 / 60 ms < 4 / 12 ms (by > AR_MARGIN)
     for _ in range(MEASURED_MIN - 1):
         chooser.observe_cycle(8, 4, 48.0)
     assert chooser.cost(8, 4) == 60.0  # too few cycles of that shape yet
@@ -455,15 +467,15 @@ def test_load_aware_blockpilot_judges_by_the_cycles_the_engine_measured():
     assert chooser.cost(8, 4) == 48.0
     assert chooser.cost(8, 2) == pytest.approx(30.0 * 0.8)  # one shape: the table scaled by measured / table
     assert chooser.cost(1, 4) == pytest.approx(12.0 * 0.8)
-    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # 16 / 48 ms < 4 / 9.6 ms
+    assert chooser.choose(eight, Load(0, 4, ())) == BlockChoice(1)  # 16 / 48 ms < 4 / 9.6 ms
     for _ in range(MEASURED_MIN):  # AR's cycles carry more host work per token than the table shows
         chooser.observe_cycle(1, 4, 12.5)
-    assert chooser(eight, Load(0, 4, ())) == eight  # 16 / 48 ms > 4 / 12.5 ms
+    assert chooser.choose(eight, Load(0, 4, ())) == eight  # 16 / 48 ms > 4 / 12.5 ms
     # two shapes: a line through them, 12 -> 12.5 ms and 60 -> 48 ms, finds the host work every cycle carries
     assert chooser.cost(8, 2) == pytest.approx(12.5 + (30 - 12) * 35.5 / 48)
     for _ in range(WINDOW):  # the host slowed down: only the latest cycles count
         chooser.observe_cycle(8, 4, 64.0)
-    assert chooser.cost(8, 4) == 64.0 and chooser(eight, Load(0, 4, ())) == BlockChoice(1)
+    assert chooser.cost(8, 4) == 64.0 and chooser.choose(eight, Load(0, 4, ())) == BlockChoice(1)
 
 
 def test_load_aware_blockpilot_adds_the_host_work_the_table_lacks():
@@ -478,7 +490,7 @@ def test_load_aware_blockpilot_adds_the_host_work_the_table_lacks():
 
     table = CostTable((1, 2, 4), {1: [8.2, 9.1, 10.3], 8: [16.1, 22.7, 34.4]})  # timed at start-up, 4 clients
     chooser, eight = LoadAwareChooser(table), BlockChoice(8)
-    chooser.observe(eight, _cycles(8, {1: 30_000, 2: 70_000}))  # tau 2.7
+    chooser.observe_request(eight, _cycles(8, {1: 30_000, 2: 70_000}))  # tau 2.7
     for batch, ms in ((1, 14.6), (2, 19.5), (4, 27.1)):
         for _ in range(MEASURED_MIN):
             chooser.observe_cycle(8, batch, ms)
@@ -486,12 +498,12 @@ def test_load_aware_blockpilot_adds_the_host_work_the_table_lacks():
     assert 0.6 < slope < 0.75 and 3 < host < 4.5
     assert chooser.cost(1, 4) == pytest.approx(slope * 10.3 + host)  # ~10.7 ms, not 10.3 x 0.86 = 8.9 (the ratio)
     # 4 x 2.7 / 27.1 ms > 4 / 10.7 ms (+ AR_MARGIN), not 4 / 8.9; joining three at 8 it stays there ...
-    assert chooser(eight, Load(0, 4, (8, 8, 8))) == eight
+    assert chooser.choose(eight, Load(0, 4, (8, 8, 8))) == eight
     # ... but with nothing decoding yet, AR is within AR_EXPLORE of 8 on a guess: it runs AR to measure it
-    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)
+    assert chooser.choose(eight, Load(0, 4, ())) == BlockChoice(1)
     for _ in range(MEASURED_MIN):
         chooser.observe_cycle(1, 4, 12.1)  # what the demo pair's AR cycles took at 4 clients
-    assert chooser(eight, Load(0, 4, ())) == eight  # measured: 4 / 12.1 ms is 18% behind, nothing to explore
+    assert chooser.choose(eight, Load(0, 4, ())) == eight  # measured: 4 / 12.1 ms is 18% behind, nothing to explore
     too_alike = fit_host_work(np.array([20.0, 21.0]), np.array([10.0, 12.0]))
     assert too_alike == (pytest.approx((10 / 20 + 12 / 21) / 2), 0.0)  # the median ratio
     assert fit_host_work(np.array([10.0, 40.0]), np.array([5.0, 30.0]))[1] == 0.0  # no host work: the ratio
@@ -508,17 +520,17 @@ def test_load_aware_blockpilot_follows_the_batch_where_it_is_heading():
     from trtspec.runtime.schedule import BlockChoice
 
     chooser, eight = LoadAwareChooser(CostTable((1, 2, 4), {1: [8.0, 9.0, 10.0], 8: [16.0, 22.0, 34.0]})), BlockChoice(8)
-    chooser.observe(eight, _cycles(8, {1: 30_000, 2: 70_000}))  # tau 2.7
+    chooser.observe_request(eight, _cycles(8, {1: 30_000, 2: 70_000}))  # tau 2.7
     for _ in range(MEASURED_MIN):
         chooser.observe_cycle(8, 4, 27.0)  # 4 x 2.7 / 27 ms = 0.40 tokens per ms
         chooser.observe_cycle(1, 4, 9.4)  # 4 / 9.4 ms = 0.43, 0.41 after AR_MARGIN: ahead by 3%
-    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # nothing decodes: the best
-    assert chooser(eight, Load(0, 4, (8, 8, 8))) == eight  # within STAY_MARGIN: no second group for 3%
-    assert chooser(eight, Load(0, 4, (8, 8, 1))) == BlockChoice(1)  # the batch is moving to AR: follow it
-    assert chooser(eight, Load(0, 4, (1, 1, 8))) == eight  # ... or back to 8, once an admission went there
+    assert chooser.choose(eight, Load(0, 4, ())) == BlockChoice(1)  # nothing decodes: the best
+    assert chooser.choose(eight, Load(0, 4, (8, 8, 8))) == eight  # within STAY_MARGIN: no second group for 3%
+    assert chooser.choose(eight, Load(0, 4, (8, 8, 1))) == BlockChoice(1)  # the batch is moving to AR: follow it
+    assert chooser.choose(eight, Load(0, 4, (1, 1, 8))) == eight  # ... or back to 8, once an admission went there
     for _ in range(WINDOW):
         chooser.observe_cycle(1, 4, 8.0)  # AR 21% ahead, past the margin: the batch starts to move
-    assert chooser(eight, Load(0, 4, (8, 8, 8))) == BlockChoice(1)
+    assert chooser.choose(eight, Load(0, 4, (8, 8, 8))) == BlockChoice(1)
 
 
 def test_the_engine_learns_acceptance_from_every_speculative_request():
@@ -533,7 +545,7 @@ def test_the_engine_learns_acceptance_from_every_speculative_request():
                GenerationConfig(block=BlockChoice(4, 8), max_new_tokens=60),
                GenerationConfig(block=AR, max_new_tokens=20)]
     runner = BatchRunner.eager(*predictable_pair(), slots=2)  # cycles that accept nothing, part or all
-    with Engine(EngineCore(runner, config=EngineConfig(max_running=2), chooser=chooser)) as engine:
+    with Engine(LocalEngine(runner, config=EngineConfig(max_running=2), chooser=chooser)) as engine:
         fixed, growing, ar = [engine.submit([5, 9, 33, 2, 7], c).result(timeout=120).stats for c in configs]
     assert growing.grown_cycles > 0  # else the growing request shows nothing here
 
@@ -558,7 +570,7 @@ def test_static_buffers_for_graph_replay_decode_the_same(tiny):
     for static in (False, True):
         runner = BatchRunner.eager(tiny.target, tiny.drafter, slots=4)
         runner.static = static
-        with Engine(EngineCore(runner, config=EngineConfig(max_running=4))) as engine:
+        with Engine(LocalEngine(runner, config=EngineConfig(max_running=4))) as engine:
             generations = [r.result(timeout=120) for r in [engine.submit(p, c) for p, c in zip(prompts, configs)]]
         outputs.append([(g.tokens, g.stats.histogram) for g in generations])
     assert outputs[0] == outputs[1]
@@ -575,22 +587,22 @@ def test_load_aware_blockpilot_forgets_a_shape_it_has_not_run_lately():
     now = [0.0]
     table = CostTable((1, 2, 4), {1: [8.2, 9.1, 10.3], 8: [16.1, 22.7, 34.4]})
     chooser, eight = LoadAwareChooser(table, clock=lambda: now[0]), BlockChoice(8)
-    chooser.observe(eight, _cycles(8, {1: 30_000, 2: 70_000}))  # tau 2.7
+    chooser.observe_request(eight, _cycles(8, {1: 30_000, 2: 70_000}))  # tau 2.7
     for _ in range(MEASURED_MIN):
         chooser.observe_cycle(1, 4, 12.1)  # AR measured on a slow host: 18% behind B = 8
     for ms, batch in ((14.6, 1), (27.1, 4)):
         for _ in range(MEASURED_MIN):
             chooser.observe_cycle(8, batch, ms)
-    assert chooser(eight, Load(0, 4, ())) == eight
+    assert chooser.choose(eight, Load(0, 4, ())) == eight
     now[0] = STALE_S / 2
     for _ in range(MEASURED_MIN):
         chooser.observe_cycle(8, 4, 27.1)  # B = 8 keeps running
     now[0] = STALE_S + 1  # AR last ran STALE_S ago, B = 8 half that
     assert (1, 4) not in chooser.measured() and chooser.measured()[8, 4] == 27.1
     assert (8, 1) not in chooser.measured()  # its fit is left to the shapes measured lately
-    assert chooser(eight, Load(0, 4, ())) == BlockChoice(1)  # close on the table's guess: explored again
+    assert chooser.choose(eight, Load(0, 4, ())) == BlockChoice(1)  # close on the table's guess: explored again
     chooser.observe_cycle(1, 4, 9.0)
     assert (1, 4) not in chooser.measured()  # the old cycles went with it: MEASURED_MIN fresh ones count
     for _ in range(MEASURED_MIN - 1):
         chooser.observe_cycle(1, 4, 9.0)
-    assert chooser.cost(1, 4) == 9.0 and chooser(eight, Load(0, 4, (1, 1, 1))) == BlockChoice(1)
+    assert chooser.cost(1, 4) == 9.0 and chooser.choose(eight, Load(0, 4, (1, 1, 1))) == BlockChoice(1)

@@ -179,20 +179,20 @@ def test_the_cost_table_is_timed_once_per_machine_and_kept_in_the_cache(trained,
     monkeypatch.setattr(costs, "measure_costs", lambda runner, sizes: timed.append(runner.slots) or real(runner, sizes))
     monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "cache"))
     pipeline = Pipeline(target_dir, drafter_dir, policy=trained[0] / "policy")
-    first = pipeline.engine_core(EngineConfig(max_running=2)).chooser.costs
+    first = pipeline.stepped_engine(EngineConfig(max_running=2)).chooser.costs
     entries = list((tmp_path / "cache" / costs.COSTS_DIR).glob("*.json"))
     assert timed == [2] and len(entries) == 1
     assert sorted(first.cycle_ms) == [1, *pipeline.policy.block_sizes] and first.batches == (1, 2)
-    again = Pipeline(target_dir, drafter_dir, policy=trained[0] / "policy").engine_core(EngineConfig(max_running=2))
+    again = Pipeline(target_dir, drafter_dir, policy=trained[0] / "policy").stepped_engine(EngineConfig(max_running=2))
     assert timed == [2] and again.chooser.costs == first  # read back, not timed
-    pipeline.engine_core(EngineConfig(max_running=3))
+    pipeline.stepped_engine(EngineConfig(max_running=3))
     assert timed == [2, 3] and len(list(entries[0].parent.glob("*.json"))) == 2
     entries[0].write_text(entries[0].read_text()[:-40])
-    assert pipeline.engine_core(EngineConfig(max_running=2)).chooser.costs.batches == (1, 2) and timed == [2, 3, 2]
+    assert pipeline.stepped_engine(EngineConfig(max_running=2)).chooser.costs.batches == (1, 2) and timed == [2, 3, 2]
     assert json.loads(entries[0].read_text())["table"]["batches"] == [1, 2]  # rewritten whole
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "a-file"))
-    assert pipeline.engine_core(EngineConfig(max_running=2)).chooser is not None and timed == [2, 3, 2, 2]
+    assert pipeline.stepped_engine(EngineConfig(max_running=2)).chooser is not None and timed == [2, 3, 2, 2]
 
 
 def test_a_policy_may_choose_not_to_speculate(target_dir, drafter_dir, tmp_path):

@@ -153,16 +153,16 @@ def test_a_requests_own_grammar_error_ends_that_request_alone(pair):
     from trtspec.runtime.sampling import SamplingConfig
 
     ids = pair.codec.encode(PROMPT)
-    core = pair.engine_core(EngineConfig(max_running=4), load_aware=False)
+    local = pair.stepped_engine(EngineConfig(max_running=4), load_aware=False)
     plain = [GenerationConfig(block=BlockChoice(8), max_new_tokens=16, ignore_eos=True),
              GenerationConfig(block=BlockChoice(1), max_new_tokens=16, ignore_eos=True,
                               sampling=SamplingConfig(temperature=1.0, seed=5))]
     alone = [pair.generate(PROMPT, config).tokens for config in plain]
     for block in (BlockChoice(8), BlockChoice(1)):
         failing = replace(plain[0], block=block, processing=Processing(grammar=_GivingUp(after=3)))
-        requests = [core.submit(ids, config) for config in (plain[0], failing, plain[1])]
-        while core.busy:
-            core.step()
+        requests = [local.submit(ids, config) for config in (plain[0], failing, plain[1])]
+        while local.busy:
+            local.step()
         with pytest.raises(TrtspecError, match="too many expressions constructed") as refused:
             requests[1].result()
         assert "\n" not in str(refused.value)

@@ -9,7 +9,7 @@ target's logits (chi-square, plus a Bonferroni-corrected binomial test per cell,
 catches a shift concentrated on one token). The same test run with a subtly broken acceptance rule,
 moving 1% of probability mass onto the drafter's proposal, must fail: that shows it has the power to
 catch a shift of that size (broken in the Python oracle of the controller, which the same loop runs
-in place of the native core; the native core agrees with that oracle cycle by cycle,
+in place of the native controller; the native controller agrees with that oracle cycle by cycle,
 test_controller.py).
 """
 
@@ -22,7 +22,7 @@ from trtspec.runtime import processing as processing_module
 from trtspec.runtime import reference as oracle
 from helpers import generate, predictable_pair, processed_logits, single
 from trtspec.runtime.request import GenerationConfig
-from trtspec.runtime.engine import EngineConfig, EngineCore
+from trtspec.runtime.engine import EngineConfig, LocalEngine
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.reference import PythonController, accepted_length
 from trtspec.runtime.processing import Processing
@@ -110,7 +110,7 @@ def exact_three_token_distribution(target) -> np.ndarray:
 
 def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
                         tokens: int = 3, batched: bool = True, min_p: float = 0.0, **config) -> np.ndarray:
-    """First `tokens` tokens of `count` seeded requests, through the native core or `controller`:
+    """First `tokens` tokens of `count` seeded requests, through the native controller or `controller`:
     decoded 64 at a time by the engine, or one by one by a one-slot engine (`batched=False`);
     `config`: more GenerationConfig fields."""
     options = {"controller": controller} if controller is not None else {}
@@ -120,8 +120,8 @@ def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, 
     if not batched:
         one = single(*pair, **options)
         return np.array([generate(one, PROMPT, config).tokens for config in configs])
-    core = EngineCore(BatchRunner.eager(*pair, slots=BATCH), config=EngineConfig(max_running=BATCH), **options)
-    return np.array([g.tokens for g in core.generate([PROMPT] * count, configs)])
+    local = LocalEngine(BatchRunner.eager(*pair, slots=BATCH), config=EngineConfig(max_running=BATCH), **options)
+    return np.array([g.tokens for g in local.generate([PROMPT] * count, configs)])
 
 
 def fit_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:

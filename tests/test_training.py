@@ -262,7 +262,7 @@ def test_batched_continuations_equal_single_request_decoding(target_dir):
     from trtspec.training.data import continue_prompts
     batched = continue_prompts(pipeline, prompts, config, batch_size=3, progress=False)
     for prompt, row in zip(prompts, batched):
-        assert row == pipeline.core.generate([prompt], [config])[0].tokens
+        assert row == pipeline.local_engine.generate([prompt], [config])[0].tokens
 
 
 def test_train_drafter_runs_under_torchrun_with_ddp(target_dir, tmp_path):

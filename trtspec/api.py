@@ -21,7 +21,7 @@ from trtspec.models.draft_vocab import ids_sha256, select as select_draft_vocab
 from trtspec.blockpilot.policy import drafter_policy, load_policy
 from trtspec.device import describe_device, resolve_device, resolve_dtype
 from trtspec.export.bindings import PREFILL_LOGITS
-from trtspec.runtime.engine import Engine, EngineConfig, EngineCore
+from trtspec.runtime.engine import Engine, EngineConfig, LocalEngine
 from trtspec.runtime.request import Generation, GenerationConfig
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.schedule import AR, AUTO, BlockChoice
@@ -115,7 +115,7 @@ class Pipeline:
                 raise TrtspecError("a BlockPilot policy chooses the drafter's block size; give a drafter too")
             self.policy = load_policy(policy, self.runner.block_sizes).to(torch_device)
             self.default_block = AUTO
-        self._core: EngineCore | None = None
+        self._local_engine: LocalEngine | None = None
 
     @property
     def has_drafter(self) -> bool:
@@ -127,7 +127,7 @@ class Pipeline:
         baseline = copy.copy(self)
         baseline.drafter = None
         baseline.runner = self._runner(1, drafter=False)
-        baseline.default_block, baseline.policy, baseline._core = AR, None, None
+        baseline.default_block, baseline.policy, baseline._local_engine = AR, None, None
         return baseline
 
     def _runner(self, slots: int, drafter: bool = True) -> BatchRunner:
@@ -138,13 +138,13 @@ class Pipeline:
         return self.runner.with_slots(slots, drafter=drafter and self.has_drafter)
 
     @property
-    def core(self) -> EngineCore:
-        """The engine core that decodes this pipeline's own requests, one at a time on the caller's
+    def local_engine(self) -> LocalEngine:
+        """The one-slot engine that decodes this pipeline's own requests, one at a time on the caller's
         thread (`generate`, bench, labels); servers and batches get engines of their own (`engine`)."""
-        if self._core is None:
-            self._core = EngineCore(self.runner, self.policy, EngineConfig(max_running=1, prefill_chunk=0),
-                                    stop_ids=tuple(self.codec.stop_ids))
-        return self._core
+        if self._local_engine is None:
+            self._local_engine = LocalEngine(self.runner, self.policy, EngineConfig(max_running=1, prefill_chunk=0),
+                                             stop_ids=tuple(self.codec.stop_ids))
+        return self._local_engine
 
     def engine(self, config: EngineConfig = EngineConfig(), load_aware: bool = True) -> Engine:
         """A continuous-batching engine over this pair and backend on a background thread (its own
@@ -153,10 +153,10 @@ class Pipeline:
         seconds, the first time on a machine; then read from the cache) and `auto` may choose AR
         when the batch is large enough that speculation no longer pays (trtspec.blockpilot.load).
         Close it when done."""
-        return Engine(self.engine_core(config, load_aware))
+        return Engine(self.stepped_engine(config, load_aware))
 
-    def engine_core(self, config: EngineConfig = EngineConfig(), load_aware: bool = True) -> EngineCore:
-        """`engine`'s core, for a caller that steps it itself (EngineCore.generate)."""
+    def stepped_engine(self, config: EngineConfig = EngineConfig(), load_aware: bool = True) -> LocalEngine:
+        """`engine` without its thread, for a caller that steps it itself (LocalEngine.generate)."""
         runner = self._runner(config.max_running)
         chooser = None
         if self.policy is not None and load_aware:
@@ -165,7 +165,9 @@ class Pipeline:
 
             costs = cached_costs(runner, self.policy.block_sizes, self._timing_identity(runner))
             chooser = LoadAwareChooser(costs, self.policy.choices)
-        return EngineCore(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
+        return LocalEngine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
+
+    engine_core = stepped_engine  # its former name: scripts/drafter/curve.py still calls it (not this change's to edit)
 
     def _timing_identity(self, runner: BatchRunner) -> dict:
         """What a cycle's time depends on besides the runner's own sizes: the graphs an engine was
@@ -181,7 +183,7 @@ class Pipeline:
     def prefill(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's prefill of `ids` alone: the logits of its last PREFILL_LOGITS positions and the
         drafter features of every position (BlockPilot's inputs; a divergence's trace)."""
-        if self.core.busy:
+        if self.local_engine.busy:
             raise TrtspecError("the pipeline is decoding; prefill between requests")
         with torch.inference_mode():
             logits, features = self.runner.prefill([0], [ids], [0])
@@ -193,8 +195,8 @@ class Pipeline:
         cut before its first stop string (`stops`, as in `generate`)."""
         if len(prompts) != len(configs):
             raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
-        core = self.engine_core(EngineConfig(max_running=max_running), load_aware=any(c.block.auto for c in configs))
-        generations = core.generate([self.codec.encode(p, chat=chat) for p in prompts], configs)
+        engine = self.stepped_engine(EngineConfig(max_running=max_running), load_aware=any(c.block.auto for c in configs))
+        generations = engine.generate([self.codec.encode(p, chat=chat) for p in prompts], configs)
         return [_cut_at_stops(self.codec, g, stops) for g in generations]
 
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
@@ -218,7 +220,7 @@ class Pipeline:
                 if piece:
                     on_text(piece)
 
-        generation = self.core.generate([ids], [config], on_commit)[0]
+        generation = self.local_engine.generate([ids], [config], on_commit)[0]
         if on_text is None:
             return _cut_at_stops(self.codec, generation, stops)
         rest = stream.finish(generation.tokens)

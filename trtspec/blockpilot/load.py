@@ -1,73 +1,18 @@
 """BlockPilot under load: the policy's choice, or a smaller block, or AR, whichever the batch pays for.
 
-The policy was trained on labels measured one request at a time, where a cycle at block size B
-costs about as much as a few autoregressive steps. Batched, that changes: an autoregressive step
-for n requests costs little more than for one (the weights are read once), while a verify of n
-blocks of B computes n*B tokens. So when a request is admitted, the engine asks
-`LoadAwareChooser` which of the policy's choice c, a smaller block size the policy could also
-choose, and AR commits the most tokens per second for the batch it joins:
+The policy was trained one request at a time; batched, an AR step for n requests costs little more
+than for one, while a verify of n blocks of B computes n*B tokens. So at each `auto` admission the
+engine asks `LoadAwareChooser` (a `trtspec.runtime.schedule.BlockChooser`) which of the policy's
+choice, a smaller size and AR commits the most tokens per second for the batch the request joins:
 
     rate(s) = sum over the batch's requests of tau_i(s)  /  cost(s, n)
 
-The rules, each with its reason (the measurements that set them are in docs/benchmarks.md, "The
-load-aware chooser: the evidence behind its rules"):
-
-* cost(s, n), one cycle at s for n requests, is what the engine measured for its own cycles of
-  that shape (draft + verify + the rows' host work: the median of the latest WINDOW, once the
-  shape has run MEASURED_MIN cycles), else the cost table (trtspec.blockpilot.costs: bare draft(s)
-  + verify(s) calls at a fixed context, timed at the first start on a machine and kept) fitted to the
-  measured shapes as a line, measured = slope x table + host. The engine's own cycles are the real
-  traffic's, and the start-up table alone moves between engine starts by more than a decision
-  turns on. A line, not a ratio: every real cycle carries host work that the table's bare calls
-  lack, and a ratio spreads it over the table's costs, pricing AR, the cheapest call, too low.
-* A shape the engine has not run for STALE_S counts as never run: the host's speed drifts, and
-  costs are only comparable when measured at about the same time.
-* The batch is judged as if every request in it ran at s, not at the sizes the others run now:
-  every admission applies the same rule, so the batch drifts to what pays at its size. Judging
-  only this request's effect, with the others fixed, locks a batch into whatever its first
-  requests chose (joining a running group costs less than opening a call of another size).
-* n counts the requests decoding, those still prefilling, those queued for the free slots, and
-  the running count averaged over about a second (clients about to come back).
-* Near a tie (within STAY_MARGIN) the request joins the size the batch is heading to, that of the
-  latest admission still decoding: two sizes in one batch cost two calls per cycle, more than
-  either size alone. The latest admission, not the majority: once an admission finds another size
-  better by the margin, the ones after it follow and the old group drains within one request's
-  life, where following the majority keeps a batch on the worse size and gives every later
-  admission that finds the margin a second group for its whole life.
-* AR must beat speculation by AR_MARGIN: at equal throughput, speculation serves each request
-  sooner. The margin is small because near the crossover the two are a few percent apart, and a
-  larger margin holds batches at a block size past it.
-* AR's cost at a batch size the engine has not run AR at is only the fitted table's guess, so
-  where AR comes within AR_EXPLORE of the best and the request would open no second group
-  (nothing decodes yet, or AR does), the request runs AR and the engine's own cycles settle the
-  next decisions.
-
-tau per block size is learnt online from every speculative request the engine finished (auto or a
-fixed size: the drafter and the traffic are the same) of at least OBSERVED_MIN decode cycles,
-pooled by decode cycles, after a prior of PRIOR_BREAK_EVEN x the batch-1 break-even tau worth
-PRIOR_CYCLES cycles. It is kept apart for greedy and sampled requests, which accept far less, so
-sampled requests learn on their own to fall back to AR. A smaller size s than the one a request
-ran at is estimated from its acceptance histogram, each cycle cut at s (min(a, s - 1) + 1): the
-drafter's first s - 1 proposals of a longer block stand for a block of s
-(trtspec.runtime.stats.cut_histogram). Until requests at the policy's choice (or a larger size)
-have shown PRIOR_CYCLES decode cycles, a request is sent to explore that choice as it is: an engine
-that turned to AR on a guess would never see what speculation accepts (AR requests show no
-acceptance). One request explores at a time: while one decodes at that size or larger, the others
-are judged by the prior, so a burst of admissions (a load tool's first wave) does not all pay for
-the exploration; nor does one explore beside a batch heading to AR, where it would add a second
-call to every cycle of the batch for its whole life (a request admitted alone, or into a
-speculating batch, explores). And a size is not explored where it could not pay: where a smaller
-size has the evidence, and even its cycles that accepted every draft extended to the whole larger
-block leave the larger size behind the best at this load.
-
-The choice is made once per request, at admission, as in the research, with one exception: when
-the chooser sends an `auto` admission to AR, it has judged the whole batch better off AR at its
-size, so the `auto` requests still speculating turn AR from their next cycle (the engine's
-`_follow_to_ar`) instead of keeping a second call in every iteration for the rest of their lives;
-a request with a fixed size keeps it. Where the load
-settles the size whatever the policy answers (AR, or a size no larger than any of the policy's
-choices), the policy is not asked: its forward (mostly the prompt's confidence over the prefill's
-tail logits) runs on the engine thread, and no request decodes meanwhile.
+cost(s, n) is the engine's own median for cycles of that shape, else the start-up cost table
+(trtspec.blockpilot.costs) fitted to the measured shapes; tau(s) is learnt from finished requests,
+greedy and sampled apart, after a prior. When an admission goes to AR, the `auto` requests still
+speculating turn AR too (`requests_to_switch`): a batch of two sizes pays two calls per
+iteration. The rules and the reason for each constant are in docs/blockpilot.md ("`auto` under
+load"), the measurements behind them in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -76,12 +21,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from trtspec.blockpilot.costs import CostTable, fit_host_work
-from trtspec.runtime.schedule import BlockChoice
+from trtspec.runtime.schedule import BlockChoice, Load
 from trtspec.runtime.stats import committed_tokens, cut_histogram, pool_histograms
 
 PRIOR_CYCLES = 64.0      # the prior counts as this many decode cycles (about two 128-token requests)
@@ -97,8 +42,8 @@ PRIOR_BREAK_EVEN = 1.25  # prior tau: this multiple of the batch-1 break-even (t
 
 @dataclass
 class LoadAwareChooser:
-    """(the policy's choice, the engine's load, sampled?) -> the choice to run; learns tau per block
-    size, for greedy and sampled requests apart."""
+    """A BlockChooser: (the policy's choice, the engine's load, sampled?) -> the choice to run;
+    learns tau per block size, for greedy and sampled requests apart, and cycle costs per shape."""
 
     costs: CostTable  # timed at the first start on this machine, then read from the cache
     choices: tuple[BlockChoice, ...] = ()  # what the policy can answer (unknown: only AR settles without it)
@@ -133,7 +78,7 @@ class LoadAwareChooser:
                 cycles += float(sum(cut))
         return committed, cycles
 
-    def observe(self, choice: BlockChoice, histogram: list[int], sampled: bool = False) -> None:
+    def observe_request(self, choice: BlockChoice, histogram: list[int], sampled: bool = False) -> None:
         """A request that ran at `choice` finished with this acceptance histogram (cycles by accepted
         drafts). A request of fewer than OBSERVED_MIN cycles is left out: its last cycle, cut by its
         token limit, is a large part of it, so it understates tau (and would turn the next requests
@@ -192,7 +137,7 @@ class LoadAwareChooser:
         committed = (len(regimes) - sampled) * self.tau(size) + sampled * self.tau(size, sampled=True)
         return committed / self.cost(size, len(regimes))
 
-    def __call__(self, choice: BlockChoice | Callable[[], BlockChoice], load, sampled: bool = False) -> BlockChoice:
+    def choose(self, choice: BlockChoice | Callable[[], BlockChoice], load: Load, sampled: bool = False) -> BlockChoice:
         """The size to run for a request the policy gave `choice` (or a function that gives it: it is
         only asked when its answer can change the outcome: the policy's forward runs on the engine
         thread, and no request decodes meanwhile)."""
@@ -213,7 +158,15 @@ class LoadAwareChooser:
         self._count("kept" if best == choice.size else "ar" if best == 1 else "smaller")
         return choice if best == choice.size else BlockChoice(best)
 
-    def _rates(self, load, sampled: bool) -> tuple[dict[int, float], int]:
+    def requests_to_switch(self, chosen: BlockChoice, running: Sequence[tuple[BlockChoice, int]]) -> list[int]:
+        """An `auto` admission sent to AR means the whole batch is better off AR at its size: the
+        `auto` requests still speculating follow (each: what it asked for, its current size). A
+        request with a fixed size keeps it: it asked for that size."""
+        if chosen.size != 1:
+            return []
+        return [index for index, (asked, size) in enumerate(running) if asked.auto and size != 1]
+
+    def _rates(self, load: Load, sampled: bool) -> tuple[dict[int, float], int]:
         """The batch this request joins (its expected size) and its rate at every size, all of it
         at that size; AR's rate discounted by AR_MARGIN."""
         decoding = list(load.sampled or (False,) * len(load.block_sizes))
@@ -223,7 +176,7 @@ class LoadAwareChooser:
         batch = decoding + [sampled] * (expected - len(decoding))
         return {b: self.rate(b, batch) / (1 + AR_MARGIN if b == 1 else 1) for b in self.costs.cycle_ms}, expected
 
-    def _best(self, size: int, load, sampled: bool, rates: dict[int, float], expected: int) -> int:
+    def _best(self, size: int, load: Load, sampled: bool, rates: dict[int, float], expected: int) -> int:
         """Of `size`, the smaller sizes and AR, the one that pays for the batch this request joins."""
         # the size the batch is heading to: the latest admission's, of those decoding (0: none decodes;
         # a size outside the table counts as AR, as before)

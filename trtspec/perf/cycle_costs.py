@@ -43,7 +43,7 @@ from trtspec.export.steps import DraftStep, TargetStep
 from trtspec.perf.host_profile import ExecutorClock
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Config, Qwen3Target, default_target_layer_ids
 from trtspec.models.checkpoint import build_empty
-from trtspec.runtime.engine import EngineConfig, EngineCore
+from trtspec.runtime.engine import EngineConfig, LocalEngine
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.schedule import BlockChoice
@@ -352,12 +352,12 @@ def measure_loop(engine: BatchRunner, prompt: list[int], block_size: int, config
     the model's part of it: clocked in those requests on a CPU, where the clock adds nothing, and in
     one more request on a GPU, where it waits for every run."""
     request = GenerationConfig(block=BlockChoice(block_size), max_new_tokens=config.new_tokens)
-    core = EngineCore(engine.with_slots(1, drafter=False) if block_size == 1 else engine,
+    local = LocalEngine(engine.with_slots(1, drafter=False) if block_size == 1 else engine,
                       config=EngineConfig(max_running=1, prefill_chunk=0))
     clock, on_cpu = ExecutorClock(engine.executor), engine.device.type == "cpu"
 
     def generate():
-        return core.generate([prompt], [request])[0]
+        return local.generate([prompt], [request])[0]
     try:
         generate()
         per_cycle, clocked_cycles = [], 0

@@ -34,7 +34,7 @@ from trtspec.export.bindings import graph_specs
 from trtspec.export.exporter import export_program, step_modules
 from trtspec.perf.cycle_costs import SHAPES, drafter_config, random_pair
 from trtspec.perf.machine import describe_machine
-from trtspec.runtime.engine import EngineConfig, EngineCore
+from trtspec.runtime.engine import EngineConfig, LocalEngine
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.schedule import BlockChoice
@@ -162,19 +162,19 @@ def engine_runner(target, drafter, variant: str, slots: int, max_context: int,
 
 def measure_batches(runner: BatchRunner, config: EngineCostConfig, variant: str, prompts: list[list[int]],
                     on_row: Callable[[EngineCost], None]) -> None:
-    """Every (block size, batch) of `config` through one engine core over `runner` (slots: the largest
+    """Every (block size, batch) of `config` through one local engine over `runner` (slots: the largest
     batch): a first request batch that captures what the timed one replays, then the timed one."""
     for block_size in config.block_sizes:
-        core_runner = runner if block_size > 1 else runner.with_slots(runner.slots, drafter=False)
+        block_runner = runner if block_size > 1 else runner.with_slots(runner.slots, drafter=False)
         for batch in config.batches:
             row = EngineCost(variant, block_size, batch)
             try:
-                core = EngineCore(core_runner, config=EngineConfig(max_running=batch, max_queued=batch, prefill_chunk=0))
+                local = LocalEngine(block_runner, config=EngineConfig(max_running=batch, max_queued=batch, prefill_chunk=0))
                 requests = [GenerationConfig(block=BlockChoice(block_size), max_new_tokens=config.new_tokens)] * batch
                 began = time.perf_counter()
-                core.generate(prompts[:batch], requests)
+                local.generate(prompts[:batch], requests)
                 row.start_s = time.perf_counter() - began
-                timed = core.generate(prompts[:batch], requests)
+                timed = local.generate(prompts[:batch], requests)
                 row.cycle_ms = statistics.median(g.stats.decode_s / g.stats.cycles * 1e3 for g in timed)
             except Exception as error:  # noqa: BLE001 - recorded in the report, the run goes on
                 row.error = f"{variant} B={block_size} batch={batch}: {type(error).__name__}: {error}"

@@ -4,7 +4,7 @@ Model time is the time inside the executor's draft and verify runs, each counted
 is a verify of one token); host time is everything else
 in the decode phase (the controller's accept / commit / stop / statistics work, the engine's
 bookkeeping, moving tokens). Both controllers run the same loop over the same engine, interleaved
-per repeat: the native core that the product uses, and the pure-Python reference controller the
+per repeat: the native controller that the product uses, and the pure-Python reference controller the
 tests check it against (trtspec.runtime.reference).
 """
 
@@ -22,7 +22,7 @@ from trtspec.engines.executor import PREFILL
 from trtspec.export.bindings import DRAFT, TARGET
 from trtspec.errors import TrtspecError
 from trtspec.runtime.controller import native_controller
-from trtspec.runtime.engine import EngineConfig, EngineCore
+from trtspec.runtime.engine import EngineConfig, LocalEngine
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.reference import PythonController
 from trtspec.runtime.schedule import BlockChoice
@@ -197,7 +197,7 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
 
     def through(controller):
         """Requests decoded with `controller`, each yielding its generation and its model seconds."""
-        cores = {ar: EngineCore(source.runner, source.policy, EngineConfig(max_running=1, prefill_chunk=0),
+        cores = {ar: LocalEngine(source.runner, source.policy, EngineConfig(max_running=1, prefill_chunk=0),
                                 tuple(pipeline.codec.stop_ids), controller=controller)
                  for ar, source in ((True, baseline), (False, pipeline))}
 
