@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtspec.errors import TrtspecError
+from trtspec.errors import FieldError, TrtspecError
 from trtspec.limits import LOGIT_BIAS, PENALTY, REPETITION_PENALTY
 from trtspec.runtime.grammar import Grammar, first_line
 
@@ -47,10 +47,13 @@ class Processing:
 
     def __post_init__(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):
-            PENALTY.check(getattr(self, name), name)
-        REPETITION_PENALTY.check(self.repetition_penalty)
+            PENALTY.check_field(getattr(self, name), name)
+        REPETITION_PENALTY.check_field(self.repetition_penalty, "repetition_penalty")
         for token, bias in self.logit_bias:
-            LOGIT_BIAS.check(bias, f"logit_bias of token {token}")
+            try:
+                LOGIT_BIAS.check(bias, f"logit_bias of token {token}")
+            except TrtspecError as exc:
+                raise FieldError(str(exc), "logit_bias") from None
 
     @property
     def penalised(self) -> bool:

@@ -1,16 +1,25 @@
 """What one request asks for (GenerationConfig) and what it gets back (Generation), and the checks
-that refuse a request an engine cannot decode. The engine (trtspec.runtime.engine) decodes it."""
+that refuse a request an engine cannot decode. The engine (trtspec.runtime.engine) decodes it.
+
+`REQUEST_FIELDS` declares the fields every front end takes (`trtspec serve`'s JSON, the Triton
+model's inputs) once: name, kind, default, range; `request_config` turns their values into a
+GenerationConfig, whose types check the ranges."""
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field, replace
 
-from trtspec.errors import TrtspecError
-from trtspec.limits import LOGPROBS, MAX_NEW_TOKENS, check_block_size
+from trtspec.errors import FieldError, TrtspecError
+from trtspec.limits import (LOGPROBS, MAX_NEW_TOKENS, MIN_P, MIN_TOKENS, PENALTY, REPETITION_PENALTY, SEED,
+                            TEMPERATURE, TOP_K, TOP_P, Limit, check_block_size)
+from trtspec.runtime.grammar import Grammar
 from trtspec.runtime.processing import Processing
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
+
+DEFAULT_MAX_TOKENS = 256  # a request that sets no limit: this many new tokens, fewer when the context is shorter
 
 
 @dataclass(frozen=True)
@@ -22,7 +31,7 @@ class GenerationConfig:
     with a grammar, whose end is the output's end (trtspec.runtime.processing)."""
 
     block: BlockChoice = BlockChoice(16)
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_TOKENS
     stop_ids: tuple[int, ...] = ()
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ignore_eos: bool = False
@@ -37,13 +46,13 @@ class GenerationConfig:
         for size in self.block.sizes:
             if size > 1:  # ranges: trtspec.limits
                 check_block_size(size)
-        MAX_NEW_TOKENS.check(self.max_new_tokens)
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise TrtspecError(f"min_tokens must be in [0, max_new_tokens ({self.max_new_tokens})], "
-                               f"got {self.min_tokens}")
-        for count in (self.logprobs, self.prompt_logprobs):
-            if count is not None:
-                LOGPROBS.check(count)
+        MAX_NEW_TOKENS.check_field(self.max_new_tokens, "max_tokens")
+        if MIN_TOKENS.check_field(self.min_tokens, "min_tokens") > self.max_new_tokens:
+            raise FieldError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_new_tokens})",
+                             "min_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                LOGPROBS.check_field(getattr(self, name), name)
 
     def with_stop_ids(self, extra: tuple[int, ...]) -> "GenerationConfig":
         """This config with the tokenizer's EOS ids `extra` added (none with `ignore_eos`, unless a
@@ -53,6 +62,67 @@ class GenerationConfig:
         if ignored or merged == self.stop_ids:  # unchanged: no copy (and no second validation)
             return self
         return replace(self, stop_ids=merged)
+
+
+@dataclass(frozen=True)
+class RequestField:
+    """One request field as every front end takes it: its name on the wire, its kind (int, float
+    or bool), its default and its range. `part` is the config that holds it ("generation",
+    "sampling" or "processing") under `attribute` (default: the same name); that config checks
+    the range, once."""
+
+    name: str
+    kind: type
+    default: object = None
+    limit: Limit | None = None
+    part: str = "generation"
+    attribute: str = ""
+
+    def read(self, value):
+        """A decoded value for its config (None: the default). Only the kind is checked here: an
+        integer too long to show, or a non-boolean for a flag; an int for a float field is a float."""
+        if value is None:
+            return self.default
+        if self.kind is bool:
+            if not isinstance(value, bool) and type(value).__name__ != "bool_":  # numpy's, from Triton
+                raise FieldError(f"{self.name} must be true or false, got {reprlib.repr(value)}", self.name)
+            return bool(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > 2**64:
+                raise FieldError(f"{self.name} must be {self.limit.describe()}, got a number of "
+                                 f"{len(str(abs(value)))} digits", self.name)
+            return float(value) if self.kind is float else value
+        return value
+
+
+REQUEST_FIELDS = (
+    RequestField("max_tokens", int, DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, attribute="max_new_tokens"),
+    RequestField("min_tokens", int, 0, MIN_TOKENS),
+    RequestField("ignore_eos", bool, False),
+    RequestField("temperature", float, 0.0, TEMPERATURE, "sampling"),
+    RequestField("top_p", float, 1.0, TOP_P, "sampling"),
+    RequestField("top_k", int, 0, TOP_K, "sampling"),
+    RequestField("min_p", float, 0.0, MIN_P, "sampling"),
+    RequestField("seed", int, None, SEED, "sampling"),
+    RequestField("presence_penalty", float, 0.0, PENALTY, "processing"),
+    RequestField("frequency_penalty", float, 0.0, PENALTY, "processing"),
+    RequestField("repetition_penalty", float, 1.0, REPETITION_PENALTY, "processing"),
+)
+
+
+def request_config(values: dict, block: BlockChoice, stop_ids: tuple[int, ...] = (), *,
+                   logit_bias: tuple[tuple[int, float], ...] = (), grammar: Grammar | None = None,
+                   logprobs: int | None = None, prompt_logprobs: int | None = None) -> GenerationConfig:
+    """A request's GenerationConfig from its REQUEST_FIELDS values (by wire name; absent or None:
+    the field's default) and what each front end reads in its own way. A value out of range is a
+    FieldError naming its field."""
+    parts: dict[str, dict] = {"generation": {}, "sampling": {}, "processing": {}}
+    for spec in REQUEST_FIELDS:
+        parts[spec.part][spec.attribute or spec.name] = spec.read(values.get(spec.name))
+    sampling = SamplingConfig(**parts["sampling"])
+    processing = Processing(logit_bias=logit_bias, grammar=grammar, **parts["processing"])
+    return GenerationConfig(block=block, stop_ids=tuple(stop_ids), sampling=sampling, processing=processing,
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs, **parts["generation"])
 
 
 @dataclass(frozen=True)
@@ -73,23 +143,33 @@ class Generation:
 
 
 def check_request(runner, prompt: list[int], config: GenerationConfig, policy) -> int:
-    """Refuse a request this runner cannot decode (one line saying why); else its token limit."""
+    """Refuse a request this runner cannot decode (one line saying why, a FieldError naming the
+    field at fault); else its token limit."""
     if not prompt:
-        raise TrtspecError("the prompt is empty")
+        raise FieldError("the prompt is empty", "prompt")
     if len(prompt) >= runner.max_context:
-        raise TrtspecError(f"the prompt is {len(prompt)} tokens; the context holds {runner.max_context}")
-    if not config.block.ar and runner.mask_token_id is None:
-        raise TrtspecError("speculative decoding needs a drafter (or use block size 1 / --ar)")
-    if config.block.auto and policy is None:
-        raise TrtspecError("block size auto needs a BlockPilot policy (trtspec train-policy; then --policy DIR "
-                           "or trtspec build --policy DIR)")
-    check_built_sizes(runner, config.block)
+        raise FieldError(f"the prompt is {len(prompt)} tokens; the context holds {runner.max_context}", "prompt")
+    try:
+        check_block(runner, config.block, policy)
+    except TrtspecError as exc:
+        raise FieldError(str(exc), "block_size") from None
     limit = min(config.max_new_tokens, runner.max_context - len(prompt))
     grammar = config.processing.grammar
     if grammar is not None and grammar.forced > limit:  # its output could never be complete
-        raise TrtspecError(f"response_format: every output of the schema is at least {grammar.forced} tokens long; "
-                           f"this request has room for {limit}")
+        raise FieldError(f"response_format: every output of the schema is at least {grammar.forced} tokens long; "
+                         f"this request has room for {limit}", "response_format")
     return limit
+
+
+def check_block(runner, block: BlockChoice, policy) -> None:
+    """Refuse a block schedule this runner cannot run: any block needs a drafter, auto a policy,
+    and every size an engine built for it."""
+    if not block.ar and runner.mask_token_id is None:
+        raise TrtspecError("speculative decoding needs a drafter (or use block size 1 / --ar)")
+    if block.auto and policy is None:
+        raise TrtspecError("block size auto needs a BlockPilot policy (trtspec train-policy; then --policy DIR "
+                           "or trtspec build --policy DIR)")
+    check_built_sizes(runner, block)
 
 
 def check_room(prompt_tokens: int, max_new_tokens: int, max_context: int, field: str) -> None:

@@ -29,12 +29,12 @@ class SamplingConfig:
     min_p: float = 0.0         # 0 = off: tokens below min_p x the likeliest one's probability are dropped
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "temperature", TEMPERATURE.check(self.temperature))
-        object.__setattr__(self, "top_k", max(TOP_K.check(self.top_k), 0))
-        object.__setattr__(self, "top_p", TOP_P.check(self.top_p))
-        object.__setattr__(self, "min_p", MIN_P.check(self.min_p))
+        object.__setattr__(self, "temperature", TEMPERATURE.check_field(self.temperature, "temperature"))
+        object.__setattr__(self, "top_k", max(TOP_K.check_field(self.top_k, "top_k"), 0))
+        object.__setattr__(self, "top_p", TOP_P.check_field(self.top_p, "top_p"))
+        object.__setattr__(self, "min_p", MIN_P.check_field(self.min_p, "min_p"))
         if self.seed is not None:
-            object.__setattr__(self, "seed", SEED.check(self.seed))
+            object.__setattr__(self, "seed", SEED.check_field(self.seed, "seed"))
         if self.temperature < SAMPLING_RESOLUTION or self.top_p < SAMPLING_RESOLUTION:
             object.__setattr__(self, "temperature", 0.0)  # T -> 0 and top-p -> 0: the likeliest token
 

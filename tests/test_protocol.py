@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from trtspec.runtime.request import DEFAULT_MAX_TOKENS
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.serving.body import decode_body
 from trtspec.serving.protocol import ApiError, parse_detokenize, parse_request, parse_tokenize
@@ -51,6 +52,19 @@ def test_unset_fields_take_their_defaults(codec):
         (DEFAULT_BLOCK, 0.0, 1.0, 0)
 
 
+@pytest.mark.parametrize("route", [completion, chat])
+def test_both_routes_default_to_the_same_token_limit(codec, route):
+    assert route(codec).config.max_new_tokens == DEFAULT_MAX_TOKENS
+
+
+def test_a_field_of_the_wrong_kind_is_refused_naming_it(codec):
+    assert refusal(completion, codec, ignore_eos=1).param == "ignore_eos"
+
+
+def test_a_chat_token_limit_out_of_range_names_the_field_given(codec):
+    assert refusal(chat, codec, max_completion_tokens=0).param == "max_completion_tokens"
+
+
 def test_chat_messages_with_text_parts_read_as_their_joined_text(codec):
     parts = chat(codec, messages=[{"role": "user", "content": [{"type": "text", "text": "h"},
                                                               {"type": "text", "text": "i"}]}])
@@ -75,7 +89,8 @@ def test_an_unsupported_field_off_its_default_is_refused(codec):
 
 
 @pytest.mark.parametrize("name, value", [("temperature", -1), ("top_p", 0), ("top_k", -2), ("n", 0),
-                                         ("max_tokens", 0), ("presence_penalty", 3), ("seed", -1)])
+                                         ("max_tokens", 0), ("presence_penalty", 3), ("seed", -1),
+                                         ("min_p", 2), ("repetition_penalty", 0), ("logprobs", 21)])
 def test_an_out_of_range_number_is_refused_naming_its_field(codec, name, value):
     assert refusal(completion, codec, **{name: value}).param == name
 
@@ -115,8 +130,16 @@ def test_logit_bias_keys_must_be_token_ids(codec):
     assert refusal(completion, codec, logit_bias={"word": 1}).param == "logit_bias"
 
 
+def test_a_logit_bias_out_of_range_is_refused(codec):
+    assert refusal(completion, codec, logit_bias={"5": 101}).param == "logit_bias"
+
+
 def test_chat_logprobs_take_their_top_count(codec):
     assert chat(codec, logprobs=True, top_logprobs=3).config.logprobs == 3
+
+
+def test_a_chat_top_logprobs_out_of_range_names_top_logprobs(codec):
+    assert refusal(chat, codec, logprobs=True, top_logprobs=21).param == "top_logprobs"
 
 
 def test_tokenize_reads_a_prompt(codec):

@@ -124,10 +124,10 @@ def test_http_greedy_output_equals_trtspec_run(server, client, tmp_path):
     assert local.returncode == 0, local.stderr.decode()
     text, stats = _ask(client, block_size=np.int32(8))
     assert text == json.loads(local.stdout)["text"]
-    assert stats["block_size"] == 8 and stats["tau"] >= 1 and len(stats["histogram"]) == 8
+    assert stats["block_size"] == "8" and stats["tau"] >= 1 and len(stats["histogram"]) == 8
     assert {"ceiling_fraction", "decode_tokens_per_s", "block_size_auto"} <= set(stats)
     grown_text, grown = _ask(client, block_size=np.int32(4), grow_to=np.int32(8))
-    assert grown_text == text and grown["block_size"] == 4 and grown["grow_to"] == 8 and len(grown["histogram"]) == 8
+    assert grown_text == text and grown["block_size"] == "4:8" and len(grown["histogram"]) == 8
     # the smallest positive FP32 temperature samples without overflowing the softmax: it is greedy decoding
     tiny, _ = _ask(client, block_size=np.int32(8), temperature=np.float32(1e-45), seed=np.int64(2**63 - 1))
     assert tiny == text
@@ -257,7 +257,12 @@ def test_triton_metrics_export_the_serving_metrics(server, client):
     ("block size the engine lacks", "block size 16 is not among them"),
     ("NaN temperature", "temperature must be a number >= 0, got nan"),
     ("negative seed", r"seed must be an integer in \[0, 2\*\*63-1\], got -1"),
-    ("zero max_tokens", r"max new tokens must be an integer in \[1, 2\*\*31-1\], got 0"),
+    ("zero max_tokens", r"max_tokens must be an integer in \[1, 2\*\*31-1\], got 0"),
+    ("zero top_p", r"top_p must be a number in \(0, 1\], got 0.0"),
+    ("min_tokens over max_tokens", r"min_tokens \(9\) must not exceed max_tokens \(4\)"),
+    ("logit_bias not JSON", "logit_bias is not valid JSON"),
+    ("logit_bias beyond its range", r"logit_bias of token 5 must be a number in \[-100, 100\]"),
+    ("response_format of an unknown type", "response_format"),
     ("max_tokens beyond the context", "lower max_tokens or shorten the prompt"),  # as serve and run (issue 57)
     ("negative block size", r"must be an integer in \[2, 64\], got -3"),
     ("grow_to below block_size", "a block grows from B >= 2 to a larger size"),
@@ -290,6 +295,16 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cli
             scalars = {"temperature": np.float32(1.0), "seed": np.int64(-1)}
         elif case == "zero max_tokens":
             scalars = {"max_tokens": np.int32(0)}
+        elif case == "zero top_p":
+            scalars = {"top_p": np.float32(0)}
+        elif case == "min_tokens over max_tokens":
+            scalars = {"max_tokens": np.int32(4), "min_tokens": np.int32(9)}
+        elif case == "logit_bias not JSON":
+            scalars = {"logit_bias": "{5: 1}"}
+        elif case == "logit_bias beyond its range":
+            scalars = {"logit_bias": json.dumps({"5": 101})}
+        elif case == "response_format of an unknown type":
+            scalars = {"response_format": json.dumps({"type": "poem"})}
         elif case == "max_tokens beyond the context":
             scalars = {"max_tokens": np.int32(LONG_CONTEXT)}
         elif case == "negative block size":
@@ -322,6 +337,22 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cli
     assert "\n" not in raised.value.message() and "Traceback" not in raised.value.message()
     assert _ask(client)[0]  # the next request is served as usual
     assert server["process"].poll() is None
+
+
+def test_serve_s_sampling_and_processing_fields_act_on_triton_too(server, client):
+    """The request fields are declared once (trtspec.runtime.request.REQUEST_FIELDS): Triton takes
+    trtspec serve's top_k, penalties, logit_bias and response_format, with the same meaning."""
+    from trtspec.tokenizer import TextCodec
+
+    greedy, _ = _ask(client, block_size=np.int32(8))
+    assert _ask(client, block_size=np.int32(8), temperature=np.float32(1.0), top_k=np.int32(1))[0] == greedy
+    codec = TextCodec(server["engine"] / "tokenizer")
+    forced = codec.encode("x")[0]
+    text, stats = _ask(client, max_tokens=np.int32(4), logit_bias=json.dumps({str(forced): 100}))
+    assert text == "x" * 4 and stats["new_tokens"] == 4
+    structured, stats = _ask(client, max_tokens=np.int32(60), response_format=json.dumps({"type": "json_object"}))
+    assert structured.startswith("{") and (stats["finish_reason"] == "length" or isinstance(json.loads(structured), dict))
+    assert _ask(client, repetition_penalty=np.float32(1.5), presence_penalty=np.float32(1.0))[0]
 
 
 def _stream(server, inputs, model: str = "trtspec_stream") -> tuple[list[str], dict, list[float]]:

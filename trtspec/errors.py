@@ -10,6 +10,15 @@ class TrtspecError(Exception):
     """An error caused by the input; its message is shown to the user as is."""
 
 
+class FieldError(TrtspecError):
+    """A request field out of its range or of the wrong kind; `field` is its name on the wire, so a
+    front end can name it (OpenAI's `param`)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 class CheckpointError(TrtspecError):
     """A checkpoint directory is missing, unreadable or does not match what is expected."""
 

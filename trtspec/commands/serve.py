@@ -187,19 +187,10 @@ def _api_key(value: str | None) -> str | None:
 
 def _check_block_size(pipeline, choice) -> None:
     """Refuse at start a default block size the pipeline cannot run (else every request without a
-    block_size field would be refused): a drafter for any block, a policy for auto, and an engine
-    built for each size the schedule runs."""
-    from trtspec.runtime.request import check_built_sizes
+    block_size field would be refused)."""
+    from trtspec.runtime.request import check_block
 
-    if choice.ar:
-        return
-    if not pipeline.has_drafter:
-        raise TrtspecError("--block-size needs a drafter; give --drafter DIR, or --block-size AR")
-    if choice.auto:
-        if pipeline.policy is None:
-            raise TrtspecError("--block-size auto needs a BlockPilot policy (--policy DIR, or a drafter that ships one)")
-        return
     try:
-        check_built_sizes(pipeline.runner, choice)
+        check_block(pipeline.runner, choice, pipeline.policy)
     except TrtspecError as exc:
         raise TrtspecError(f"--block-size {choice.name}: {exc}") from None

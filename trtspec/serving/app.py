@@ -27,15 +27,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from trtspec import __version__
-from trtspec.errors import TrtspecError
+from trtspec.errors import FieldError, TrtspecError
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.serving.body import decode_body, read_body
 from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
-from trtspec.serving.frontend import LoopBridge, Reply
 from trtspec.serving.metrics import CONTENT_TYPE, VLLM_PREFIX, ServingMetrics
+from trtspec.serving.frontend import LoopBridge, Reply, short_repr
 from trtspec.serving.protocol import (ApiError, ParsedRequest, bad_request, parse_detokenize, parse_request,
-                                      parse_tokenize, short_repr)
+                                      parse_tokenize)
 from trtspec.serving.responses import Answer
 
 DOOR_THREADS = 2            # requests decoded, checked and tokenized at once, off the event loop
@@ -253,7 +253,8 @@ class OpenAIServer:
             if isinstance(exc, Busy):
                 self.metrics.observe_failed("rejected")
                 raise ApiError(429, str(exc), "rate_limit_exceeded", code="queue_full") from None
-            raise bad_request(str(exc)) from None
+            field = exc.field if isinstance(exc, FieldError) else None
+            raise bad_request(str(exc), "messages" if chat and field == "prompt" else field) from None
         answer = Answer(parsed, choices, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", codec=self.codec,
                         metrics=self.metrics, model_name=self.model_name, replica=self.replica)
         if parsed.stream:

@@ -2,8 +2,6 @@
 (`trtspec.serving.app`) and the Triton model (`trtspec.serving.triton_model`) differ
 only in how a request arrives and how its answer leaves.
 
-* `generation_config`: a request's fields as a `GenerationConfig`, the one place a front end
-  builds one (each front end reads its own wire format and applies its own defaults first).
 * `Bridge`: the engine thread's callbacks (`on_commit`, `on_finish`) become events handed to the
   front end's own thread or event loop (`LoopBridge`), which does the work: the engine thread
   only queues, so no client's text or response delays the next cycle.
@@ -12,38 +10,69 @@ only in how a request arrives and how its answer leaves.
   client sees it (finish reason "stop" when a stop string ended it).
 * `observe_finished`: a finished request in the serving metrics (`trtspec.serving.metrics`),
   with its latency, time to first token and queue time from the engine's handle.
+* `stats_json`: a request's statistics as every front end sends them.
+* `logit_bias`, `response_format`: the two structured request fields, read the same way by both
+  (the scalar ones are `trtspec.runtime.request.REQUEST_FIELDS`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import reprlib
 import time
 from dataclasses import replace
 from typing import Callable
 
-from trtspec.runtime.processing import Processing
-from trtspec.runtime.request import Generation, GenerationConfig
-from trtspec.runtime.sampling import SamplingConfig
-from trtspec.runtime.schedule import BlockChoice
+from trtspec.errors import FieldError, TrtspecError
+from trtspec.runtime.grammar import Grammar, grammar_tokenizer, response_format_grammar
+from trtspec.runtime.request import Generation
 from trtspec.runtime.stats import DecodeStats
 from trtspec.tokenizer import TextStream
 
 COMMIT, FINISH = "commit", "finish"  # a Bridge's events: (COMMIT, new token ids), (FINISH, the engine's Request)
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
-def generation_config(block: BlockChoice, max_new_tokens: int, stop_ids: tuple[int, ...], *,
-                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                      seed: int | None = None, ignore_eos: bool = False, min_tokens: int = 0, min_p: float = 0.0,
-                      processing: Processing = Processing(), logprobs: int | None = None,
-                      prompt_logprobs: int | None = None) -> GenerationConfig:
-    """A request's fields as a GenerationConfig, whose checks (trtspec.limits, shared with the CLI)
-    refuse out-of-range values in a TrtspecError naming the field: temperature >= 0 and finite,
-    top_p in (0, 1], top_k >= 0, seed in [0, 2**63-1], max_new_tokens in [1, 2**31-1] (the block
-    schedule was checked when its BlockChoice was made)."""
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p)
-    return GenerationConfig(block=block, max_new_tokens=max_new_tokens, stop_ids=stop_ids, sampling=sampling,
-                            ignore_eos=ignore_eos, min_tokens=min_tokens, processing=processing, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs)
+def _short_reprs() -> reprlib.Repr:
+    """A value in a one-line message: its repr, cut short (bounded work, whatever its size or depth)."""
+    reprs = reprlib.Repr()
+    reprs.maxstring = reprs.maxother = reprs.maxlong = 40
+    reprs.maxlist = reprs.maxdict = 4
+    reprs.maxlevel = 2
+    return reprs
+
+
+short_repr = _short_reprs().repr
+
+
+def logit_bias(value, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """`logit_bias`: {"token id": bias} as (token, bias) pairs; the biases' range is Processing's
+    to check."""
+    bias = value or {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise FieldError(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} \"token id\": bias pairs",
+                         "logit_bias")
+    pairs = []
+    for key, bias_value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) < 12 else -1
+        if not 0 <= token < vocab_size:
+            raise FieldError(f"logit_bias: {short_repr(key)} is not a token id in 0..{vocab_size - 1}", "logit_bias")
+        if isinstance(bias_value, bool) or not isinstance(bias_value, (int, float)):
+            raise FieldError(f"logit_bias[{short_repr(key)}] must be a number, got {short_repr(bias_value)}",
+                             "logit_bias")
+        pairs.append((token, float(bias_value)))
+    return tuple(pairs)
+
+
+def response_format(value, codec, vocab_size: int) -> Grammar | None:
+    """`response_format` (OpenAI's: json_object, json_schema; vLLM's structured outputs) as the
+    grammar the output follows (None: free text)."""
+    if value is None:
+        return None
+    try:
+        return response_format_grammar(value, grammar_tokenizer(codec, vocab_size))
+    except TrtspecError as exc:
+        raise FieldError(str(exc), "response_format") from None
 
 
 class Bridge:
@@ -128,6 +157,23 @@ class Reply:
         if self.stopped:  # the stop string ends in the bytes the decoder held back
             generation = Generation(list(self.stream.tokens), replace(generation.stats, finish_reason="stop"))
         return rest, generation
+
+
+def stats_json(stats: DecodeStats) -> dict:
+    """A request's statistics as every front end sends them (`trtspec serve`'s `trtspec` object,
+    Triton's `stats` output): the block schedule run ("AR", "8" or "4:8") and whether BlockPilot
+    chose it, its acceptance (tau, histogram, ceiling fraction; AR has no block, so no ceiling),
+    its counts and its times."""
+    ar = stats.block_size <= 1
+    out = {"block_size": "AR" if ar else stats.schedule, "block_size_auto": stats.auto, "tau": stats.tau,
+           "histogram": list(stats.histogram), "ceiling_fraction": None if ar else stats.ceiling_fraction,
+           "cycles": stats.cycles, "grown_cycles": stats.grown_cycles, "prompt_tokens": stats.prompt_tokens,
+           "new_tokens": stats.new_tokens, "finish_reason": stats.finish_reason, "prefill_s": stats.prefill_s,
+           "decode_s": stats.decode_s, "decode_tokens_per_s": stats.decode_tokens_per_s, "queue_s": stats.queue_s,
+           "ttft_s": stats.ttft_s, "batch_mean": stats.batch_mean}
+    if stats.turned_ar_at:  # `auto` turned AR under load after this many tokens (its cycles: before it)
+        out["turned_ar_at"] = stats.turned_ar_at
+    return out
 
 
 def observe_finished(metrics, request, stats: DecodeStats, counted: int = 0) -> None:

@@ -7,29 +7,14 @@ server, no event loop. Every refusal is an `ApiError` in OpenAI's shape that nam
 from __future__ import annotations
 
 import json
-import reprlib
 from dataclasses import dataclass, replace
 
 from trtspec import limits
-from trtspec.errors import TrtspecError
-from trtspec.runtime.grammar import grammar_tokenizer, response_format_grammar
-from trtspec.runtime.processing import Processing
-from trtspec.runtime.request import GenerationConfig, check_room
+from trtspec.errors import FieldError, TrtspecError
+from trtspec.runtime.request import REQUEST_FIELDS, GenerationConfig, RequestField, check_room, request_config
 from trtspec.runtime.sampling import derive_seed
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.serving.frontend import generation_config
-
-
-def _short_reprs() -> reprlib.Repr:
-    """A value in a one-line message: its repr, cut short (bounded work, whatever its size or depth)."""
-    reprs = reprlib.Repr()
-    reprs.maxstring = reprs.maxother = reprs.maxlong = 40
-    reprs.maxlist = reprs.maxdict = 4
-    reprs.maxlevel = 2
-    return reprs
-
-
-short_repr = _short_reprs().repr
+from trtspec.serving.frontend import logit_bias, response_format, short_repr
 
 
 class ApiError(Exception):
@@ -79,14 +64,13 @@ class ParsedRequest:
         return replace(self.config, sampling=replace(sampling, seed=derive_seed(sampling.seed, index)))
 
 
-# The fields a request may have: OpenAI's that trtspec implements, trtspec's block_size, vLLM's
-# top_k and stop_token_ids, and those without effect on the result (user, metadata, ...). The rest
-# of OpenAI's and vLLM's are refused unless given their default value (`_UNSUPPORTED`), and any other
-# field is refused by name: no field is ever silently ignored.
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
-           "stream_options", "n", "user", "block_size", "ignore_eos", "include_stop_str_in_output",
-           "skip_special_tokens", "min_tokens", "logprobs", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "min_p", "logit_bias", "response_format"}
+# The fields a request may have: every front end's (REQUEST_FIELDS), OpenAI's others that trtspec
+# implements, trtspec's block_size, vLLM's stop_token_ids and those without effect on the result
+# (user, metadata, ...). The rest of OpenAI's and vLLM's are refused unless given their default value
+# (`_UNSUPPORTED`), and any other field is refused by name: no field is ever silently ignored.
+_COMMON = {spec.name for spec in REQUEST_FIELDS} | {
+    "model", "stop", "stop_token_ids", "stream", "stream_options", "n", "user", "block_size",
+    "include_stop_str_in_output", "skip_special_tokens", "logprobs", "logit_bias", "response_format"}
 _FIELDS = {False: _COMMON | {"prompt", "echo"},
            True: _COMMON | {"messages", "max_completion_tokens", "metadata", "store", "service_tier",
                             "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "top_logprobs"}}
@@ -96,7 +80,9 @@ _UNSUPPORTED = {"top_logprobs": (None, 0), "echo": (None, False), "best_of": (No
                 "modalities": (None, ["text"]), "reasoning_effort": (None,), "prediction": (None,), "audio": (None,),
                 # vLLM's extras (the rest are refused as unknown)
                 "spaces_between_special_tokens": (None, True), "add_special_tokens": (None,), "echo_prompt": (None,)}
-MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+
+
+_CHOICES = RequestField("n", int, 1, limits.CHOICES)
 
 
 def _check_fields(body: dict, chat: bool) -> None:
@@ -115,18 +101,12 @@ def _check_fields(body: dict, chat: bool) -> None:
                               + (f" (only its default, {shown})" if shown else ""), name)
 
 
-def _number(body: dict, name: str, limit: limits.Limit, default):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**64:
-        raise bad_request(f"{name} must be {limit.describe()}, got a number of {len(str(abs(value)))} digits", name)
-    if not limit.integer and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+def _choices(body: dict) -> int:
+    """`n`: how many choices, each its own engine request (OpenAI's own field: Triton has no choices)."""
     try:
-        return limit.check(value, name)
-    except TrtspecError as exc:
-        raise bad_request(str(exc), name) from None
+        return limits.CHOICES.check_field(_CHOICES.read(body.get("n")), "n")
+    except FieldError as exc:
+        raise bad_request(str(exc), "n") from None
 
 
 def _check_characters(characters: int, codec, max_context: int, param: str) -> None:
@@ -158,17 +138,7 @@ def _prompt_ids(body: dict, codec, max_context: int) -> list[int]:
         raise bad_request("prompt: one prompt per request (a list of several prompts is not supported)", "prompt")
     else:
         raise bad_request("prompt must be a string or a list of token ids", "prompt")
-    if not ids:
-        raise bad_request("the prompt is empty", "prompt")
-    _check_prompt_room(len(ids), max_context, "prompt")
     return ids
-
-
-def _check_prompt_room(tokens: int, max_context: int, param: str) -> None:
-    """Refuse in the door a prompt the context cannot hold with one new token (the engine would)."""
-    if tokens >= max_context:
-        raise bad_request(f"the {param} is {tokens} tokens; the model's context holds {max_context} "
-                          "(prompt and output)", param)
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -229,9 +199,6 @@ def _chat_ids(body: dict, codec, max_context: int) -> list[int]:
         ids = codec.encode_unlocked(text, add_special_tokens=False)  # encode_chat's ids, the GIL released
     except TrtspecError as exc:
         raise bad_request(str(exc), "messages") from None
-    if not ids:
-        raise bad_request("the chat prompt is empty", "messages")
-    _check_prompt_room(len(ids), max_context, "messages")
     return ids
 
 
@@ -260,44 +227,14 @@ def _stops(body: dict, codec) -> tuple[tuple[str, ...], tuple[int, ...]]:
 def _logprobs(body: dict, chat: bool) -> tuple[int | None, int | None]:
     """How many alternatives to list per output token and per prompt token (None: no logprobs).
     Chat: `logprobs` true/false and `top_logprobs`; completions: `logprobs` a count, and `echo`
-    (which also lists the prompt's)."""
+    (which also lists the prompt's). Their range is GenerationConfig's to check."""
     if chat:
-        wanted = _flag(body, "logprobs", False)
-        top = _number(body, "top_logprobs", limits.LOGPROBS, None)
+        wanted, top = _flag(body, "logprobs", False), body.get("top_logprobs")
         if top and not wanted:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        return (top or 0) if wanted else None, None
-    count = _number(body, "logprobs", limits.LOGPROBS, None)
+        return (0 if top is None else top) if wanted else None, None
+    count = body.get("logprobs")
     return count, count if _flag(body, "echo", False) else None
-
-
-def _processing(body: dict, codec, vocab_size: int) -> Processing:
-    """The penalties, `logit_bias` ({"token id": bias}) and `response_format` (a grammar)."""
-    penalties = {name: _number(body, name, limit, default) for name, limit, default in (
-        ("presence_penalty", limits.PENALTY, 0.0), ("frequency_penalty", limits.PENALTY, 0.0),
-        ("repetition_penalty", limits.REPETITION_PENALTY, 1.0))}
-    bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-        raise bad_request(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} \"token id\": bias pairs",
-                          "logit_bias")
-    biases = []
-    for key, value in bias.items():
-        token = int(key) if key.isascii() and key.isdigit() and len(key) < 12 else -1
-        if not 0 <= token < vocab_size:
-            raise bad_request(f"logit_bias: {short_repr(key)} is not a token id in 0..{vocab_size - 1}", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad_request(f"logit_bias[{short_repr(key)}] must be a number, got {short_repr(value)}", "logit_bias")
-        try:
-            biases.append((token, limits.LOGIT_BIAS.check(float(value), f"logit_bias[{key}]")))
-        except TrtspecError as exc:
-            raise bad_request(str(exc), "logit_bias") from None
-    grammar = None
-    if body.get("response_format") is not None:
-        try:
-            grammar = response_format_grammar(body["response_format"], grammar_tokenizer(codec, vocab_size))
-        except TrtspecError as exc:
-            raise bad_request(str(exc), "response_format") from None
-    return Processing(logit_bias=tuple(biases), grammar=grammar, **penalties)
 
 
 def _block_choice(body: dict, default: BlockChoice) -> BlockChoice:
@@ -322,17 +259,11 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     _check_fields(body, chat)
-    n = _number(body, "n", limits.CHOICES, 1)
+    n = _choices(body)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad_request("user must be a string", "user")
-    default_tokens = limits.MAX_NEW_TOKENS.high if chat else 16  # OpenAI's defaults: the context, and 16
     # as vLLM: max_completion_tokens (OpenAI's name now) over max_tokens when a chat request gives both
     limit_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, limit_field, limits.MAX_NEW_TOKENS, default_tokens)
-    temperature = _number(body, "temperature", limits.TEMPERATURE, 0.0)
-    top_p = _number(body, "top_p", limits.TOP_P, 1.0)
-    top_k = _number(body, "top_k", limits.TOP_K, 0)
-    seed = _number(body, "seed", limits.SEED, None)
     block = _block_choice(body, default_block)
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
@@ -343,26 +274,25 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
                                 or not all(isinstance(options.get(k, False), bool) for k in usage_keys)):
         raise bad_request("stream_options is an object {\"include_usage\": true or false, \"continuous_usage_stats\": "
                           "true or false}, and only with stream: true", "stream_options")
-    ignore_eos = _flag(body, "ignore_eos", False)
-    min_tokens = _number(body, "min_tokens", limits.MIN_TOKENS, 0)
-    if min_tokens > max_tokens:
-        raise bad_request(f"min_tokens ({min_tokens}) must not exceed {limit_field} ({max_tokens})", "min_tokens")
     keep_stop, skip_special = _flag(body, "include_stop_str_in_output", False), _flag(body, "skip_special_tokens", True)
-    min_p = _number(body, "min_p", limits.MIN_P, 0.0)
     logprobs, prompt_logprobs = _logprobs(body, chat)
     texts, stop_ids = _stops(body, codec)
-    processing = _processing(body, codec, vocab_size or codec.tokenizer.get_vocab_size(with_added_tokens=True))
-    try:  # the sampling fields passed their checks above: what is left to refuse is the block's
-        config = generation_config(block, max_tokens, stop_ids, temperature=temperature,
-                                   top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos,
-                                   min_tokens=min_tokens, min_p=min_p, processing=processing, logprobs=logprobs,
-                                   prompt_logprobs=prompt_logprobs)
-    except TrtspecError as exc:
+    vocab_size = vocab_size or codec.tokenizer.get_vocab_size(with_added_tokens=True)
+    values = {**{spec.name: body.get(spec.name) for spec in REQUEST_FIELDS}, "max_tokens": body.get(limit_field)}
+    try:
+        config = request_config(values, block, stop_ids, logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
+                                grammar=response_format(body.get("response_format"), codec, vocab_size),
+                                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    except FieldError as exc:
+        wire = {"max_tokens": limit_field, "logprobs": "top_logprobs" if chat else "logprobs",
+                "prompt_logprobs": "logprobs"}.get(exc.field, exc.field)
+        raise bad_request(str(exc), wire) from None
+    except TrtspecError as exc:  # what is left to refuse is the block's
         raise bad_request(str(exc), "block_size") from None
     ids = _chat_ids(body, codec, max_context) if chat else _prompt_ids(body, codec, max_context)
     if body.get(limit_field) is not None:  # asked for: refused when it does not fit (else capped), as vLLM
         try:
-            check_room(len(ids), max_tokens, max_context, limit_field)
+            check_room(len(ids), config.max_new_tokens, max_context, limit_field)
         except TrtspecError as exc:
             raise bad_request(str(exc), limit_field) from None
     options = options or {}

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.stats import DecodeStats
 from trtspec.serving import logprobs as logprob_objects
-from trtspec.serving.frontend import FINISH, LoopBridge, Reply, observe_finished
+from trtspec.serving.frontend import FINISH, LoopBridge, Reply, observe_finished, stats_json
 from trtspec.serving.protocol import ApiError, ParsedRequest, bad_request
 
 
@@ -28,23 +28,6 @@ class _Outcome:
     stats: DecodeStats | None = None
     logprob_at: int = 0    # streaming: tokens whose logprobs were sent
     text_offset: int = 0   # streaming completions: the text offset of the next token
-
-
-def trtspec_extension(stats: DecodeStats | None) -> dict:
-    """The `trtspec` object of a response: the block size actually run and its acceptance statistics."""
-    if stats is None:
-        return {}
-    out = {"block_size": stats.schedule if stats.block_size > 1 else "AR", "block_size_auto": stats.auto,
-           "tau": stats.tau, "histogram": list(stats.histogram),
-           "ceiling_fraction": stats.ceiling_fraction if stats.block_size > 1 else None,  # AR has no block
-           "cycles": stats.cycles, "grown_cycles": stats.grown_cycles, "prefill_s": stats.prefill_s,
-           "decode_s": stats.decode_s, "decode_tokens_per_s": stats.decode_tokens_per_s}
-    for name in ("queue_s", "ttft_s", "batch_mean"):  # the batched engine's fields
-        if getattr(stats, name, None) is not None:
-            out[name] = getattr(stats, name)
-    if stats.turned_ar_at:  # `auto` turned AR under load after this many tokens (its cycles: before it)
-        out["turned_ar_at"] = stats.turned_ar_at
-    return out
 
 
 class Answer:
@@ -145,7 +128,7 @@ class Answer:
                 "usage": self._usage(outcomes), "trtspec": self._extension(outcomes[0].stats)}
 
     def _extension(self, stats: DecodeStats | None) -> dict:
-        out = trtspec_extension(stats)
+        out = {} if stats is None else stats_json(stats)
         if self.replica is not None:
             out["replica"] = self.replica
         return out

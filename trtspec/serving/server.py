@@ -17,7 +17,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from trtspec.errors import TrtspecError
 from trtspec.serving.app import OpenAIServer
-from trtspec.serving.protocol import short_repr
+from trtspec.serving.frontend import short_repr
 
 
 class _Uvicorn(uvicorn.Server):

@@ -1,11 +1,13 @@
 """The Triton python-backend model: every request of a model instance joins one batched engine.
 
 Triton imports this through the generated `model.py` of a repository made by
-`trtspec triton-repo`. Requests carry `text_input` and optional `max_tokens`, `temperature`,
-`seed`, `block_size` (0 = auto), `grow_to` (a growing block B:G; 0 = none), `stream`, `stop`
-(stop strings: the text ends before the first) and `stop_token_ids` (the text ends after the
-first); responses carry `text_output` and `stats` (JSON, including `batch_mean`: how many requests
-shared this request's cycles on average, `queue_s` and `ttft_s`).
+`trtspec triton-repo`. Requests carry `text_input` and, optional, every field of
+`trtspec.runtime.request.REQUEST_FIELDS` (max_tokens, temperature, top_p, top_k, seed, penalties,
+...: the names, defaults and ranges of `trtspec serve`), `block_size` (0 = auto), `grow_to` (a
+growing block B:G; 0 = none), `stream`, `stop` (stop strings: the text ends before the first),
+`stop_token_ids` (the text ends after the first), and `logit_bias` and `response_format` (JSON, as
+OpenAI's); responses carry `text_output` and `stats` (JSON, including `batch_mean`: how many
+requests shared this request's cycles on average, `queue_s` and `ttft_s`).
 
 Each instance owns one `trtspec.runtime.engine.Engine` (a background thread that decodes all its
 requests together). `execute()` only copies each request's inputs, checking what is cheap to
@@ -46,20 +48,20 @@ except ImportError:  # pragma: no cover - imported for documentation or tests ou
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import STOP_CHARS, STOPS
-from trtspec.runtime.request import Generation, check_room
+from trtspec.runtime.request import REQUEST_FIELDS, Generation, check_room, request_config
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.serving.frontend import COMMIT, FINISH, Bridge, Reply, generation_config, observe_finished
+from trtspec.serving.frontend import (COMMIT, FINISH, Bridge, Reply, logit_bias, observe_finished,
+                                      response_format, stats_json)
 from trtspec.serving.triton import ENGINE_PARAMETERS
 
-DEFAULT_MAX_TOKENS = 256
 CANCEL_POLL_S = 0.05  # asking Triton is a round trip to the server process: at most this often
 LOAD_POLL_S = 0.5     # how often the engine's load gauges are refreshed
+MAX_JSON_BYTES = 2**20  # a logit_bias or response_format input
 
-
-SCALARS = {"max_tokens": None, "temperature": 0.0, "seed": None, "block_size": None, "grow_to": 0,
-           "stream": True}  # optional one-value inputs and their defaults (block_size: the model's; max_tokens:
-                            # DEFAULT_MAX_TOKENS, capped at the context)
+# optional one-value inputs and their defaults: None is the field's own (block_size: the model's)
+SCALARS = {**{spec.name: None for spec in REQUEST_FIELDS}, "block_size": None, "grow_to": 0, "stream": True}
+JSON_INPUTS = ("logit_bias", "response_format")
 
 
 def _values(request, name: str, most: int | None = None):
@@ -93,6 +95,16 @@ def _utf8(raw, label: str) -> str:
         raise TrtspecError(f"{label} is not valid UTF-8 (byte {raw[exc.start]:#04x} at offset {exc.start})") from None
 
 
+def _json(raw, label: str):
+    """A JSON BYTES input decoded (None when absent)."""
+    if raw is None:
+        return None
+    try:
+        return json.loads(_utf8(raw, label))
+    except (ValueError, RecursionError):
+        raise TrtspecError(f"{label} is not valid JSON") from None
+
+
 class _Inputs:
     """One request's inputs, copied out of Triton's tensors by execute() and checked for size only
     (cheap); the preparing thread turns them into token ids, stops and a config."""
@@ -114,6 +126,10 @@ class _Inputs:
                                    f"got {len(stop)} bytes")
         ids = _values(request, "stop_token_ids", STOPS.high)
         self.stop_token_ids = [] if ids is None else list(ids)
+        self.json = {name: _scalar(request, name, None) for name in JSON_INPUTS}
+        for name, raw in self.json.items():
+            if isinstance(raw, bytes) and len(raw) > MAX_JSON_BYTES:
+                raise TrtspecError(f"{name}: at most {MAX_JSON_BYTES} bytes of JSON, got {len(raw)}")
 
 
 def _error(exc: BaseException, code: str):
@@ -238,7 +254,7 @@ class _Outbox:
         streams) and its statistics."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         observe_finished(self.metrics, call.reply.request, generation.stats, call.reply.counted)
-        stats = generation.stats.to_dict()
+        stats = stats_json(generation.stats)
         if not call.sends:
             call.sender.send(_response(call.reply.text, stats), flags=final)
             return
@@ -359,15 +375,14 @@ class TritonPythonModel:
         codec = self.pipeline.codec
         stops, single_token_stops = codec.stop_strings([_utf8(stop, "stop") for stop in inputs.stops], "stop")
         stop_ids = codec.stop_token_ids(inputs.stop_token_ids, "stop_token_ids") + single_token_stops
-        scalars, asked = inputs.scalars, inputs.scalars["max_tokens"]
-        config = generation_config(self._block(scalars["block_size"], scalars["grow_to"]),
-                                   DEFAULT_MAX_TOKENS if asked is None else asked, stop_ids,
-                                   temperature=scalars["temperature"], seed=scalars["seed"])
-        ids = codec.encode_unlocked(_utf8(inputs.text, "text_input"))
-        if not ids:
-            raise TrtspecError("the prompt is empty")
-        if asked is not None:  # as serve and run: an asked-for count must fit (the default is capped)
-            check_room(len(ids), asked, self.context, "max_tokens")
+        scalars, structured = inputs.scalars, {name: _json(raw, name) for name, raw in inputs.json.items()}
+        vocab = self.pipeline.vocab_size
+        config = request_config(scalars, self._block(scalars["block_size"], scalars["grow_to"]), stop_ids,
+                                logit_bias=logit_bias(structured["logit_bias"], vocab),
+                                grammar=response_format(structured["response_format"], codec, vocab))
+        ids = codec.encode_unlocked(_utf8(inputs.text, "text_input"))  # an empty one: refused at submit
+        if scalars["max_tokens"] is not None:  # as serve and run: an asked-for count must fit (the default is capped)
+            check_room(len(ids), config.max_new_tokens, self.context, "max_tokens")
         call.sends = self.decoupled and bool(scalars["stream"])
         call.reply = Reply(codec, stops, self.outbox.metrics)
         bridge = Bridge(lambda kind, payload: self.outbox.put(kind, call, payload))
