@@ -18,6 +18,7 @@ from trtspec.runtime.processing import Processing
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
+from trtspec.tokenizer import check_stop_strings
 
 DEFAULT_MAX_TOKENS = 256  # a request that sets no limit: this many new tokens, fewer when the context is shorter
 
@@ -25,7 +26,7 @@ DEFAULT_MAX_TOKENS = 256  # a request that sets no limit: this many new tokens, 
 @dataclass(frozen=True)
 class GenerationConfig:
     """One request's ask: its block schedule (`block`: B, B:G, AR or auto, see
-    trtspec.runtime.schedule), token limit, stop ids and sampling. `ignore_eos`: the engine's own
+    trtspec.runtime.schedule), token limit, stop ids, stop strings and sampling. `ignore_eos`: the engine's own
     stop ids (the tokenizer's EOS) do not end it, so it runs to its limit unless its own stop ids
     or stop strings end it (vLLM's field, which load tools send to fix output lengths); except
     with a grammar, whose end is the output's end (trtspec.runtime.processing)."""
@@ -33,6 +34,7 @@ class GenerationConfig:
     block: BlockChoice = BlockChoice(16)
     max_new_tokens: int = DEFAULT_MAX_TOKENS
     stop_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first (trtspec.runtime.output)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -43,6 +45,7 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.block, BlockChoice):
             raise TrtspecError(f"GenerationConfig.block must be a BlockChoice, got {self.block!r}")
+        object.__setattr__(self, "stop", tuple(check_stop_strings(self.stop, "stop")))
         for size in self.block.sizes:
             if size > 1:  # ranges: trtspec.limits
                 check_block_size(size)
@@ -140,6 +143,7 @@ class Generation:
     stats: DecodeStats
     logprobs: list[TokenLogprob] | None = None         # one per token, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first: None)
+    text: str | None = None  # the tokens' text, cut before the first stop string (an engine with a tokenizer)
 
 
 def check_request(runner, prompt: list[int], config: GenerationConfig, policy) -> int:
