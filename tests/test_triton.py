@@ -355,6 +355,23 @@ def test_serve_s_sampling_and_processing_fields_act_on_triton_too(server, client
     assert _ask(client, repetition_penalty=np.float32(1.5), presence_penalty=np.float32(1.0))[0]
 
 
+def test_serve_s_text_fields_act_on_triton_too(server, client):
+    """include_stop_str_in_output keeps the stop string at the text's end; skip_special_tokens
+    false shows special tokens (the "text" REQUEST_FIELDS, declared once for both front ends)."""
+    from trtspec.tokenizer import TextCodec
+
+    codec = TextCodec(server["engine"] / "tokenizer")
+    text, _ = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64))
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3])
+    kept, _ = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64), stop=[stop],
+                   include_stop_str_in_output=np.bool_(True))
+    assert kept == text[:text.index(stop) + len(stop)]
+    eos = codec.stop_ids[0]
+    shown, _ = _ask(client, max_tokens=np.int32(3), ignore_eos=np.bool_(True), logit_bias=json.dumps({str(eos): 100}),
+                    skip_special_tokens=np.bool_(False))
+    assert shown == codec.decode([eos] * 3, skip_special_tokens=False) and shown
+
+
 def _stream(server, inputs, model: str = "trtspec_stream") -> tuple[list[str], dict, list[float]]:
     """One gRPC stream: its text pieces, its statistics and each piece's arrival time."""
     results, client = queue.Queue(), grpc.InferenceServerClient(server["grpc"])

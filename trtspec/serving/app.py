@@ -243,7 +243,7 @@ class OpenAIServer:
         try:
             for index in range(parsed.n):
                 bridge = LoopBridge(loop)
-                reply = Reply(self.codec, parsed.stops, self.metrics, parsed.keep_stop, parsed.skip_special)
+                reply = Reply(self.codec, parsed.stops, self.metrics, **parsed.text_options)
                 reply.request = self.engine.submit(parsed.prompt_ids, parsed.choice_config(index), bridge.on_commit,
                                                    bridge.on_finish)
                 choices.append((reply, bridge))

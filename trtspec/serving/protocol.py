@@ -7,11 +7,12 @@ server, no event loop. Every refusal is an `ApiError` in OpenAI's shape that nam
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from trtspec import limits
 from trtspec.errors import FieldError, TrtspecError
-from trtspec.runtime.request import REQUEST_FIELDS, GenerationConfig, RequestField, check_room, request_config
+from trtspec.runtime.request import (REQUEST_FIELDS, GenerationConfig, RequestField, check_room, read_fields,
+                                    request_config)
 from trtspec.runtime.sampling import derive_seed
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.serving.frontend import logit_bias, response_format, short_repr
@@ -50,8 +51,7 @@ class ParsedRequest:
     include_usage: bool = False
     chat: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
-    keep_stop: bool = False         # include_stop_str_in_output
-    skip_special: bool = True       # skip_special_tokens
+    text_options: dict = field(default_factory=dict)  # frontend.Reply's: the "text" REQUEST_FIELDS
     n: int = 1                      # independent choices, each its own engine request
     echo: str | None = None         # completions' echo: the prompt's text, put before the completion
 
@@ -70,7 +70,7 @@ class ParsedRequest:
 # (`_UNSUPPORTED`), and any other field is refused by name: no field is ever silently ignored.
 _COMMON = {spec.name for spec in REQUEST_FIELDS} | {
     "model", "stop", "stop_token_ids", "stream", "stream_options", "n", "user", "block_size",
-    "include_stop_str_in_output", "skip_special_tokens", "logprobs", "logit_bias", "response_format"}
+    "logprobs", "logit_bias", "response_format"}
 _FIELDS = {False: _COMMON | {"prompt", "echo"},
            True: _COMMON | {"messages", "max_completion_tokens", "metadata", "store", "service_tier",
                             "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "top_logprobs"}}
@@ -274,7 +274,6 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
                                 or not all(isinstance(options.get(k, False), bool) for k in usage_keys)):
         raise bad_request("stream_options is an object {\"include_usage\": true or false, \"continuous_usage_stats\": "
                           "true or false}, and only with stream: true", "stream_options")
-    keep_stop, skip_special = _flag(body, "include_stop_str_in_output", False), _flag(body, "skip_special_tokens", True)
     logprobs, prompt_logprobs = _logprobs(body, chat)
     texts, stop_ids = _stops(body, codec)
     vocab_size = vocab_size or codec.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -283,6 +282,7 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
         config = request_config(values, block, stop_ids, logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
                                 grammar=response_format(body.get("response_format"), codec, vocab_size),
                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        text_options = read_fields(values)["text"]
     except FieldError as exc:
         wire = {"max_tokens": limit_field, "logprobs": "top_logprobs" if chat else "logprobs",
                 "prompt_logprobs": "logprobs"}.get(exc.field, exc.field)
@@ -298,10 +298,11 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     options = options or {}
     echo = None
     if not chat and _flag(body, "echo", False):
-        echo = body["prompt"] if isinstance(body["prompt"], str) else codec.decode(ids, skip_special_tokens=skip_special)
+        echo = body["prompt"] if isinstance(body["prompt"], str) else \
+            codec.decode(ids, skip_special_tokens=text_options["skip_special"])
         echo = echo[0] if isinstance(echo, list) else echo
     return ParsedRequest(ids, config, texts, bool(stream), bool(options.get("include_usage")), chat,
-                         bool(options.get("continuous_usage_stats")), keep_stop, skip_special, n, echo)
+                         bool(options.get("continuous_usage_stats")), text_options, n, echo)
 
 
 def parse_tokenize(body: dict, codec, max_context: int) -> list[int]:

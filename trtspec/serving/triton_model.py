@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - imported for documentation or tests ou
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import STOP_CHARS, STOPS
-from trtspec.runtime.request import REQUEST_FIELDS, Generation, check_room, request_config
+from trtspec.runtime.request import REQUEST_FIELDS, Generation, check_room, read_fields, request_config
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.serving.frontend import (COMMIT, FINISH, Bridge, Reply, logit_bias, observe_finished,
@@ -384,7 +384,7 @@ class TritonPythonModel:
         if scalars["max_tokens"] is not None:  # as serve and run: an asked-for count must fit (the default is capped)
             check_room(len(ids), config.max_new_tokens, self.context, "max_tokens")
         call.sends = self.decoupled and bool(scalars["stream"])
-        call.reply = Reply(codec, stops, self.outbox.metrics)
+        call.reply = Reply(codec, stops, self.outbox.metrics, **read_fields(scalars)["text"])
         bridge = Bridge(lambda kind, payload: self.outbox.put(kind, call, payload))
         # a call that neither streams nor has stops is answered from its tokens at the end
         call.reply.request = self.engine.submit(ids, config, bridge.on_commit if call.sends or stops else None,
