@@ -14,7 +14,9 @@ their slots are reused at once.
 labels, data generation, the build's self-check); `Engine` runs the same `step()` on a background
 thread for servers (`trtspec serve`, the Triton model, `bench --concurrency`). Either way
 `submit()` returns a `Request` handle; `on_commit` receives each cycle's newly committed token ids
-on the stepping thread; `Request.result()` waits for the end.
+on the stepping thread (the prefill's token as soon as the prefill ends), and, in an engine with a
+tokenizer, `on_text` their text (`trtspec.runtime.output`: a stop string ends the request there);
+`Request.result()` waits for the end.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.limits import CONCURRENCY
 from trtspec.runtime.controller import Controller, ControllerFactory, Stepper, native_controller
+from trtspec.runtime.output import OutputProcessor
 from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
 from trtspec.runtime.runner import BatchRunner
@@ -45,6 +48,7 @@ from trtspec.runtime.stats import DecodeStats
 RECENT_S = 1.0  # time constant of Load.recent, the engine's recent running count
 
 OnCommit = Callable[[list[int]], None]
+OnText = Callable[[str], None]
 
 
 class Busy(TrtspecError):
@@ -69,11 +73,15 @@ class Request:
     """A handle on one submitted request. Thread-safe."""
 
     def __init__(self, request_id: int, prompt: list[int], config: GenerationConfig,
-                 on_commit: OnCommit | None, on_finish: Callable[["Request"], None] | None):
+                 on_commit: OnCommit | None, on_finish: Callable[["Request"], None] | None,
+                 output: OutputProcessor | None = None, on_text: OnText | None = None):
         self.id, self.prompt, self.config = request_id, prompt, config
         self.on_commit, self.on_finish = on_commit, on_finish
+        self.output, self.on_text = output, on_text  # its text (an engine with a tokenizer)
+        # the engine's clock (time.perf_counter) at submission, at its first tokens' and at its latest's emission
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # one per token in `tokens`, when the config asks
         self.prompt_logprobs: list[TokenLogprob | None] = []
@@ -101,7 +109,8 @@ class Request:
         if self.error is not None:
             raise self.error
         return Generation(self.tokens, self.stats, self.logprobs if self.config.logprobs is not None else None,
-                          self.prompt_logprobs if self.config.prompt_logprobs is not None else None)
+                          self.prompt_logprobs if self.config.prompt_logprobs is not None else None,
+                          self.output.text if self.output is not None else None)
 
     def _finish(self, error: BaseException | None = None) -> None:
         self.error = error
@@ -137,16 +146,19 @@ class _Active:
 
 class LocalEngine:
     """Continuous batching over one `BatchRunner`, stepped by its caller: submit from any thread,
-    step on one. `generate()` decodes a list of requests to the end on the caller's thread."""
+    step on one. `generate()` decodes a list of requests to the end on the caller's thread. With a
+    `codec` (the tokenizer) every request's text is decoded as it is committed, and its stop strings
+    end it."""
 
     def __init__(self, runner: BatchRunner, policy: BlockPolicy | None = None, config: EngineConfig = EngineConfig(),
                  stop_ids: tuple[int, ...] = (), chooser: BlockChooser | None = None,
-                 controller: ControllerFactory = native_controller):
+                 controller: ControllerFactory = native_controller, codec=None):
         if config.max_running > runner.slots:
             raise TrtspecError(f"max-running {config.max_running} exceeds the runner's {runner.slots} cache slots")
         self.runner, self.policy, self.config, self.stop_ids = runner, policy, config, tuple(stop_ids)
         self.chooser = chooser  # load-aware BlockPilot (trtspec.blockpilot.load); None: the policy's choice stands
         self.new_controller = controller  # one per request (trtspec.runtime.reference has the Python one)
+        self.codec = codec
         self._queue: deque[Request] = deque()
         self._active: list[_Active] = []
         self._free = list(range(config.max_running - 1, -1, -1))
@@ -159,12 +171,16 @@ class LocalEngine:
     # ---- front-end side ------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], config: GenerationConfig, on_commit: OnCommit | None = None,
-               on_finish: Callable[[Request], None] | None = None, queue_limit: bool = True) -> Request:
+               on_finish: Callable[[Request], None] | None = None, queue_limit: bool = True,
+               on_text: OnText | None = None) -> Request:
         """Queue a request; a bad one is refused here (TrtspecError), a full queue raises Busy
         (unless `queue_limit` is off: a caller that steps itself queues what it will decode)."""
         config = config.with_stop_ids(self.stop_ids)
         check_request(self.runner, list(prompt), config, self.policy)
-        request = Request(next(self._ids), list(prompt), config, on_commit, on_finish)
+        if config.stop and self.codec is None:
+            raise TrtspecError("stop strings are matched in the text: this engine has no tokenizer")
+        output = OutputProcessor(self.codec, config.stop) if self.codec is not None else None
+        request = Request(next(self._ids), list(prompt), config, on_commit, on_finish, output, on_text)
         with self.lock:
             if self.closed:
                 raise TrtspecError("the engine is shut down")
@@ -179,10 +195,11 @@ class LocalEngine:
 
     def generate(self, prompts: list[list[int]], configs: list[GenerationConfig],
                  on_commit: Callable[[int, list[int]], None] | None = None,
-                 on_finish: Callable[[Request], None] | None = None) -> list[Generation]:
+                 on_finish: Callable[[Request], None] | None = None,
+                 on_text: Callable[[int, str], None] | None = None) -> list[Generation]:
         """Decode every prompt on this thread (continuous batching over the engine's slots); results
-        in the prompts' order. `on_commit(i, tokens)` streams request i's committed tokens;
-        `on_finish` sees each request end (a progress bar)."""
+        in the prompts' order. `on_commit(i, tokens)` streams request i's committed tokens and
+        `on_text(i, piece)` their text; `on_finish` sees each request end (a progress bar)."""
         if len(prompts) != len(configs):
             raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
         for prompt, config in zip(prompts, configs):  # a bad request is refused before any work
@@ -201,7 +218,9 @@ class LocalEngine:
                     while len(requests) < len(prompts) and len(self._queue) < self.config.max_running:
                         index = len(requests)
                         stream = None if on_commit is None else functools.partial(on_commit, index)
-                        requests.append(self.submit(prompts[index], configs[index], stream, finished, queue_limit=False))
+                        text = None if on_text is None else functools.partial(on_text, index)
+                        requests.append(self.submit(prompts[index], configs[index], stream, finished, queue_limit=False,
+                                                    on_text=text))
                     self.step()
         except BaseException:  # KeyboardInterrupt included: leave the engine empty for its next caller
             for request in requests:
@@ -337,6 +356,8 @@ class LocalEngine:
                     starting.append(active)
         for active, first in self._first_tokens(starting) if starting else ():
             self._alone(active, self._start_decoding, active, first)
+            if not active.failed:
+                self._emit(active)  # the first token leaves now, not after the first cycle
 
     def _alone(self, active: _Active, work: Callable, *args):
         """`work(*args)` for one request: an error of its own (its grammar, its processing, its block
@@ -470,22 +491,29 @@ class LocalEngine:
                                                           normalised=True))
 
     def _emit(self, active: _Active) -> None:
-        """Hand newly committed tokens to the request; retire it when it has finished."""
-        controller, request = active.controller, active.request
+        """Hand newly committed tokens (and their text) to the request; retire it when it has
+        finished, or its text reached a stop string."""
+        controller, request, output = active.controller, active.request, active.request.output
         count = controller.count
         if count > active.emitted:
             fresh = controller.tokens[active.emitted:count].tolist()
             active.emitted = count
+            piece = ""
+            if output is not None:
+                piece, fresh = output.push(fresh)
             request.tokens.extend(fresh)
+            request.last_token_at = time.perf_counter()
             if request.first_token_at is None:
-                request.first_token_at = time.perf_counter()
-            if request.on_commit is not None:
-                try:
+                request.first_token_at = request.last_token_at
+            try:
+                if request.on_commit is not None:
                     request.on_commit(fresh)
-                except Exception as error:  # Cancelled, or the front end's callback failed: this request ends
-                    self._retire(active, error)
-                    return
-        if not controller.running:
+                if piece and request.on_text is not None:
+                    request.on_text(piece)
+            except Exception as error:  # Cancelled, or the front end's callback failed: this request ends
+                self._retire(active, error)
+                return
+        if not controller.running or (output is not None and output.stopped):
             self._retire(active)
 
     @staticmethod
@@ -502,12 +530,15 @@ class LocalEngine:
                 return
             self._active.remove(active)
             self._free.append(active.slot)
-        stats, controller = active.stats, active.controller
+        stats, controller, request = active.stats, active.controller, active.request
+        if error is None and request.output is not None and controller is not None:
+            error = self._last_text(request)
         if stats is not None and controller is not None:
             if not stats.turned_ar_at:  # one that turned AR under load keeps its speculative cycles
                 self._record_cycles(active)
-            stats.new_tokens = controller.count
-            stats.finish_reason = "cancelled" if error is not None else controller.finish_reason
+            stopped = error is None and request.output is not None and request.output.stopped
+            stats.new_tokens = len(request.tokens) if stopped else controller.count  # a stop string: what it returns
+            stats.finish_reason = "cancelled" if error is not None else "stop" if stopped else controller.finish_reason
             stats.decode_s = time.perf_counter() - active.decoding_since
             stats.batch_mean = active.shared / active.calls if active.calls else 0.0
             if error is None and self.chooser is not None:  # every request's acceptance, auto or not
@@ -517,6 +548,18 @@ class LocalEngine:
                 stats.ttft_s = active.request.first_token_at - active.request.submitted
         active.request.stats = stats
         active.request._finish(error)
+
+    @staticmethod
+    def _last_text(request: Request) -> BaseException | None:
+        """The text the request's output held back until its end, to its `on_text` (the error that
+        callback raised, if any)."""
+        rest = request.output.finish(request.tokens)
+        if rest and request.on_text is not None:
+            try:
+                request.on_text(rest)
+            except Exception as error:
+                return error
+        return None
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, normalised: bool = False) -> list[TokenLogprob]:
@@ -540,9 +583,9 @@ class Engine:
         self._thread.start()
 
     def submit(self, prompt: list[int], config: GenerationConfig, on_commit: OnCommit | None = None,
-               on_finish: Callable[[Request], None] | None = None) -> Request:
+               on_finish: Callable[[Request], None] | None = None, on_text: OnText | None = None) -> Request:
         """Queue a request (see LocalEngine.submit)."""
-        return self.local.submit(prompt, config, on_commit, on_finish)
+        return self.local.submit(prompt, config, on_commit, on_finish, on_text=on_text)
 
     def load(self) -> Load:
         return self.local.load()

@@ -121,7 +121,7 @@ def test_statistics(predictable):
     (lambda: BlockChoice(-1), r"block size must be an integer in \[2, 64\], got -1"),
     (lambda: BlockChoice(65), r"block size must be an integer in \[2, 64\], got 65"),
     (lambda: BlockChoice(4, 65), r"grows from B >= 2 to a larger size up to 64"),
-    (lambda: GenerationConfig(max_new_tokens=0), "max new tokens"),
+    (lambda: GenerationConfig(max_new_tokens=0), r"max_tokens must be an integer in \[1, "),
     (lambda: BlockChoice(8, 8), "grows from B >= 2 to a larger size"),
     (lambda: BlockChoice(1, 8), "grows from B >= 2"),
     (lambda: BlockChoice(None, 8), "policy chooses the growth"),

@@ -209,6 +209,19 @@ def test_a_full_queue_answers_busy(tiny):
         assert all(len(r.result(timeout=120).tokens) == 200 for r in held)
 
 
+def test_the_prefills_token_is_emitted_when_the_prefill_ends(tiny):
+    """Its time to first token is the prefill's, not the prefill's plus a draft and a verify."""
+    local = tiny.stepped_engine(EngineConfig(max_running=1), load_aware=False)
+    commits = []
+    request = local.submit([5, 9, 33], GenerationConfig(block=BlockChoice(4), max_new_tokens=20),
+                           on_commit=commits.append)
+    local.step()  # the prefill, then the first cycle
+    assert len(commits) == 2 and len(commits[0]) == 1
+    while local.busy:
+        local.step()
+    assert [token for tokens in commits for token in tokens] == request.result().tokens
+
+
 def test_cancelling_frees_the_slot_within_a_cycle(tiny):
     started = threading.Event()
     with tiny.engine(EngineConfig(max_running=1)) as engine:

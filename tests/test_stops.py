@@ -56,6 +56,7 @@ def test_stop_text_ends_the_output_before_it(pair):
     cut = _run(args, "--stop", multi)
     assert cut["text"] == text[:text.index(multi)] and cut["stats"]["finish_reason"] == "stop"
     assert cut["tokens"] == tokens[:len(cut["tokens"])] and len(cut["tokens"]) < len(tokens)
+    assert cut["stats"]["new_tokens"] == len(cut["tokens"])  # decoding ended at the stop: its rate counts these
     single = next(t for t in tokens[2:] if codec.decode([t]).strip() and "\ufffd" not in codec.decode([t])
                   and len(codec.tokenizer.encode(codec.decode([t])).ids) == 1)
     word = codec.decode([single])

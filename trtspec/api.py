@@ -6,7 +6,7 @@ The CLI and serving code are thin layers over `Pipeline`; it never touches click
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -25,7 +25,7 @@ from trtspec.runtime.engine import Engine, EngineConfig, LocalEngine
 from trtspec.runtime.request import Generation, GenerationConfig
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.schedule import AR, AUTO, BlockChoice
-from trtspec.tokenizer import TextCodec, TextStream
+from trtspec.tokenizer import TextCodec
 
 @dataclass
 class TextResult:
@@ -143,7 +143,7 @@ class Pipeline:
         thread (`generate`, bench, labels); servers and batches get engines of their own (`engine`)."""
         if self._local_engine is None:
             self._local_engine = LocalEngine(self.runner, self.policy, EngineConfig(max_running=1, prefill_chunk=0),
-                                             stop_ids=tuple(self.codec.stop_ids))
+                                             stop_ids=tuple(self.codec.stop_ids), codec=self.codec)
         return self._local_engine
 
     def engine(self, config: EngineConfig = EngineConfig(), load_aware: bool = True) -> Engine:
@@ -165,7 +165,8 @@ class Pipeline:
 
             costs = cached_costs(runner, self.policy.block_sizes, self._timing_identity(runner))
             chooser = LoadAwareChooser(costs, self.policy.choices)
-        return LocalEngine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser)
+        return LocalEngine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser,
+                           codec=self.codec)
 
     engine_core = stepped_engine  # its former name: scripts/drafter/curve.py still calls it (not this change's to edit)
 
@@ -190,56 +191,30 @@ class Pipeline:
         return logits[0, -PREFILL_LOGITS:], features[0] if self.has_drafter else None
 
     def generate_batch(self, prompts: list[str], configs: list[GenerationConfig], *, chat: bool = False,
-                       max_running: int = 8, stops: tuple[str, ...] = ()) -> list[TextResult]:
+                       max_running: int = 8) -> list[TextResult]:
         """Decode many prompts together (continuous batching); results in the prompts' order, each
-        cut before its first stop string (`stops`, as in `generate`)."""
+        ended at its first stop string (its config's `stop`)."""
         if len(prompts) != len(configs):
             raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
         engine = self.stepped_engine(EngineConfig(max_running=max_running), load_aware=any(c.block.auto for c in configs))
         generations = engine.generate([self.codec.encode(p, chat=chat) for p in prompts], configs)
-        return [_cut_at_stops(self.codec, g, stops) for g in generations]
+        return [TextResult(g.text, g) for g in generations]
 
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
                  on_text: Callable[[str], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None, stops: tuple[str, ...] = ()) -> TextResult:
+                 cancelled: Callable[[], bool] | None = None) -> TextResult:
         """Decode `prompt`; `on_text` receives text pieces as tokens are committed, and together
         they are exactly the result's text. `cancelled` is asked after every cycle; when it says
-        so, decoding stops there with `Cancelled` (a server frees its instance at once). The text
-        ends before the first of the stop strings `stops` (TextCodec.stop_strings checks them; put
-        the ids of single-token ones among the config's stop ids to end decoding there too)."""
+        so, decoding stops there with `Cancelled` (a server frees its instance at once). The first
+        of the config's stop strings (`stop`) in the text ends decoding: the text ends before it,
+        the tokens with the one that completed it."""
         ids = self.codec.encode(prompt, chat=chat)
         if not ids:
             raise TrtspecError("the prompt is empty")
-        on_commit, stream = None, TextStream(self.codec, stops)
-        if on_text is not None or cancelled is not None:
 
-            def on_commit(_: int, tokens: list[int]) -> None:
-                if cancelled is not None and cancelled():
-                    raise Cancelled("the request was cancelled")
-                piece = stream.push(tokens) if on_text is not None else ""
-                if piece:
-                    on_text(piece)
-
-        generation = self.local_engine.generate([ids], [config], on_commit)[0]
-        if on_text is None:
-            return _cut_at_stops(self.codec, generation, stops)
-        rest = stream.finish(generation.tokens)
-        if rest:
-            on_text(rest)  # bytes held back (an unfinished UTF-8 sequence at the end)
-        return _cut_at_stops(self.codec, generation, stops, stream)
-
-
-def _cut_at_stops(codec: TextCodec, generation: Generation, stops: tuple[str, ...],
-                  stream: TextStream | None = None) -> TextResult:
-    """The text and tokens of `generation` up to its first stop string (the tokens through the one
-    that completed it; `stream`: a finished TextStream that already saw them). A cut result is
-    finished for reason "stop"; its other statistics count what was decoded."""
-    if not stops:
-        return TextResult(codec.decode(generation.tokens), generation)
-    if stream is None:
-        stream = TextStream(codec, stops)
-        stream.push(generation.tokens)
-        stream.finish(generation.tokens)
-    if not stream.stopped:
-        return TextResult(stream.text, generation)
-    return TextResult(stream.text, Generation(stream.tokens, replace(generation.stats, finish_reason="stop")))
+        def check_cancelled(_: int, tokens: list[int]) -> None:
+            if cancelled():
+                raise Cancelled("the request was cancelled")
+        generation = self.local_engine.generate([ids], [config], None if cancelled is None else check_cancelled,
+                                                on_text=None if on_text is None else lambda _, piece: on_text(piece))[0]
+        return TextResult(generation.text, generation)

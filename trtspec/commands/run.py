@@ -124,19 +124,20 @@ def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size
         block=AR if ar else (block_size if block_size is not None else pipeline.default_block),
         max_new_tokens=max_new_tokens,
         stop_ids=pipeline.codec.stop_token_ids(stop_token_ids) + single_token_stops,
+        stop=stops,
         sampling=sampling,
     )
 
     if batch_file is not None:
-        _run_batch(pipeline, prompts, config, chat, max_running, stops)
+        _run_batch(pipeline, prompts, config, chat, max_running)
         return
 
     def stream(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = pipeline.generate(prompt, config, chat=chat, on_text=None if as_json else stream, stops=stops)
-    comparison = _compare_with_ar(pipeline, prompt, config, chat, result, stops) if compare_ar else None
+    result = pipeline.generate(prompt, config, chat=chat, on_text=None if as_json else stream)
+    comparison = _compare_with_ar(pipeline, prompt, config, chat, result) if compare_ar else None
     if as_json:
         click.echo(json.dumps({**result.to_dict(), **({"compare_ar": comparison} if comparison else {})}))
     else:
@@ -154,16 +155,14 @@ def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size
                        f"speed-up {speedup}{same}", err=True)
 
 
-def _run_batch(pipeline, prompts: list[str], config: GenerationConfig, chat: bool, max_running: int,
-               stops: tuple[str, ...]) -> None:
+def _run_batch(pipeline, prompts: list[str], config: GenerationConfig, chat: bool, max_running: int) -> None:
     """Every prompt through one continuous-batching engine; JSON lines in the file's order."""
     import time
 
     from trtspec.runtime.stats import mean_tau
 
     began = time.perf_counter()
-    results = pipeline.generate_batch(prompts, [config] * len(prompts), chat=chat, max_running=max_running,
-                                      stops=stops)
+    results = pipeline.generate_batch(prompts, [config] * len(prompts), chat=chat, max_running=max_running)
     seconds = time.perf_counter() - began
     for result in results:
         click.echo(json.dumps(result.to_dict()))
@@ -173,14 +172,12 @@ def _run_batch(pipeline, prompts: list[str], config: GenerationConfig, chat: boo
                f"up to {max_running} together), mean tau {mean_tau(stats):.2f}", err=True)
 
 
-def _compare_with_ar(pipeline, prompt: str, config: GenerationConfig, chat: bool, result,
-                     stops: tuple[str, ...]) -> dict:
+def _compare_with_ar(pipeline, prompt: str, config: GenerationConfig, chat: bool, result) -> dict:
     """The same request decoded by the target alone, through the same backend and loop (one run each,
     so a rough figure: `trtspec bench` gives medians over many prompts and repeats)."""
     from dataclasses import replace
 
-    baseline = pipeline.autoregressive().generate(prompt, replace(config, block=AR), chat=chat,
-                                                 stops=stops)
+    baseline = pipeline.autoregressive().generate(prompt, replace(config, block=AR), chat=chat)
     ar_rate = baseline.generation.stats.decode_tokens_per_s
     rate = result.generation.stats.decode_tokens_per_s
     ours, theirs = result.generation.tokens, baseline.generation.tokens
