@@ -243,12 +243,13 @@ def test_the_serve_deploy_config_builds_the_same_application(tmp_path, target_di
 
     config = tmp_path / "serve.json"
     result = trtspec_in_process("serve", *pair(target_dir, drafter_dir), "--replicas", "3", "--replica-gpus", "1",
-                                "--max-concurrency", "4", "--ray-config", config)
+                                "--max-concurrency", "4", "--block-size", "4:8", "--ray-config", config)
     assert result.returncode == 0, result.stderr.decode()
     application = json.loads(config.read_text())["applications"][0]
     assert application["import_path"] == "trtspec.serving.ray_serve:app_builder"
     assert application["deployments"][0]["num_replicas"] == 3
     assert application["deployments"][0]["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert application["args"]["options"]["block_size"] == "4:8"  # text in the file, a BlockChoice on the replicas
     built = app_builder(application["args"])
     assert type(built).__name__ == "Application"
 

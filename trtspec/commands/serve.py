@@ -104,27 +104,27 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
             "engine": engine, "policy": policy, "draft_vocab": draft_vocab, "draft_counts": draft_counts,
             "backend": backend, "block_sizes": engine_sizes([block_size] if block_size else [])}
     if replicas is not None:
-        from trtspec.serving import ray_serve
+        from trtspec.serving import ray_options, ray_serve
 
         if engine is not None:
             from trtspec.engines.manifest import read_manifest
 
             read_manifest(Path(engine))  # a bad engine directory: one line here, not a failing deployment
-        options = ray_serve.ReplicaOptions(
+        options = ray_options.ReplicaOptions(
             load=load, max_concurrency=max_concurrency, max_queued=max_queued,
-            block_size=block_size.name if block_size else None, served_model_name=served_model_name,
+            block_size=block_size, served_model_name=served_model_name,
             api_key=api_key or None, metrics_prefix=metrics_prefix, max_body_bytes=max_body_bytes,
             read_timeout_s=read_timeout, threads=ctx.meta.get(THREADS))
-        scaling = ray_serve.Scaling(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas,
-                                    target_ongoing_requests=target_ongoing_requests, num_cpus=replica_cpus,
-                                    num_gpus=replica_gpus)
+        scaling = ray_options.Scaling(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas,
+                                      target_ongoing_requests=target_ongoing_requests, num_cpus=replica_cpus,
+                                      num_gpus=replica_gpus)
         if ray_config:
             import json
 
             from trtspec.fileio import atomic_write_text
 
-            atomic_write_text(Path(ray_config), json.dumps(ray_serve.deploy_config(options, scaling, host, port),
-                                                           indent=2) + "\n")  # JSON is YAML
+            atomic_write_text(Path(ray_config), json.dumps(ray_options.deploy_config(options, scaling, host, port),
+                                                             indent=2) + "\n")  # JSON is YAML
             click.echo(f"trtspec serve: wrote {ray_config}; deploy it with: serve deploy {ray_config}", err=True)
             return
         if port == 0:  # Ray Serve's proxy binds the port itself: pick a free one now

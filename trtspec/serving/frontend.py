@@ -10,7 +10,8 @@ only in how a request arrives and how its answer leaves.
   client sees it (finish reason "stop" when a stop string ended it).
 * `observe_finished`: a finished request in the serving metrics (`trtspec.serving.metrics`),
   with its latency, time to first token and queue time from the engine's handle.
-* `stats_json`: a request's statistics as every front end sends them.
+* `stats_json`: a request's statistics as every front end sends them; `schedule_name`: the
+  block schedule it ran, spelled as requests spell it (also the metrics' label).
 * `logit_bias`, `response_format`: the two structured request fields, read the same way by both
   (the scalar ones are `trtspec.runtime.request.REQUEST_FIELDS`).
 """
@@ -26,6 +27,7 @@ from typing import Callable
 from trtspec.errors import FieldError, TrtspecError
 from trtspec.runtime.grammar import Grammar, grammar_tokenizer, response_format_grammar
 from trtspec.runtime.request import Generation
+from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
 from trtspec.tokenizer import TextStream
 
@@ -159,13 +161,19 @@ class Reply:
         return rest, generation
 
 
+def schedule_name(stats: DecodeStats) -> str:
+    """The block schedule a request ran, spelled as a request or flag spells it (BlockChoice.name:
+    "AR", "8", "4:8"), in every output: the statistics, the metrics' labels."""
+    return BlockChoice(stats.block_size, stats.grow_to).name
+
+
 def stats_json(stats: DecodeStats) -> dict:
     """A request's statistics as every front end sends them (`trtspec serve`'s `trtspec` object,
     Triton's `stats` output): the block schedule run ("AR", "8" or "4:8") and whether BlockPilot
     chose it, its acceptance (tau, histogram, ceiling fraction; AR has no block, so no ceiling),
     its counts and its times."""
     ar = stats.block_size <= 1
-    out = {"block_size": "AR" if ar else stats.schedule, "block_size_auto": stats.auto, "tau": stats.tau,
+    out = {"block_size": schedule_name(stats), "block_size_auto": stats.auto, "tau": stats.tau,
            "histogram": list(stats.histogram), "ceiling_fraction": None if ar else stats.ceiling_fraction,
            "cycles": stats.cycles, "grown_cycles": stats.grown_cycles, "prompt_tokens": stats.prompt_tokens,
            "new_tokens": stats.new_tokens, "finish_reason": stats.finish_reason, "prefill_s": stats.prefill_s,

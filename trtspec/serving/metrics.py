@@ -29,6 +29,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from trtspec.runtime.stats import (DecodeStats, accepted_at_least, committed_tokens, cut_histogram, decode_tokens,
                                    histogram_tau, pool_histograms)
+from trtspec.runtime.schedule import BlockChoice
+from trtspec.serving.frontend import schedule_name
 
 PREFIX = "trtspec_"      # trtspec's own families
 VLLM_PREFIX = "vllm:"    # the families vLLM also exports, under its names
@@ -60,7 +62,8 @@ FAMILIES = (
            "Cycles whose draft at this position (0-based) was accepted; a block's last position is its ceiling bin.",
            ("position",), vllm=True),
     Family("spec_decode_cycles", "counter",
-           "Decode cycles per block size schedule (B, B:G for a growing block, 1 for autoregressive).", ("block_size",)),
+           "Decode cycles per block size schedule (B, B:G for a growing block, AR for autoregressive).",
+           ("block_size",)),
     Family("spec_decode_ceiling_cycles", "counter",
            "Cycles that accepted their whole block, per block size schedule (the ceiling bin).", ("block_size",)),
     Family("blockpilot_choices", "counter", "Requests whose block size schedule BlockPilot chose (auto).",
@@ -191,7 +194,7 @@ class ServingMetrics:
     def observe_finished(self, stats: DecodeStats, *, latency_s: float, ttft_s: float | None = None,
                          queue_s: float | None = None) -> None:
         """A request that finished (a stop or its limit): its decode statistics and timings."""
-        m, schedule = self.families, stats.schedule if stats.block_size > 1 else "1"
+        m, schedule = self.families, schedule_name(stats)
         with self._lock:
             m["request_success"].labels(stats.finish_reason or "stop").inc()
             m["prompt_tokens"].inc(stats.prompt_tokens)
@@ -248,8 +251,8 @@ class ServingMetrics:
                 m["kv_cache_usage_perc"].set(running / slots)
                 m["gpu_cache_usage_perc"].set(running / slots)
             counts: dict[str, int] = {}
-            for size in block_sizes:
-                counts[str(size)] = counts.get(str(size), 0) + 1
+            for name in (BlockChoice(size).name for size in block_sizes):  # AR spelled "AR", as everywhere
+                counts[name] = counts.get(name, 0) + 1
             for size in self._running_sizes | counts.keys():
                 m["num_requests_running_by_block_size"].labels(size).set(counts.get(size, 0))
             self._running_sizes |= counts.keys()

@@ -34,79 +34,13 @@ import re
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 
 from trtspec.errors import TrtspecError
-from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
+from trtspec.serving.ray_options import APP_NAME, ENGINE, INGRESS, ReplicaOptions, Scaling
 
 METRICS_PERIOD_S = 2.0
-APP_NAME = "trtspec"
-ENGINE, INGRESS = "trtspec-engine", "trtspec-server"  # the deployments' names
 RETRIES = 3  # further replicas a request is offered when the one serving it dies before answering
-# A stopping replica checks for requests still in flight this often (Ray's default: every 2 s, so an
-# idle server took ~5 s to stop on Ctrl-C); it still waits for them up to Ray's graceful timeout.
-SHUTDOWN = {"graceful_shutdown_wait_loop_s": 0.25}
 NO_FAILURE_HANDLER = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
-
-
-@dataclass(frozen=True)
-class ReplicaOptions:
-    """What every replica loads and serves with: `load` holds load_pipeline's arguments."""
-
-    load: dict
-    max_concurrency: int = 8
-    max_queued: int = 64
-    block_size: str | None = None
-    served_model_name: str = "model"
-    api_key: str | None = None
-    metrics_prefix: str = "vllm:"
-    max_body_bytes: int = MAX_BODY_BYTES
-    read_timeout_s: float = READ_TIMEOUT_S
-    threads: int | None = None
-
-
-@dataclass(frozen=True)
-class Scaling:
-    """Fixed replicas (`replicas`), or autoscaling between `min_replicas` and `max_replicas` on
-    `target_ongoing_requests` per replica; each replica's resources."""
-
-    replicas: int = 1
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    target_ongoing_requests: float = 8.0
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    def _replica_count(self) -> dict:
-        if self.min_replicas is not None or self.max_replicas is not None:
-            return {"autoscaling_config": {"min_replicas": self.min_replicas or 1,
-                                           "max_replicas": self.max_replicas or max(self.replicas, 1),
-                                           "target_ongoing_requests": self.target_ongoing_requests}}
-        return {"num_replicas": self.replicas}
-
-    def check_fits(self, cores: int) -> None:
-        """Refuse, in one line, more engine replicas than a local cluster of `cores` CPUs can place
-        (Ray would wait for ever for the CPUs of the rest)."""
-        most = max(self.replicas, self.max_replicas or 0, self.min_replicas or 0)
-        ceiling = int(cores / self.num_cpus + 1e-9)
-        if most > ceiling:
-            raise TrtspecError(f"--replicas {most} needs {most * self.num_cpus:g} CPUs (--replica-cpus {self.num_cpus:g} "
-                               f"each); this machine has {cores}, room for {ceiling}: lower --replicas or "
-                               "--replica-cpus, or join a larger cluster with --ray-address")
-
-    def engine_options(self, options: ReplicaOptions) -> dict:
-        """The engine deployment's: its replicas' resources, the requests one takes at once (its
-        slots and queue; beyond, Ray Serve queues them) and a health check that asks the engine."""
-        return {"ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
-                "max_ongoing_requests": options.max_concurrency + options.max_queued,
-                "health_check_period_s": 2.0, "health_check_timeout_s": 30.0, **SHUTDOWN, **self._replica_count(),
-                **self.extra}
-
-    def ingress_options(self) -> dict:
-        """The ingress's: as many replicas as the engine (a forwarder per engine spreads the
-        streaming work over the nodes), no CPU reserved (it only forwards bytes)."""
-        return {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 1024, **SHUTDOWN, **self._replica_count()}
 
 
 def _ray():
@@ -135,7 +69,6 @@ def build_server(options: ReplicaOptions):
 
     from trtspec.commands.options import load_pipeline
     from trtspec.runtime.engine import EngineConfig
-    from trtspec.runtime.schedule import BlockChoice
     from trtspec.serving.metrics import ServingMetrics
     from trtspec.serving.app import OpenAIServer
 
@@ -144,10 +77,9 @@ def build_server(options: ReplicaOptions):
         torch.set_num_threads(options.threads)
     replica = serve.get_replica_context().replica_id.unique_id
     pipeline = load_pipeline(**options.load)
-    block = BlockChoice.parse(options.block_size, allow_ar=True) if options.block_size else None
     metrics = ServingMetrics(model_name=options.served_model_name, engine=replica, vllm_prefix=options.metrics_prefix)
     server = OpenAIServer(pipeline, EngineConfig(max_running=options.max_concurrency, max_queued=options.max_queued),
-                          model_name=options.served_model_name, block_size=block, metrics=metrics,
+                          model_name=options.served_model_name, block_size=options.block_size, metrics=metrics,
                           max_body_bytes=options.max_body_bytes, read_timeout_s=options.read_timeout_s,
                           api_key=options.api_key, replica={"id": replica, "pid": os.getpid()})
     server.start()
@@ -298,19 +230,13 @@ def application(options: ReplicaOptions, scaling: Scaling):
     return serve.deployment(serve.ingress(builder)(), name=INGRESS, **scaling.ingress_options()).bind(engines)
 
 
-def deploy_config(options: ReplicaOptions, scaling: Scaling, host: str, port: int) -> dict:
-    """A `serve deploy` config for an existing cluster: the application is built by
-    `trtspec.serving.ray_serve:app_builder` from these arguments."""
-    deployments = [{"name": ENGINE, **scaling.engine_options(options)}, {"name": INGRESS, **scaling.ingress_options()}]
-    return {"proxy_location": "EveryNode", "http_options": {"host": host, "port": port},
-            "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "trtspec.serving.ray_serve:app_builder",
-                              "args": {"options": asdict(options), "scaling": asdict(scaling)},
-                              "deployments": deployments}]}
-
-
 def app_builder(args: dict):
     """`serve deploy`'s entry point: the application from deploy_config's arguments."""
-    return application(ReplicaOptions(**args["options"]), Scaling(**args["scaling"]))
+    from trtspec.runtime.schedule import BlockChoice
+
+    fields, block = dict(args["options"]), args["options"].get("block_size")
+    fields["block_size"] = None if block is None else BlockChoice.parse(block, allow_ar=True, label="block_size")
+    return application(ReplicaOptions(**fields), Scaling(**args["scaling"]))
 
 
 class _Stopped(BaseException):
