@@ -103,6 +103,7 @@ REQUEST_FIELDS = (
     RequestField("max_tokens", int, DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, attribute="max_new_tokens"),
     RequestField("min_tokens", int, 0, MIN_TOKENS),
     RequestField("ignore_eos", bool, False),
+    RequestField("logprobs", int, None, LOGPROBS),  # alternatives listed per output token (None: no logprobs)
     RequestField("temperature", float, 0.0, TEMPERATURE, "sampling"),
     RequestField("top_p", float, 1.0, TOP_P, "sampling"),
     RequestField("top_k", int, 0, TOP_K, "sampling"),
@@ -127,14 +128,14 @@ def read_fields(values: dict) -> dict[str, dict]:
 
 def request_config(values: dict, block: BlockChoice, stop_ids: tuple[int, ...] = (), *,
                    logit_bias: tuple[tuple[int, float], ...] = (), grammar: Grammar | None = None,
-                   logprobs: int | None = None, prompt_logprobs: int | None = None) -> GenerationConfig:
+                   prompt_logprobs: int | None = None) -> GenerationConfig:
     """A request's GenerationConfig from its REQUEST_FIELDS values (`read_fields`) and what each
     front end reads in its own way. A value out of range is a FieldError naming its field."""
     parts = read_fields(values)
     sampling = SamplingConfig(**parts["sampling"])
     processing = Processing(logit_bias=logit_bias, grammar=grammar, **parts["processing"])
     return GenerationConfig(block=block, stop_ids=tuple(stop_ids), sampling=sampling, processing=processing,
-                            logprobs=logprobs, prompt_logprobs=prompt_logprobs, **parts["generation"])
+                            prompt_logprobs=prompt_logprobs, **parts["generation"])
 
 
 @dataclass(frozen=True)

@@ -355,6 +355,18 @@ def test_serve_s_sampling_and_processing_fields_act_on_triton_too(server, client
     assert _ask(client, repetition_penalty=np.float32(1.5), presence_penalty=np.float32(1.0))[0]
 
 
+def test_logprobs_come_in_their_own_output(client):
+    """`logprobs` (a count, as serve's completions take it) lists each token's log-probability and
+    its likeliest alternatives in the `logprobs` output, OpenAI's completions form."""
+    result = client.infer("trtspec", _inputs(http, PROMPT, max_tokens=np.int32(8), logprobs=np.int32(2)))
+    listed, stats = json.loads(result.as_numpy("logprobs")[0]), json.loads(result.as_numpy("stats")[0])
+    assert len(listed["tokens"]) == len(listed["token_logprobs"]) == stats["new_tokens"]
+    for chosen, top in zip(listed["token_logprobs"], listed["top_logprobs"]):
+        assert len(top) <= 2 and chosen >= max(top.values()) - 1e-5  # greedy: the likeliest token
+    plain = client.infer("trtspec", _inputs(http, PROMPT, max_tokens=np.int32(8)))
+    assert json.loads(plain.as_numpy("logprobs")[0]) is None
+
+
 def test_serve_s_text_fields_act_on_triton_too(server, client):
     """include_stop_str_in_output keeps the stop string at the text's end; skip_special_tokens
     false shows special tokens (the "text" REQUEST_FIELDS, declared once for both front ends)."""

@@ -277,11 +277,12 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     logprobs, prompt_logprobs = _logprobs(body, chat)
     texts, stop_ids = _stops(body, codec)
     vocab_size = vocab_size or codec.tokenizer.get_vocab_size(with_added_tokens=True)
-    values = {**{spec.name: body.get(spec.name) for spec in REQUEST_FIELDS}, "max_tokens": body.get(limit_field)}
+    values = {**{spec.name: body.get(spec.name) for spec in REQUEST_FIELDS}, "max_tokens": body.get(limit_field),
+              "logprobs": logprobs}  # OpenAI's two forms of it, as one count
     try:
         config = request_config(values, block, stop_ids, logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
                                 grammar=response_format(body.get("response_format"), codec, vocab_size),
-                                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                prompt_logprobs=prompt_logprobs)
         text_options = read_fields(values)["text"]
     except FieldError as exc:
         wire = {"max_tokens": limit_field, "logprobs": "top_logprobs" if chat else "logprobs",

@@ -53,6 +53,7 @@ from trtspec.runtime.engine import Busy
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.serving.frontend import (COMMIT, FINISH, Bridge, Reply, logit_bias, observe_finished,
                                       response_format, stats_json)
+from trtspec.serving.logprobs import completion_logprobs, entries
 from trtspec.serving.triton import ENGINE_PARAMETERS
 
 CANCEL_POLL_S = 0.05  # asking Triton is a round trip to the server process: at most this often
@@ -141,9 +142,10 @@ def _error(exc: BaseException, code: str):
     return pb_utils.InferenceResponse(error=error)
 
 
-def _response(text: str, stats: dict | None):
+def _response(text: str, stats: dict | None, logprobs: dict | None = None):
     tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-               pb_utils.Tensor("stats", np.array([json.dumps(stats or {}).encode()], dtype=np.object_))]
+               pb_utils.Tensor("stats", np.array([json.dumps(stats or {}).encode()], dtype=np.object_)),
+               pb_utils.Tensor("logprobs", np.array([json.dumps(logprobs).encode()], dtype=np.object_))]
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
@@ -169,8 +171,8 @@ class _Outbox:
     COMMIT, FINISH = COMMIT, FINISH  # a request's Bridge delivers these
     LIVE, REFUSED, STOP = "live", "refused", "stop"
 
-    def __init__(self, decoupled: bool, engine, metrics=None):
-        self.decoupled, self.engine, self.metrics = decoupled, engine, metrics
+    def __init__(self, decoupled: bool, engine, codec, metrics=None):
+        self.decoupled, self.engine, self.codec, self.metrics = decoupled, engine, codec, metrics
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.live: set[_Call] = set()
         self.thread = threading.Thread(target=self._run, name="trtspec-outbox", daemon=True)
@@ -251,16 +253,20 @@ class _Outbox:
 
     def _done(self, call: _Call, rest: str, generation: Generation) -> None:
         """The final response(s) of a finished request: its text (the rest of it, `rest`, when it
-        streams) and its statistics."""
+        streams), its statistics and, when asked, its tokens' logprobs (OpenAI's completions form)."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        observe_finished(self.metrics, call.reply.request, generation.stats, call.reply.counted)
-        stats = stats_json(generation.stats)
+        request = call.reply.request
+        observe_finished(self.metrics, request, generation.stats, call.reply.counted)
+        stats, logprobs = stats_json(generation.stats), None
+        if request.config.logprobs is not None:
+            count = len(generation.tokens)  # the tokens through a stop string, when one ended it
+            logprobs = completion_logprobs(self.codec, entries(generation.tokens, request.logprobs[:count]))
         if not call.sends:
-            call.sender.send(_response(call.reply.text, stats), flags=final)
+            call.sender.send(_response(call.reply.text, stats, logprobs), flags=final)
             return
         if rest:
             call.sender.send(_response(rest, None))
-        call.sender.send(_response("", stats), flags=final)
+        call.sender.send(_response("", stats, logprobs), flags=final)
 
     def _failed(self, reason: str) -> None:
         if self.metrics is not None:
@@ -343,7 +349,7 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.engine = self.pipeline.engine(EngineConfig(**{key: int(parameters[key]) for key in ENGINE_PARAMETERS
                                                            if key in parameters}))
-        self.outbox = _Outbox(self.decoupled, self.engine,
+        self.outbox = _Outbox(self.decoupled, self.engine, self.pipeline.codec,
                               _metrics(args["model_name"], args["model_instance_name"]))
         self.context = self.pipeline.runner.max_context
         self.prompt_cap = self.pipeline.codec.text_bytes_cap(self.context)
