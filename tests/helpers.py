@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -311,3 +316,85 @@ def processed_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
         x[token] -= processing.frequency_penalty * output.count(token)
         x[token] -= processing.presence_penalty
     return x
+
+
+# -- `trtspec serve` as a real subprocess, and raw HTTP to it (tests/test_serve*.py, test_ray.py) ------
+
+SERVED_NAME = "tiny"  # the served model's name (--served-model-name)
+LONG_PROMPT = "import os\n"  # the tiny target never writes its EOS by itself: a request runs to its limit
+LONG_TOKENS = 4000  # a long request's limit, near the tiny target's context (it writes them in seconds)
+
+
+class Server:
+    """`trtspec serve --port 0 ...` in its own session; the URL is read from its first line."""
+
+    def __init__(self, log: Path, *args, env: dict[str, str] | None = None):
+        self.log = log
+        self.stream = open(log, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "trtspec", "--threads", "1", "serve", "--port", "0", *map(str, args)],
+            stdout=self.stream, stderr=subprocess.STDOUT, start_new_session=True,
+            env=None if env is None else {**os.environ, **env})
+        deadline = time.monotonic() + 120
+        self.url = None
+        while self.url is None:
+            found = re.search(r"on http://(?:127\.0\.0\.1|0\.0\.0\.0):(\d+) ", log.read_text(errors="replace"))
+            if found:  # a server on every interface is reached through loopback too
+                self.url = f"http://127.0.0.1:{found.group(1)}"
+            elif self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"trtspec serve did not start:\n{self.output()[-3000:]}")
+            else:
+                time.sleep(0.2)
+        while True:
+            try:
+                if get(self.url + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"trtspec serve never became healthy:\n{self.output()[-3000:]}")
+            time.sleep(0.2)
+        import openai  # the [test] extra: the serve tests skip without it
+
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)  # never leave a server behind
+            self.process.wait(10)
+            raise AssertionError(f"trtspec serve did not stop on {sig!r}:\n{self.output()[-3000:]}")
+        finally:
+            self.stream.close()
+
+
+def get(url: str, timeout: float = 30) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def post(url: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+
+def pair_args(target, drafter, name: str = SERVED_NAME) -> tuple:
+    """The serve options that name a pair and the model name its clients use."""
+    return "--target", target, "--drafter", drafter, "--served-model-name", name

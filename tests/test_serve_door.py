@@ -1,7 +1,7 @@
 """`trtspec serve` at the door: the event loop only routes (bodies read with a size limit and a
 deadline, decoded and tokenized off the loop, stops checked before any work, hold-back linear in
 the text), an API key, refusals in one line for fields that would be ignored, and a fuzz test of
-the real server. Servers are real subprocesses (tests/test_serve.py's `Server`); every wait is
+the real server. Servers are real subprocesses (tests/helpers.py's `Server`); every wait is
 bounded."""
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def test_reply_of_a_finished_request_is_its_whole_text_and_finish_reason(codec):
 if __name__ != "__main__":
     openai = pytest.importorskip("openai", reason="the serve tests need the [test] extra (openai)")
     pytest.importorskip("uvicorn", reason="trtspec serve needs the [serve] extra")
-    from test_serve import LONG_PROMPT, LONG_TOKENS, Server, get, pair_args, post  # noqa: E402
-MODEL = "tiny"  # the served model's name (pair_args); this file also runs as a client script, without test_serve
+    from helpers import LONG_PROMPT, LONG_TOKENS, Server, get, pair_args, post  # noqa: E402
+MODEL = "tiny"  # the served model's name (helpers.SERVED_NAME); this file also runs as a client script, without helpers
 MODEL_JSON = json.dumps(MODEL).encode()  # for bodies written as bytes
 
 BODY_LIMIT = 6_000_000  # the door server's --max-body-bytes: a 5 MB body is read, decoded and refused
