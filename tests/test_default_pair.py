@@ -125,15 +125,20 @@ def test_default_pair_speculative_equals_autoregressive_on_humaneval(default_pai
 
 
 @needs_drafter
-def test_the_quick_start_runs_with_no_model_arguments(smollm2_file):
-    """README's first command, shorter: the default pair (its policy choosing the block size if it
-    ships one) and the speed-up over AR with the same tokens."""
-    result = trtspec_in_process("--threads", 1, "run", EXAMPLE, "--chat", "--compare-ar", "--json", "--max-new-tokens", 24)
+def test_the_quick_start_writes_a_working_fibonacci_identical_to_ar(smollm2_file):
+    """README's first command (float32, eager): the default pair continues the example with a
+    function that returns fib(10) = 55, and prints the speed-up over AR with the same tokens."""
+    result = trtspec_in_process("--threads", 1, "run", EXAMPLE, "--compare-ar", "--dtype", "float32",
+                                "--backend", "eager", "--json")
     assert result.returncode == 0, result.stderr.decode()
     output = json.loads(result.stdout)
-    assert output["text"].strip() and output["stats"]["new_tokens"] == len(output["tokens"]) > 0
+    assert output["stats"]["new_tokens"] == len(output["tokens"]) > 0
     assert output["stats"]["block_size_auto"] == (DRAFTER / "blockpilot").is_dir()
     assert output["compare_ar"]["identical"] is True and output["compare_ar"]["speedup"] > 0
+    code = EXAMPLE.read_text().replace("<|im_start|>", "") + output["text"].split("```")[0]
+    namespace: dict = {}
+    exec(compile(code, "quick-start", "exec"), namespace)  # the model's own code, as a user would run it
+    assert namespace["fibonacci"](10) == 55, code
 
 
 def test_serve_names_the_default_target_smollm2(smollm2_file, tmp_path):
