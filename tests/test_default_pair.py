@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, trtspec_in_process
+from helpers import Server, assert_one_line_error, trtspec_in_process
 
 from trtspec import assets
 from trtspec.api import Pipeline
@@ -149,3 +149,19 @@ def test_serve_names_the_default_target_smollm2(smollm2_file, tmp_path):
     assert result.returncode == 0, result.stderr.decode()
     options = json.loads((tmp_path / "serve.json").read_text())["applications"][0]["args"]["options"]
     assert options["served_model_name"] == "smollm2" and options["load"]["target"] is None
+
+
+@needs_drafter
+def test_serve_answers_a_chat_request_with_code(smollm2_file, tmp_path):
+    """`trtspec serve` on the default pair, asked through the OpenAI client for a Fibonacci function,
+    answers with Python code (the request goes through the model's own chat template)."""
+    pytest.importorskip("openai", reason="the OpenAI client is in the [test] extra")
+    server = Server(tmp_path / "serve.log", "--backend", "eager", "--dtype", "float32")
+    try:
+        answer = server.client.chat.completions.create(
+            model="smollm2", max_tokens=96, temperature=0,
+            messages=[{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}])
+    finally:
+        assert server.stop() == 0, server.output()[-2000:]
+    text = answer.choices[0].message.content
+    assert "```python" in text and "def fibonacci(n):" in text and "return" in text, text
