@@ -60,9 +60,9 @@ def main() -> None:
                         draft_vocab=vocab, draft_counts=args.draft_counts if vocab else None)
     prompts = [r["prompt_ids"] for r in read_prompt_set(args.held_out, args.prompts)]
     config = replace(GenerationConfig(max_new_tokens=args.max_new_tokens), block=BlockChoice(block))
-    core = pipeline.engine_core(EngineConfig(max_running=len(prompts)), load_aware=False)
+    engine = pipeline.stepped_engine(EngineConfig(max_running=len(prompts)), load_aware=False)
     began = time.perf_counter()
-    stats = [g.stats for g in core.generate(prompts, [config] * len(prompts))]
+    stats = [g.stats for g in engine.generate(prompts, [config] * len(prompts))]
     point = {"step": trained["step"], "sequences_seen": trained["step"] * trained["config"]["batch_size"],
              "block_size": block, "draft_vocab": vocab, "tau": round(mean_tau(stats), 3), "histogram": pooled_histogram(stats),
              "prompts": len(prompts), "seconds": round(time.perf_counter() - began, 1)}

@@ -47,12 +47,12 @@ def continue_prompts(pipeline, prompts: list[list[int]], config: GenerationConfi
     for index, ids in enumerate(prompts):
         if not ids:
             raise TrtspecError(f"prompt {index + 1} is empty")
-    core = pipeline.autoregressive().engine_core(EngineConfig(max_running=batch_size), load_aware=False)
+    engine = pipeline.autoregressive().stepped_engine(EngineConfig(max_running=batch_size), load_aware=False)
     configs = [replace(config, block=AR, sampling=replace(config.sampling, seed=derive_seed(config.sampling.seed, i)))
                for i in range(len(prompts))]
     with tqdm(total=len(prompts), desc="generate-data", unit="prompt", disable=not progress,
               dynamic_ncols=True) as bar:
-        generations = core.generate(prompts, configs, on_finish=lambda _: bar.update())
+        generations = engine.generate(prompts, configs, on_finish=lambda _: bar.update())
     return [generation.tokens for generation in generations]
 
 
