@@ -263,6 +263,7 @@ def test_triton_metrics_export_the_serving_metrics(server, client):
     ("logit_bias not JSON", "logit_bias is not valid JSON"),
     ("logit_bias beyond its range", r"logit_bias of token 5 must be a number in \[-100, 100\]"),
     ("response_format of an unknown type", "response_format"),
+    ("response_format not text", "response_format is not valid text: it holds a lone surrogate"),
     ("max_tokens beyond the context", "lower max_tokens or shorten the prompt"),  # as serve and run (issue 57)
     ("negative block size", r"must be an integer in \[2, 64\], got -3"),
     ("grow_to below block_size", "a block grows from B >= 2 to a larger size"),
@@ -305,6 +306,8 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cli
             scalars = {"logit_bias": json.dumps({"5": 101})}
         elif case == "response_format of an unknown type":
             scalars = {"response_format": json.dumps({"type": "poem"})}
+        elif case == "response_format not text":
+            scalars = {"response_format": '{"type": "json_object", "note": "\\ud800"}'}
         elif case == "max_tokens beyond the context":
             scalars = {"max_tokens": np.int32(LONG_CONTEXT)}
         elif case == "negative block size":

@@ -14,7 +14,7 @@ class FieldError(TrtspecError):
     """A request field out of its range or of the wrong kind; `field` is its name on the wire, so a
     front end can name it (OpenAI's `param`)."""
 
-    def __init__(self, message: str, field: str):
+    def __init__(self, message: str, field: str | None):
         super().__init__(message)
         self.field = field
 

@@ -10,9 +10,9 @@ import json
 import json.scanner
 
 from trtspec import limits
-from trtspec.errors import TrtspecError
+from trtspec.errors import FieldError
+from trtspec.serving.frontend import check_json_text
 from trtspec.serving.protocol import ApiError, bad_request
-from trtspec.tokenizer import check_text
 
 _C_DECODER_BYTES = 256 * 2**10  # larger bodies: json's pure-Python scanner, which lets the loop run
 
@@ -60,7 +60,10 @@ def decode_body(raw: bytes, max_values: int = limits.INT32_MAX):
         raise bad_request("the request body is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, and integers past Python's 4300-digit limit
         raise bad_request(f"the request body is not valid JSON ({' '.join(str(exc).split())[:200]})") from None
-    _refuse_lone_surrogates(body)
+    try:
+        check_json_text(body)
+    except FieldError as exc:
+        raise bad_request(str(exc), exc.field) from None
     return body
 
 
@@ -82,22 +85,3 @@ def _count_values(decoder: json.JSONDecoder, limit: int) -> None:
     parse_object, parse_array = decoder.parse_object, decoder.parse_array
     decoder.parse_object = lambda where, strict, scan, *rest: parse_object(where, strict, counted(scan), *rest)
     decoder.parse_array = lambda where, scan: parse_array(where, counted(scan))
-
-
-def _refuse_lone_surrogates(body) -> None:
-    """Every string of the body, keys included, must be text: a "\\ud800" escape is not."""
-    pending = [(body, None)]
-    while pending:
-        value, field_name = pending.pop()
-        if isinstance(value, dict):
-            for key, item in value.items():
-                pending.append((key, field_name or key))
-                pending.append((item, field_name or key))
-        elif isinstance(value, list):
-            pending.extend((item, field_name) for item in value)
-        elif isinstance(value, str) and not value.isascii():
-            named = field_name if isinstance(field_name, str) and field_name.isascii() else None
-            try:
-                check_text(value, named or "a string")
-            except TrtspecError as exc:
-                raise bad_request(str(exc), named) from None

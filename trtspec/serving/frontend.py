@@ -13,7 +13,8 @@ only in how a request arrives and how its answer leaves.
 * `stats_json`: a request's statistics as every front end sends them; `schedule_name`: the
   block schedule it ran, spelled as requests spell it (also the metrics' label).
 * `logit_bias`, `response_format`: the two structured request fields, read the same way by both
-  (the scalar ones are `trtspec.runtime.request.REQUEST_FIELDS`).
+  (the scalar ones are `trtspec.runtime.request.REQUEST_FIELDS`); `check_json_text`: JSON whose
+  strings are all text.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from trtspec.runtime.grammar import Grammar, grammar_tokenizer, response_format_
 from trtspec.runtime.request import Generation
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
-from trtspec.tokenizer import TextStream
+from trtspec.tokenizer import TextStream, check_text
 
 COMMIT, FINISH = "commit", "finish"  # a Bridge's events: (COMMIT, new token ids), (FINISH, the engine's Request)
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
@@ -64,6 +65,26 @@ def logit_bias(value, vocab_size: int) -> tuple[tuple[int, float], ...]:
                              "logit_bias")
         pairs.append((token, float(bias_value)))
     return tuple(pairs)
+
+
+def check_json_text(value, field: str | None = None) -> None:
+    """Every string of a decoded JSON value, keys included, must be text: a "\\ud800" escape is
+    not. Refused in a FieldError naming the top-level key it is under (or `field`)."""
+    pending = [(value, field)]
+    while pending:
+        item, under = pending.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                pending.append((key, under or key))
+                pending.append((inner, under or key))
+        elif isinstance(item, list):
+            pending.extend((inner, under) for inner in item)
+        elif isinstance(item, str) and not item.isascii():
+            named = under if isinstance(under, str) and under.isascii() else None
+            try:
+                check_text(item, named or "a string")
+            except TrtspecError as exc:
+                raise FieldError(str(exc), named) from None
 
 
 def response_format(value, codec, vocab_size: int) -> Grammar | None:

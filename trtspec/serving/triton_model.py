@@ -51,7 +51,7 @@ from trtspec.limits import STOP_CHARS, STOPS
 from trtspec.runtime.request import REQUEST_FIELDS, Generation, check_room, read_fields, request_config
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.serving.frontend import (COMMIT, FINISH, Bridge, Reply, logit_bias, observe_finished,
+from trtspec.serving.frontend import (COMMIT, FINISH, Bridge, Reply, check_json_text, logit_bias, observe_finished,
                                       response_format, stats_json)
 from trtspec.serving.logprobs import completion_logprobs, entries
 from trtspec.serving.triton import ENGINE_PARAMETERS
@@ -101,9 +101,11 @@ def _json(raw, label: str):
     if raw is None:
         return None
     try:
-        return json.loads(_utf8(raw, label))
+        value = json.loads(_utf8(raw, label))
     except (ValueError, RecursionError):
         raise TrtspecError(f"{label} is not valid JSON") from None
+    check_json_text(value, label)
+    return value
 
 
 class _Inputs:
