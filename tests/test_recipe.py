@@ -18,12 +18,12 @@ from trtspec.tokenizer import TextCodec
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_recipe(target_dir: Path, data: Path, work: Path) -> subprocess.CompletedProcess:
+def run_recipe(target_dir: Path, data: Path, work: Path, **overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TARGET": str(target_dir), "DATA": str(data), "WORK": str(work), "THREADS": "1",
            "SHARD_SIZE": "3", "MAX_NEW_TOKENS": "12", "STEPS": "6", "CHUNK_MINUTES": "5", "MASK": "3", "HELD_OUT": "3",
            "SAMPLED_EVERY": "3", "NUM_FEATURES": "2", "DRAFT_VOCAB": "40",
            "SHIP_TO": str(work.parent / "shipped"),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **overrides}
     return subprocess.run(["bash", "scripts/drafter/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
 
@@ -71,3 +71,10 @@ def test_recipe_runs_end_to_end_and_resumes_from_committed_state(target_dir, tmp
     assert "restored step 6" in second.stdout
     assert "| 1/6" in first.stderr and "| 1/6" not in second.stderr  # no training step was taken again
     assert [json.loads(line)["step"] for line in (data / "curve.jsonl").read_text().splitlines()] == [6, 6]
+
+    # A new run on the same data (another horizon) does not restore the committed run's checkpoint
+    # (train-drafter would refuse to resume another run's): it starts afresh and commits its own.
+    third = run_recipe(target_dir, data, tmp_path / "work-2", STEPS="4")
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert "starts afresh" in third.stdout and "| 4/4" in third.stderr
+    assert json.loads((data / "checkpoint" / "index.json").read_text())["step"] == 4

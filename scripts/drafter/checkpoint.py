@@ -3,7 +3,8 @@
 A session can end at any moment, and only what is committed survives it, so the recipe saves the
 work directory's checkpoint.pt (drafter, optimizer, schedule, data order) as parts after every
 training chunk, and restores it before the next one when the work directory lacks it or holds an
-older step. The optimizer's moments are kept in bfloat16 (the weights stay float32), which
+older step. Parts carry the recipe's name for their run (`--run`: its data, starting point and
+options), and a new run does not restore another's (train-drafter would refuse to resume it). The optimizer's moments are kept in bfloat16 (the weights stay float32), which
 makes the parts a third smaller; a resumed run continues from moments rounded to 8 bits of
 mantissa, not from the exact ones.
 
@@ -39,12 +40,12 @@ def _moments(state: dict, dtype: torch.dtype) -> dict:
     return state
 
 
-def save(work: Path, parts: Path) -> None:
+def save(work: Path, parts: Path, run: str | None = None) -> None:
     state = _moments(torch.load(work / CHECKPOINT, map_location="cpu", weights_only=False), torch.bfloat16)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
-    index = {"step": state["step"], "sha256": hashlib.sha256(data).hexdigest(), "parts": []}
+    index = {"step": state["step"], "run": run, "sha256": hashlib.sha256(data).hexdigest(), "parts": []}
     with staged_directory(parts, "checkpoint parts") as staging:
         for number, offset in enumerate(range(0, len(data), PART_BYTES)):
             name = f"part-{number:02d}"
@@ -54,8 +55,11 @@ def save(work: Path, parts: Path) -> None:
     print(f"{parts}: step {index['step']} in {len(index['parts'])} parts")
 
 
-def restore(parts: Path, work: Path) -> None:
+def restore(parts: Path, work: Path, run: str | None = None) -> None:
     index = json.loads((parts / "index.json").read_text())
+    if run is not None and index.get("run") != run:
+        print(f"{parts} holds another run's checkpoint ({index.get('run')}); this run ({run}) starts afresh")
+        return
     current = step_of(work / CHECKPOINT)
     if current >= index["step"]:
         print(f"{work / CHECKPOINT} is already at step {current} (parts: {index['step']})")
@@ -75,8 +79,9 @@ def main() -> None:
     parser.add_argument("action", choices=("save", "restore"))
     parser.add_argument("source", type=Path)
     parser.add_argument("destination", type=Path)
+    parser.add_argument("--run", help="The run's name: parts of another run are not restored.")
     args = parser.parse_args()
-    (save if args.action == "save" else restore)(args.source, args.destination)
+    (save if args.action == "save" else restore)(args.source, args.destination, args.run)
 
 
 if __name__ == "__main__":

@@ -49,8 +49,11 @@ if [ "$DRAFT_VOCAB" -gt 0 ]; then VOCAB=(--draft-vocab "$DRAFT_VOCAB"); else VOC
 # 4. DFlash training at B = 16: two drafter layers over three target taps, started as copies of the
 #    target's last two layers (from random weights the first 250 steps reached tau 1.23 only), bfloat16 autocast where
 #    the CPU has AMX; resumed from the committed checkpoint, saved back after every chunk.
+#    The committed checkpoint is restored only into the run it belongs to (RUN names the data,
+#    start and options): a new run (other shards, INIT_FROM, STEPS...) starts afresh.
 if [ -n "$INIT_FROM" ]; then START=(--init-from "$INIT_FROM"); else START=(--layers-from-target); fi
-[ -f "$DATA/checkpoint/index.json" ] && python scripts/drafter/checkpoint.py restore "$DATA/checkpoint" "$WORK/drafter-work"
+RUN="shards=$TRAIN_SHARDS init=${INIT_FROM:-target-layers} steps=$STEPS lr=$LR layers=$LAYERS vocab=$DRAFT_VOCAB"
+[ -f "$DATA/checkpoint/index.json" ] && python scripts/drafter/checkpoint.py restore "$DATA/checkpoint" "$WORK/drafter-work" --run "$RUN"
 while true; do
     status=0
     timeout "${CHUNK_MINUTES}m" trtspec --threads "$THREADS" train-drafter --target "$TARGET" --data "$WORK/train.jsonl" \
@@ -58,7 +61,7 @@ while true; do
         --anchors 32 --max-length 512 --lr "$LR" "${START[@]}" "${VOCAB[@]}" --checkpoint-every 25 --work "$WORK/drafter-work" -o "$WORK/smollm2-b16" \
         || status=$?
     [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || exit "$status"  # 124: the chunk's time is up
-    python scripts/drafter/checkpoint.py save "$WORK/drafter-work" "$DATA/checkpoint"
+    python scripts/drafter/checkpoint.py save "$WORK/drafter-work" "$DATA/checkpoint" --run "$RUN"
     python scripts/drafter/curve.py "$WORK/drafter-work" --held-out "$DATA/responses/shard-0000.jsonl" \
         --target "$TARGET" --prompts "$HELD_OUT" --draft-counts "$WORK/draft_vocab" --curve "$DATA/curve.jsonl"
     [ "$status" -eq 124 ] || break
