@@ -342,19 +342,28 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, cli
     assert server["process"].poll() is None
 
 
-def test_serve_s_sampling_and_processing_fields_act_on_triton_too(server, client):
-    """The request fields are declared once (trtspec.runtime.request.REQUEST_FIELDS): Triton takes
-    trtspec serve's top_k, penalties, logit_bias and response_format, with the same meaning."""
-    from trtspec.tokenizer import TextCodec
+# The request fields are declared once (trtspec.runtime.request.REQUEST_FIELDS): Triton takes
+# trtspec serve's, with the same meaning.
 
+def test_top_k_of_one_samples_the_greedy_text(client):
     greedy, _ = _ask(client, block_size=np.int32(8))
     assert _ask(client, block_size=np.int32(8), temperature=np.float32(1.0), top_k=np.int32(1))[0] == greedy
-    codec = TextCodec(server["engine"] / "tokenizer")
-    forced = codec.encode("x")[0]
+
+
+def test_logit_bias_forces_a_token(server, client):
+    from trtspec.tokenizer import TextCodec
+
+    forced = TextCodec(server["engine"] / "tokenizer").encode("x")[0]
     text, stats = _ask(client, max_tokens=np.int32(4), logit_bias=json.dumps({str(forced): 100}))
     assert text == "x" * 4 and stats["new_tokens"] == 4
+
+
+def test_a_json_object_response_format_gives_json(client):
     structured, stats = _ask(client, max_tokens=np.int32(60), response_format=json.dumps({"type": "json_object"}))
     assert structured.startswith("{") and (stats["finish_reason"] == "length" or isinstance(json.loads(structured), dict))
+
+
+def test_penalties_are_taken(client):
     assert _ask(client, repetition_penalty=np.float32(1.5), presence_penalty=np.float32(1.0))[0]
 
 
@@ -370,17 +379,18 @@ def test_logprobs_come_in_their_own_output(client):
     assert json.loads(plain.as_numpy("logprobs")[0]) is None
 
 
-def test_serve_s_text_fields_act_on_triton_too(server, client):
-    """include_stop_str_in_output keeps the stop string at the text's end; skip_special_tokens
-    false shows special tokens (the "text" REQUEST_FIELDS, declared once for both front ends)."""
-    from trtspec.tokenizer import TextCodec
-
-    codec = TextCodec(server["engine"] / "tokenizer")
+def test_include_stop_str_in_output_keeps_the_stop_at_the_end(client):
     text, _ = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64))
     stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3])
     kept, _ = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64), stop=[stop],
                    include_stop_str_in_output=np.bool_(True))
     assert kept == text[:text.index(stop) + len(stop)]
+
+
+def test_special_tokens_show_when_not_skipped(server, client):
+    from trtspec.tokenizer import TextCodec
+
+    codec = TextCodec(server["engine"] / "tokenizer")
     eos = codec.stop_ids[0]
     shown, _ = _ask(client, max_tokens=np.int32(3), ignore_eos=np.bool_(True), logit_bias=json.dumps({str(eos): 100}),
                     skip_special_tokens=np.bool_(False))
