@@ -25,9 +25,9 @@ Examples:
        -d '{"model": "smollm2", "prompt": "def fib(n):", "max_tokens": 32}'
   curl -s http://127.0.0.1:8000/metrics | grep spec_decode
 \b
-Requests take OpenAI's fields (max_tokens [default 256, as triton-serve's and run's],
-temperature [default 0: greedy], top_p, top_k, seed,
-stop, stop_token_ids, stream, stream_options, user, n), vLLM's ignore_eos, min_tokens,
+Requests take OpenAI's fields (max_tokens [default 256, as triton-serve's and run's], temperature
+[default 0: greedy], top_p, top_k, seed, stop, stop_token_ids, stream, stream_options, user, n,
+logprobs, logit_bias, penalties, response_format), vLLM's ignore_eos, min_tokens, min_p,
 continuous_usage_stats, include_stop_str_in_output, skip_special_tokens and chat template fields
 (chat_template_kwargs, add_generation_prompt, continue_final_message), plus block_size ("16",
 "6:16", "auto", "AR"); any other field is refused by name unless at its default
