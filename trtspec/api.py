@@ -168,8 +168,6 @@ class Pipeline:
         return LocalEngine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser,
                            codec=self.codec)
 
-    engine_core = stepped_engine  # its former name: scripts/drafter/curve.py still calls it (not this change's to edit)
-
     def _timing_identity(self, runner: BatchRunner) -> dict:
         """What a cycle's time depends on besides the runner's own sizes: the graphs an engine was
         built into (their hashes), or the eager models' configurations, and where they run."""
