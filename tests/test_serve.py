@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import LONG_PROMPT, LONG_TOKENS, SERVED_NAME, Server, get, pair_args, post, trtspec_in_process
+from helpers import (LONG_PROMPT, LONG_TOKENS, SERVED_NAME, Server, assert_one_line_error, get, pair_args, post,
+                     trtspec_in_process)
 from trtspec import __version__
 
 openai = pytest.importorskip("openai", reason="the serve tests need the [test] extra (openai)")
@@ -107,9 +108,15 @@ def chat_reference(tmp_path_factory, target_dir, trained_drafter_dir):
     return _run_json(tmp_path_factory, target_dir, trained_drafter_dir, "--chat")
 
 
-def test_models_health_and_unknown_route(server):
+def test_models_lists_the_served_name(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL]
+
+
+def test_health_answers_ok(server):
     assert get(server.url + "/health") == (200, '{"status":"ok"}')
+
+
+def test_an_unknown_route_is_a_404_with_a_message(server):
     status, body = get(server.url + "/v1/nothing")
     assert status == 404 and json.loads(body)["error"]["message"]
 
@@ -128,7 +135,7 @@ def test_greedy_completion_equals_trtspec_run(server, reference):
     assert 1 <= extension["tau"] and 0 <= extension["ceiling_fraction"] <= 1
 
 
-def test_block_size_field_and_token_id_prompt(server, reference, codec):
+def test_the_block_size_field_sets_the_schedule_without_changing_greedy_text(server, reference):
     for block in ("8", "12:24", "AR"):
         response = server.client.completions.create(model=MODEL, prompt=PROMPT,
                                                     max_tokens=MAX_TOKENS, extra_body={"block_size": block})
@@ -136,6 +143,9 @@ def test_block_size_field_and_token_id_prompt(server, reference, codec):
         extension = response.model_extra["trtspec"]
         assert extension["block_size"] == block and extension["block_size_auto"] is False
         assert len(extension["histogram"]) == {"8": 8, "12:24": 24, "AR": 1}[block]
+
+
+def test_a_prompt_of_token_ids_completes_like_its_text(server, reference, codec):
     ids = server.client.completions.create(model=MODEL, prompt=[[int(t) for t in codec.encode(PROMPT)]],
                                            max_tokens=MAX_TOKENS)
     assert ids.choices[0].text == reference["text"]
@@ -151,7 +161,7 @@ def _log_softmax(target_dir, ids: list[int]):
     return torch.log_softmax(logits.double(), dim=-1)
 
 
-def test_streaming_pieces_join_to_the_whole(server, reference, chat_reference):
+def test_streamed_completion_pieces_join_to_the_greedy_text(server, reference):
     stream = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
                                               stream_options={"include_usage": True})
     chunks = list(stream)
@@ -161,11 +171,18 @@ def test_streaming_pieces_join_to_the_whole(server, reference, chat_reference):
     assert len(finals) == 1 and finals[0].model_extra["trtspec"]["cycles"] >= 1
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reference["tokens"])
 
+
+def test_a_chat_completion_answers_through_the_chat_template(server, chat_reference):
     messages = [{"role": "user", "content": PROMPT}]
     whole = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS)
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == chat_reference["text"]  # through the same chat template
     assert whole.usage.completion_tokens == len(chat_reference["tokens"])
+
+
+def test_streamed_chat_pieces_join_to_the_whole_reply(server):
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS)
     streamed = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
                                                      stream=True)
     chunks = list(streamed)
@@ -174,7 +191,7 @@ def test_streaming_pieces_join_to_the_whole(server, reference, chat_reference):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
-def test_stop_strings_and_stop_ids(server, reference):
+def test_a_stop_string_ends_the_text_before_it(server, reference):
     text = reference["text"]
     cut = text.index("(", 1) if "(" in text[1:] else len(text) // 2
     stop = text[cut:cut + 2]
@@ -183,6 +200,9 @@ def test_stop_strings_and_stop_ids(server, reference):
     streamed = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, stop=stop,
                                                 stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == response.choices[0].text
+
+
+def test_a_stop_token_id_ends_the_completion_at_that_token(server, reference):
     third = reference["tokens"][2]
     by_id = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS,
                                              extra_body={"stop_token_ids": [third]})
@@ -242,20 +262,29 @@ BAD_REQUESTS = [  # (route, body, status, the field named)
 EOS_PROMPT = "def f():\n    pass\n\n\nif __name__ == '__main__':\n    main()\n"  # ended at once by `eos_bias`
 
 
-def test_ignore_eos_usage_in_every_chunk_and_vllm_utility_routes(server, eos_bias):
-    """vLLM's fields and routes load tools and harnesses use: ignore_eos gives exactly max_tokens
-    tokens; min_tokens holds the EOS back; continuous_usage_stats puts the running counts in every chunk; /tokenize, /detokenize,
-    /version and max_model_len agree with each other."""
+def test_ignore_eos_decodes_exactly_max_tokens(server, eos_bias):
+    """vLLM's ignore_eos, which load tools use: a request the EOS would end at once runs to its limit."""
     stopped = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0,
                                                logit_bias=eos_bias)
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 30
     forced = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0,
                                               logit_bias=eos_bias, extra_body={"ignore_eos": True})
     assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 30
-    assert forced.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_usage_counts_no_cached_prompt_tokens(server):
+    """No prefix cache: vLLM's prompt_tokens_details says so, for clients that read it."""
+    answer = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_min_tokens_holds_the_eos_back(server, eos_bias):
     held = server.client.completions.create(model=MODEL, prompt=EOS_PROMPT, max_tokens=30, temperature=0,
                                             logit_bias=eos_bias, extra_body={"min_tokens": 6})
     assert held.usage.completion_tokens >= 6  # the EOS it would end with at once is held back
+
+
+def test_continuous_usage_stats_put_the_running_counts_in_every_chunk(server):
     chunks = list(server.client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
@@ -263,33 +292,60 @@ def test_ignore_eos_usage_in_every_chunk_and_vllm_utility_routes(server, eos_bia
     assert counts == sorted(counts) and counts[-1] == 12 and counts[0] < 12
     assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
 
+
+def _tokenized(server) -> dict:
     status, tokenized = post(server.url + "/tokenize", {"model": MODEL, "prompt": PROMPT})
-    assert status == 200 and tokenized["count"] == len(tokenized["tokens"]) == chunks[-1].usage.prompt_tokens
-    assert post(server.url + "/detokenize", {"tokens": tokenized["tokens"]}) == (200, {"prompt": PROMPT})
-    assert server.client.models.list().data[0].max_model_len == tokenized["max_model_len"] > 1000
+    assert status == 200
+    return tokenized
+
+
+def test_tokenize_counts_a_prompt_as_its_usage_does(server):
+    """vLLM's /tokenize, which harnesses use to size prompts: the count a completion's usage reports."""
+    tokenized = _tokenized(server)
+    usage = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage
+    assert tokenized["count"] == len(tokenized["tokens"]) == usage.prompt_tokens
+
+
+def test_detokenize_gives_back_the_tokenized_prompt(server):
+    assert post(server.url + "/detokenize", {"tokens": _tokenized(server)["tokens"]}) == (200, {"prompt": PROMPT})
+
+
+def test_models_tell_the_max_model_len_tokenize_tells(server):
+    assert server.client.models.list().data[0].max_model_len == _tokenized(server)["max_model_len"] > 1000
+
+
+def test_version_is_the_package_version(server):
     assert json.loads(get(server.url + "/version")[1]) == {"version": __version__}
+
+
+def test_the_utility_routes_refuse_a_bad_body_naming_the_field(server):
     assert post(server.url + "/detokenize", {"tokens": [10**9]})[1]["error"]["param"] == "tokens"
     assert post(server.url + "/tokenize", {"prompt": "x", "echo": 1})[1]["error"]["param"] == "echo"
 
 
-def test_include_stop_str_in_output_and_special_tokens(server, eos_bias):
-    """include_stop_str_in_output keeps the stop string at the end of the text (streamed or not);
-    skip_special_tokens false shows special tokens (here the EOS that ignore_eos lets through)."""
-    def text(prompt=PROMPT, stream=False, **fields):
-        extra = {key: fields.pop(key) for key in list(fields) if key not in ("stop", "max_tokens")}
-        reply = server.client.completions.create(model=MODEL, prompt=prompt, temperature=0, stream=stream,
-                                                 max_tokens=fields.get("max_tokens", MAX_TOKENS),
-                                                 stop=fields.get("stop"), extra_body=extra)
-        return "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
+def _text(server, prompt=PROMPT, stream=False, **fields) -> str:
+    """A greedy completion's text; fields other than stop and max_tokens go in the body as vLLM's."""
+    extra = {key: fields.pop(key) for key in list(fields) if key not in ("stop", "max_tokens")}
+    reply = server.client.completions.create(model=MODEL, prompt=prompt, temperature=0, stream=stream,
+                                             max_tokens=fields.get("max_tokens", MAX_TOKENS),
+                                             stop=fields.get("stop"), extra_body=extra)
+    return "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
 
-    plain = text()
+
+def test_include_stop_str_in_output_keeps_the_stop_at_the_end(server):
+    """Streamed or not, as vLLM."""
+    plain = _text(server)
     stop = plain[6:9]
     before = plain[:plain.index(stop)]
-    assert text(stop=[stop]) == before
-    assert text(stop=[stop], include_stop_str_in_output=True) == before + stop
-    assert text(stop=[stop], include_stop_str_in_output=True, stream=True) == before + stop
-    hidden = text(EOS_PROMPT, max_tokens=3, ignore_eos=True, logit_bias=eos_bias)
-    shown = text(EOS_PROMPT, max_tokens=3, ignore_eos=True, logit_bias=eos_bias, skip_special_tokens=False)
+    assert _text(server, stop=[stop]) == before
+    assert _text(server, stop=[stop], include_stop_str_in_output=True) == before + stop
+    assert _text(server, stop=[stop], include_stop_str_in_output=True, stream=True) == before + stop
+
+
+def test_skip_special_tokens_false_shows_the_special_tokens(server, eos_bias):
+    """Here the EOS, which ignore_eos lets through."""
+    hidden = _text(server, EOS_PROMPT, max_tokens=3, ignore_eos=True, logit_bias=eos_bias)
+    shown = _text(server, EOS_PROMPT, max_tokens=3, ignore_eos=True, logit_bias=eos_bias, skip_special_tokens=False)
     assert "<|endoftext|>" in shown and "<|endoftext|>" not in hidden and shown.replace("<|endoftext|>", "") == hidden
 
 
@@ -316,12 +372,14 @@ def test_n_choices_are_independent_requests_with_derived_seeds(server):
     assert post(server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 17})[1]["error"]["param"] == "n"
 
 
-def test_logprobs_echo_penalties_and_json_schema(server, reference, codec, target_dir):
-    """vLLM's fields as the openai client sends them: logprobs (completions with echo: the prompt's
-    too; chat with top_logprobs), the same in a stream; penalties and a bias that keep spec == AR;
-    a JSON schema whose answer parses as that JSON."""
-    common = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
-    whole = server.client.completions.create(**common, logprobs=2, echo=True)
+# vLLM's fields as the openai client sends them
+COMMON = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+
+
+def test_echoed_logprobs_are_the_targets_own(server, reference, codec, target_dir):
+    """logprobs with echo cover the prompt's tokens too; each value and the top two equal the
+    target's log-softmax in eager PyTorch."""
+    whole = server.client.completions.create(**COMMON, logprobs=2, echo=True)
     prompt_tokens, completion_tokens = whole.usage.prompt_tokens, whole.usage.completion_tokens
     logprobs = whole.choices[0].logprobs
     assert whole.choices[0].text.startswith(PROMPT)
@@ -344,26 +402,38 @@ def test_logprobs_echo_penalties_and_json_schema(server, reference, codec, targe
         shown = logprobs.top_logprobs[position]
         assert shown.keys() == expected.keys(), position
         assert all(abs(shown[key] - expected[key]) < 1e-4 for key in expected), position
-    streamed = list(server.client.completions.create(**common, logprobs=2, echo=True, stream=True))
+
+
+def test_streamed_logprobs_equal_the_unstreamed_ones(server):
+    whole = server.client.completions.create(**COMMON, logprobs=2, echo=True)
+    logprobs = whole.choices[0].logprobs
+    streamed = list(server.client.completions.create(**COMMON, logprobs=2, echo=True, stream=True))
     pieces = [c.choices[0] for c in streamed if c.choices and c.choices[0].logprobs]
     assert [v for p in pieces for v in p.logprobs.token_logprobs] == logprobs.token_logprobs
     assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
 
+
+def test_chat_logprobs_list_the_top_logprobs_of_every_token(server):
     chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
                                                  max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
     assert all(e.top_logprobs[0].token == e.token for e in content)  # greedy: each token is the likeliest
 
+
+def test_penalties_change_the_text_alike_under_speculation_or_ar(server):
+    """Penalties, min_p and a bias act on the target's distribution: speculation stays lossless."""
     processed = {"frequency_penalty": 0.8, "presence_penalty": 0.4,
                  "extra_body": {"repetition_penalty": 1.2, "min_p": 0.1}, "logit_bias": {"15": 2.0}}
     outputs = {}
     for block in ("8", "AR"):
         body = dict(processed, extra_body={**processed["extra_body"], "block_size": block})
-        outputs[block] = server.client.completions.create(**{**common, "max_tokens": 24}, **body).choices[0].text
+        outputs[block] = server.client.completions.create(**{**COMMON, "max_tokens": 24}, **body).choices[0].text
     assert outputs["8"] == outputs["AR"]
-    assert outputs["AR"] != server.client.completions.create(**{**common, "max_tokens": 24}).choices[0].text
+    assert outputs["AR"] != server.client.completions.create(**{**COMMON, "max_tokens": 24}).choices[0].text
 
+
+def test_a_json_schema_answer_parses_as_that_schema_at_any_block_size(server):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                                "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
                                                         "maxItems": 3}},
@@ -376,7 +446,10 @@ def test_logprobs_echo_penalties_and_json_schema(server, reference, codec, targe
     assert answer.choices[0].message.content == answers[1].choices[0].message.content
     value = json.loads(answer.choices[0].message.content)
     assert set(value) == {"name", "tags"} and len(value["tags"]) <= 3 and answer.choices[0].finish_reason == "stop"
-    anything = server.client.completions.create(**{**common, "max_tokens": 60},
+
+
+def test_a_json_object_response_format_gives_an_object(server):
+    anything = server.client.completions.create(**{**COMMON, "max_tokens": 60},
                                                 extra_body={"response_format": {"type": "json_object"}})
     text = anything.choices[0].text  # any object: its strings are unbounded, so it may run to its limit
     assert text.startswith("{") and (anything.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
@@ -409,24 +482,46 @@ def test_chat_template_fields(ort_engine_dir, tmp_path):
         assert running.stop() == 0, running.output()[-3000:]
 
 
-def test_every_bad_request_gets_its_error_and_the_server_keeps_serving(server):
-    for route, body, status, param in BAD_REQUESTS:
-        code, answer = post(f"{server.url}/v1/{route}", body)
-        assert code == status, (body, answer)
-        assert answer["error"]["param"] == param and answer["error"]["message"], (body, answer)
-        ok = server.client.completions.create(model=MODEL, prompt="x = ", max_tokens=2)
-        assert ok.choices[0].finish_reason in ("stop", "length")
+@pytest.mark.parametrize("route, body, status, param", BAD_REQUESTS,
+                         ids=[f"{i}-{param}" for i, (*_, param) in enumerate(BAD_REQUESTS)])
+def test_a_bad_request_is_refused_naming_its_field(server, route, body, status, param):
+    code, answer = post(f"{server.url}/v1/{route}", body)
+    assert code == status, (body, answer)
+    assert answer["error"]["param"] == param and answer["error"]["message"], (body, answer)
+
+
+def test_a_body_that_is_not_json_is_refused(server):
     code, answer = post(f"{server.url}/v1/completions", b"{not json")
     assert code == 400 and "JSON" in answer["error"]["message"]
-    long_prompt = "x = 1\n" * 1500  # more tokens than the target's context (4,096)
+
+
+LONG_PROMPT_TEXT = "x = 1\n" * 1500  # more tokens than the target's context (4,096)
+
+
+def test_a_prompt_longer_than_the_context_is_refused(server):
     with pytest.raises(openai.BadRequestError, match="prompt"):
-        server.client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
+        server.client.completions.create(model=MODEL, prompt=LONG_PROMPT_TEXT, max_tokens=4)
+
+
+def test_a_chat_for_an_unknown_model_is_not_found(server):
     with pytest.raises(openai.NotFoundError):
         server.client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+
+
+def test_the_server_serves_on_after_each_bad_request(server):
+    """A refusal is its request's alone: the request after it is served as usual."""
+    refused = [(route, body) for route, body, *_ in BAD_REQUESTS] + [
+        ("completions", b"{not json"), ("completions", {"model": MODEL, "prompt": LONG_PROMPT_TEXT, "max_tokens": 4}),
+        ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})]
+    for route, body in refused:
+        assert post(f"{server.url}/v1/{route}", body)[0] >= 400, body
+        ok = server.client.completions.create(model=MODEL, prompt="x = ", max_tokens=2)
+        assert ok.choices[0].finish_reason in ("stop", "length")
     assert server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
 
 
-def test_metrics_parse_and_agree_with_the_responses(server):
+def test_metrics_agree_with_the_responses(server):
+    """Each counter's increase over five requests is what their responses' statistics add up to."""
     before = metrics(server)
     served = []
     for block, temperature in (("8", 0.0), ("12:24", 0.0), ("AR", 0.0), ("auto", 0.7), ("16", 0.7)):
@@ -469,8 +564,18 @@ def test_metrics_parse_and_agree_with_the_responses(server):
     assert 0 < delta("vllm:inter_token_latency_seconds_count") <= sum(r.usage.completion_tokens - 1 for r, _ in served)
     assert after[series("trtspec_spec_decode_stranded_tau_estimate", block_size="8")] >= \
         after[series("trtspec_spec_decode_tau", block_size="8")] >= 1
-    assert after[series("vllm:num_requests_running")] == 0 and after[series("vllm:num_requests_waiting")] == 0
-    assert after[series("vllm:kv_cache_usage_perc")] == 0 and after[series("vllm:num_preemptions_total")] == 0
+
+
+def test_an_idle_server_reports_no_load(server):
+    idle = metrics(server)
+    assert idle[series("vllm:num_requests_running")] == 0 and idle[series("vllm:num_requests_waiting")] == 0
+    assert idle[series("vllm:kv_cache_usage_perc")] == 0 and idle[series("vllm:num_preemptions_total")] == 0
+
+
+def test_metrics_export_the_vllm_families_dashboards_read(server):
+    """As vLLM's: the same names, and every series labelled with the served model's name."""
+    server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"block_size": "8"})
+    after = metrics(server)  # after a speculative request: the labelled series exist
     names = {name for name, _ in after}
     assert not [family for family in VLLM_FAMILIES if family not in names]
     assert all(dict(labels).get("model_name") == MODEL for _, labels in after)  # every series, as vLLM's
@@ -511,7 +616,8 @@ def test_a_disconnect_frees_the_slot(one_slot):
     assert ok.usage.completion_tokens == 8 and time.monotonic() - began < 20
 
 
-def test_a_full_queue_answers_429_and_the_server_recovers(one_slot):
+def test_a_full_queue_answers_429_until_it_drains(one_slot):
+    """429 while the queue is full (one running, one waiting); once they are gone, served as usual."""
     running, _ = _long_stream(one_slot)
     waiting = one_slot.client.completions.with_raw_response.create(model=MODEL, prompt=LONG_PROMPT,
                                                                    max_tokens=LONG_TOKENS, stream=True)
@@ -551,7 +657,8 @@ def test_sigterm_stops_the_server_with_a_request_in_flight(one_slot):
     assert "Traceback" not in one_slot.output(), one_slot.output()[-3000:]
 
 
-def test_text_stops_hold_back_a_possible_stop_and_cut_before_it(codec):
+def test_a_text_stop_cuts_the_stream_before_the_stop(codec):
+    """No piece ever shows part of a stop: a possible beginning of one is held back."""
     from trtspec.tokenizer import TextStream as TextStops
 
     text = "def add(a, b):\n    return a + b\n"
@@ -566,16 +673,33 @@ def test_text_stops_hold_back_a_possible_stop_and_cut_before_it(codec):
         assert stops.stopped == (stop != "missing")
 
 
-def test_metrics_per_position_and_draft_tokens_of_a_growing_block():
-    from trtspec.runtime.stats import DecodeStats
-    from trtspec.serving.metrics import ServingMetrics, accepted_per_position, draft_tokens
+def test_accepted_per_position_counts_the_cycles_that_accept_past_it():
+    from trtspec.serving.metrics import accepted_per_position
 
     assert accepted_per_position([2, 1, 0, 3]) == [4, 3, 3]  # position p: cycles accepting > p drafts
-    grown = DecodeStats(block_size=4, grow_to=8, histogram=[1, 0, 0, 2, 0, 0, 0, 1], grown_cycles=1, ceilings=2)
-    assert draft_tokens(grown) == 3 * 3 + 1 * 7
+
+
+def _grown():
+    """Statistics of a block of 4 that grew to 8 once, with two cycles at the ceiling."""
+    from trtspec.runtime.stats import DecodeStats
+
+    return DecodeStats(block_size=4, grow_to=8, histogram=[1, 0, 0, 2, 0, 0, 0, 1], grown_cycles=1, ceilings=2)
+
+
+def test_draft_tokens_count_each_cycle_at_its_own_block_size():
+    from trtspec.runtime.stats import DecodeStats
+    from trtspec.serving.metrics import draft_tokens
+
+    assert draft_tokens(_grown()) == 3 * 3 + 1 * 7
     assert draft_tokens(DecodeStats(block_size=1, histogram=[5])) == 0
+
+
+def test_serving_metrics_render_finished_requests_by_block_size():
+    from trtspec.runtime.stats import DecodeStats
+    from trtspec.serving.metrics import ServingMetrics
+
     served = ServingMetrics(model_name="m")
-    served.observe_finished(grown, latency_s=0.5, ttft_s=0.1)
+    served.observe_finished(_grown(), latency_s=0.5, ttft_s=0.1)
     served.observe_finished(DecodeStats(block_size=4, histogram=[0, 1, 0, 3], finish_reason="length"), latency_s=1)
     served.observe_load(2, 3, (4, 4, 8))
     text = served.render().decode()
@@ -583,19 +707,26 @@ def test_metrics_per_position_and_draft_tokens_of_a_growing_block():
     assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 8.0' in text
     assert 'trtspec_num_requests_running_by_block_size{block_size="4",engine="0",model_name="m"} 2.0' in text
     assert 'trtspec_spec_decode_stranded_tau_estimate{block_size="4",engine="0",model_name="m"}' in text
+
+
+def test_a_cycle_of_several_tokens_shares_its_latency_among_them():
+    from trtspec.serving.metrics import ServingMetrics
+
+    served = ServingMetrics(model_name="m")
     served.observe_tokens(4, 0.02)  # one cycle of 4 tokens 20 ms after the previous: 4 tokens of 5 ms each
     text = served.render().decode()
     assert 'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.005",model_name="m"} 4.0' in text
     assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 4.0' in text
 
 
-def test_serve_refuses_bad_options_and_a_busy_port_before_loading(target_dir, drafter_dir):
-    import socket
-
-    from helpers import assert_one_line_error, trtspec_in_process
-
+def test_serve_refuses_bad_options_before_loading():
     assert_one_line_error(trtspec_in_process("serve", "--max-concurrency", 0), "--max-concurrency")
     assert_one_line_error(trtspec_in_process("serve", "--block-size", 99), "--block-size")
+
+
+def test_serve_refuses_a_busy_port_before_loading(target_dir, drafter_dir):
+    import socket
+
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
