@@ -48,7 +48,7 @@ def _naive_pieces(pieces: list[str], stops: tuple[str, ...]) -> list[str]:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet="ab\n", max_size=60), stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=6),
                                                                   min_size=1, max_size=4))
-def test_text_stream_cuts_and_holds_back_like_the_naive_rule(codec, text, stops):
+def test_text_stream_hands_out_what_the_naive_rule_does(codec, text, stops):
     ids = codec.encode(text) if text else []
     decoder, pieces = codec.streamer(), []
     for token in ids:
@@ -91,11 +91,14 @@ class _Handle:
         return Generation(self.tokens, self.stats)
 
 
-def test_reply_cut_at_a_stop_withdraws_the_request_and_finishes_it_for_stop(codec):
-    from trtspec.runtime.stats import DecodeStats
+STOPPED = "def add(a, b):\n    return a + b\n"  # cut at "return"
+
+
+def test_a_reply_cut_at_a_stop_cancels_its_request_as_stopped(codec):
+    """Before the engine reports the request: the reply's own statistics, finish reason stop."""
     from trtspec.serving.frontend import Reply
 
-    ids = codec.encode("def add(a, b):\n    return a + b\n")
+    ids = codec.encode(STOPPED)
     reply = Reply(codec, ("return",))
     reply.request = _Handle([1, 2, 3])  # not reported yet: stats None
     text = "".join(reply.push([token]) for token in ids if not reply.stopped)
@@ -104,6 +107,14 @@ def test_reply_cut_at_a_stop_withdraws_the_request_and_finishes_it_for_stop(code
     assert rest == "" and not reply.reported and generation.stats.finish_reason == "stop"
     assert generation.stats.cycles == 0 and generation.stats.prompt_tokens == 3
     assert generation.tokens == ids[:len(generation.tokens)] and generation.stats.new_tokens == len(generation.tokens)
+
+
+def test_a_reported_request_cut_at_a_stop_keeps_its_cycles_as_stopped(codec):
+    """After the engine reports it cancelled: its statistics, finish reason stop."""
+    from trtspec.runtime.stats import DecodeStats
+    from trtspec.serving.frontend import Reply
+
+    ids = codec.encode(STOPPED)
     reported = Reply(codec, ("return",))
     reported.request = _Handle([1, 2, 3], stats=DecodeStats(block_size=4, histogram=[1, 2, 0, 1],
                                                              finish_reason="cancelled"))
@@ -113,7 +124,7 @@ def test_reply_cut_at_a_stop_withdraws_the_request_and_finishes_it_for_stop(code
     assert reported.reported and generation.stats.finish_reason == "stop" and generation.stats.cycles == 4
 
 
-def test_reply_of_a_finished_request_is_its_whole_text_and_finish_reason(codec):
+def test_the_reply_of_a_finished_request_carries_its_whole_generation(codec):
     from trtspec.runtime.stats import DecodeStats
     from trtspec.serving.frontend import Reply
 
@@ -190,7 +201,7 @@ def _bad_requests() -> list[tuple[str, bytes, bool]]:
                                                                            for i in range(16)]}).encode(), False)]
 
 
-def test_a_stream_never_stalls_while_large_and_pathological_requests_arrive(door):
+def test_a_stream_never_stalls_while_pathological_requests_arrive(door):
     """Done when: under a 5 MB body and a pathological stop list sent while another client streams,
     that client's longest gap between chunks stays under 0.2 s (measured while they are in flight)."""
     arrivals: list[float] = []
@@ -309,14 +320,23 @@ def test_fields_that_would_be_ignored_or_crash_are_refused_naming_them(door):
         assert "\n" not in answer["error"]["message"] and len(answer["error"]["message"]) < 400, answer
     floats = post(f"{door.url}/v1/completions", {**_good("completions"), "prompt": [1.0, 2.0]})[1]
     assert "floats are not token ids" in floats["error"]["message"], floats
+    model = {"model": "\ud800", "prompt": "x"}
+    assert post(door.url + "/v1/completions", json.dumps(model).encode())[1]["error"]["param"] == "model"
+
+
+def test_the_cli_spellings_of_ar_or_no_top_k_are_accepted(door):
     for fields in ({"block_size": "1"}, {"block_size": 1}, {"top_k": -1}):  # AR, and vLLM's "off", as run takes them
         assert post(f"{door.url}/v1/completions", {**_good("completions"), **fields})[0] == 200, fields
-    for route in ("completions", "chat/completions"):  # the defaults of unsupported fields are accepted
+
+
+def test_unsupported_fields_at_their_defaults_are_accepted(door):
+    for route in ("completions", "chat/completions"):
         defaults = {"ignore_eos": False, "min_tokens": 0, "repetition_penalty": 1.0, "skip_special_tokens": True,
                     "response_format": {"type": "text"}, "logprobs": None, "user": "me"}
         assert post(f"{door.url}/v1/{route}", {**_good(route), **defaults})[0] == 200
-    model = {"model": "\ud800", "prompt": "x"}
-    assert post(door.url + "/v1/completions", json.dumps(model).encode())[1]["error"]["param"] == "model"
+
+
+def test_a_body_the_door_cannot_read_is_refused_saying_why(door):
     model = b'{"model": ' + MODEL_JSON
     for raw, says in ((model + b', "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deep"),
                       (model + b', "prompt": "x", "seed": ' + b"9" * 10_000 + b"}", "JSON"),
@@ -406,7 +426,7 @@ def test_one_requests_grammar_never_fails_the_others_in_its_batch(door, codec):
     assert first.finish_reason == "stop" and isinstance(json.loads(first.text), dict), first
 
 
-def test_a_complete_grammar_ends_the_request_under_min_tokens_and_ignore_eos(door):
+def test_a_complete_grammar_wins_over_min_tokens_or_ignore_eos(door):
     """Issue 57, Build 2: the grammar's end wins (as in vLLM): a {"const": "a"} schema asked for at
     least 10 tokens, greedy or sampled, or with ignore_eos, ends at '"a"' with finish reason stop."""
     schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": "a"}}}
@@ -434,6 +454,9 @@ def test_a_constraint_the_grammar_engine_cannot_honour_is_refused_in_one_line(do
         status, answer = post(f"{door.url}/v1/completions", body)
         message = answer.get("error", {}).get("message", "")
         assert status == 400 and says in message and "\n" not in message and len(message) < 300, (schema, answer)
+
+
+def test_a_pattern_within_the_limits_is_honoured(door):
     fits = {"type": "string", "pattern": "^a{5}$"}
     answer = door.client.completions.create(model=MODEL, prompt="x = ", max_tokens=12, extra_body={
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": fits}}})
@@ -459,7 +482,7 @@ DEFINITIONS = {"word": {"enum": ["hi", "yo"]},
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=SCHEMAS)
-def test_fuzzed_response_formats_validate_or_are_refused_and_never_touch_the_plain_requests(door, schema):
+def test_a_fuzzed_response_format_validates_or_is_refused_beside_a_plain_request(door, schema):
     """Issue 57, Done when: random JSON Schemas (pattern, $ref, enum, nested anyOf) beside a plain
     request: the plain one always succeeds; the grammar one returns JSON its schema validates
     (jsonschema), or a one-line 400."""
@@ -499,32 +522,6 @@ def test_after_the_fuzzing_the_server_still_serves(door):
     assert door.client.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_api_key_and_a_wildcard_host(tmp_path, target_dir, drafter_dir):
-    """--api-key (here from TRTSPEC_API_KEY) guards /v1 with 401 in OpenAI's shape, /health stays open;
-    listening on every interface is said on stderr."""
-    running = Server(tmp_path / "server.log", *pair_args(target_dir, drafter_dir, MODEL), "--host", "0.0.0.0",
-                     env={"TRTSPEC_API_KEY": "sesame"})
-    try:
-        url = running.url
-        assert "warning: listening on every interface" in running.output()
-        status, answer = post(url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
-        assert status == 401 and answer["error"]["code"] == "invalid_api_key"
-        assert get(url + "/v1/models")[0] == 401
-        wrong = openai.OpenAI(base_url=url + "/v1", api_key="open", max_retries=0, timeout=60)
-        with pytest.raises(openai.AuthenticationError):
-            wrong.models.list()
-        right = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
-        assert right.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
-        # issue 57, Build 4: every route but /health and /metrics wants the key, as in vLLM
-        for route, body in (("/tokenize", {"prompt": "x = 1"}), ("/detokenize", {"tokens": [5, 6]})):
-            assert post(url + route, body)[0] == 401, route
-            assert right.post(url + route, body=body, cast_to=dict)["tokens" if route == "/tokenize" else "prompt"]
-        assert get(url + "/version")[0] == 401 and get(url + "/health")[0] == 200 and get(url + "/metrics")[0] == 200
-    finally:
-        running.stop()
-    assert "Traceback" not in running.output()
-
-
 def test_an_empty_api_key_is_refused_in_one_line(tmp_path):
     """Issue 57, Build 4: `--api-key ''` or an empty TRTSPEC_API_KEY served every route open, unsaid.
     (--ray-config makes the old behaviour exit at once, writing the config, rather than serve.)"""
@@ -553,10 +550,49 @@ def test_tokenize_bodies_never_delay_a_completion(door):
     assert waited < 2.0, waited
 
 
-def test_serve_refuses_an_empty_host_and_a_block_size_its_engine_lacks(ort_engine_dir):
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory, target_dir, drafter_dir):
+    """A server with an API key (from TRTSPEC_API_KEY), listening on every interface."""
+    running = Server(tmp_path_factory.mktemp("guarded") / "server.log", *pair_args(target_dir, drafter_dir, MODEL),
+                     "--host", "0.0.0.0", env={"TRTSPEC_API_KEY": "sesame"})
+    try:
+        yield running
+    finally:
+        running.stop()
+    assert "Traceback" not in running.output()
+
+
+def test_listening_on_every_interface_is_said_on_stderr(guarded):
+    assert "warning: listening on every interface" in guarded.output()
+
+
+def test_the_api_key_guards_every_route_but_the_probes(guarded):
+    """401 in OpenAI's shape without the key; /health and /metrics stay open, as in vLLM (issue 57,
+    Build 4: /tokenize, /detokenize and /version want the key too)."""
+    url = guarded.url
+    status, answer = post(url + "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    assert get(url + "/v1/models")[0] == 401
+    wrong = openai.OpenAI(base_url=url + "/v1", api_key="open", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    right = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+    assert right.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
+    for route, body in (("/tokenize", {"prompt": "x = 1"}), ("/detokenize", {"tokens": [5, 6]})):
+        assert post(url + route, body)[0] == 401, route
+        assert right.post(url + route, body=body, cast_to=dict)["tokens" if route == "/tokenize" else "prompt"]
+    assert get(url + "/version")[0] == 401 and get(url + "/health")[0] == 200 and get(url + "/metrics")[0] == 200
+
+
+def test_serve_refuses_an_empty_host(ort_engine_dir):
     from helpers import assert_one_line_error, trtspec_in_process
 
     assert_one_line_error(trtspec_in_process("serve", "--engine", ort_engine_dir, "--host", ""), "--host is empty")
+
+
+def test_serve_refuses_a_block_size_its_engine_lacks(ort_engine_dir):
+    from helpers import assert_one_line_error, trtspec_in_process
+
     assert_one_line_error(trtspec_in_process("serve", "--engine", ort_engine_dir, "--port", 0, "--block-size", 12),
                           "--block-size 12", "4, 8")
 
