@@ -129,6 +129,10 @@ def test_greedy_completion_equals_trtspec_run(server, reference):
     assert response.usage.prompt_tokens == reference["stats"]["prompt_tokens"]
     assert response.usage.completion_tokens == len(reference["tokens"]) == reference["stats"]["new_tokens"]
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_a_completion_carries_its_decode_statistics(server):
+    response = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     extension = response.model_extra["trtspec"]
     assert extension["block_size_auto"] is True  # the drafter's own policy chose it
     assert extension["cycles"] == sum(extension["histogram"]) >= 1
@@ -369,6 +373,9 @@ def test_n_choices_are_independent_requests_with_derived_seeds(server):
             if choice.finish_reason:
                 finished.add(choice.index)
     assert ["".join(pieces[i]) for i in range(3)] == singles and finished == {0, 1, 2}
+
+
+def test_more_than_16_choices_are_refused(server):
     assert post(server.url + "/v1/completions", {"model": MODEL, "prompt": "x", "n": 17})[1]["error"]["param"] == "n"
 
 
