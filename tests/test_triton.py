@@ -126,9 +126,17 @@ def test_http_greedy_output_equals_trtspec_run(server, client, tmp_path):
     assert text == json.loads(local.stdout)["text"]
     assert stats["block_size"] == "8" and stats["tau"] >= 1 and len(stats["histogram"]) == 8
     assert {"ceiling_fraction", "decode_tokens_per_s", "block_size_auto"} <= set(stats)
+
+
+def test_a_growing_block_gives_the_greedy_text(client):
+    text, _ = _ask(client, block_size=np.int32(8))
     grown_text, grown = _ask(client, block_size=np.int32(4), grow_to=np.int32(8))
     assert grown_text == text and grown["block_size"] == "4:8" and len(grown["histogram"]) == 8
-    # the smallest positive FP32 temperature samples without overflowing the softmax: it is greedy decoding
+
+
+def test_the_smallest_fp32_temperature_decodes_greedily(client):
+    """It samples without overflowing the softmax."""
+    text, _ = _ask(client, block_size=np.int32(8))
     tiny, _ = _ask(client, block_size=np.int32(8), temperature=np.float32(1e-45), seed=np.int64(2**63 - 1))
     assert tiny == text
 
@@ -248,7 +256,7 @@ def test_triton_metrics_export_the_serving_metrics(server, client):
     assert value("trtspec_num_requests_waiting", model="trtspec_stream") == 0
 
 
-@pytest.mark.parametrize("case, message", [
+BAD_REQUESTS = [  # (case, what its error says)
     ("missing text_input", "text_input"),
     ("wrong dtype", "data-type"),
     ("empty prompt", "the prompt is empty"),
@@ -275,69 +283,82 @@ def test_triton_metrics_export_the_serving_metrics(server, client):
     ("stop not UTF-8", r"stop is not valid UTF-8 \(byte 0xed at offset 0\)"),
     ("stop token id out of range", "stop_token_ids: 1000000 is not a token id in 0.."),
     ("negative stop token id", "stop_token_ids: -1 is not a token id in 0.."),
-])
-def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(server, client, case, message):
+]
+
+
+def _bad_tensors(case: str) -> list:
+    """The inputs of one of BAD_REQUESTS."""
     if case == "missing text_input":
         tensors = [http.InferInput("max_tokens", [1], "INT32")]
         tensors[0].set_data_from_numpy(np.array([4], dtype=np.int32))
-    elif case == "wrong dtype":
-        tensors = _inputs(http, PROMPT, max_tokens=np.float32(4.0))
+        return tensors
+    if case == "wrong dtype":
+        return _inputs(http, PROMPT, max_tokens=np.float32(4.0))
+    prompt, scalars = PROMPT, {}
+    if case == "empty prompt":
+        prompt = ""
+    elif case == "prompt longer than the context":
+        prompt = "def add(a, b):\n" * (LONG_CONTEXT * 2)
+    elif case == "negative temperature":
+        scalars = {"temperature": np.float32(-0.5)}
+    elif case == "NaN temperature":
+        scalars = {"temperature": np.float32("nan")}
+    elif case == "negative seed":
+        scalars = {"temperature": np.float32(1.0), "seed": np.int64(-1)}
+    elif case == "zero max_tokens":
+        scalars = {"max_tokens": np.int32(0)}
+    elif case == "zero top_p":
+        scalars = {"top_p": np.float32(0)}
+    elif case == "min_tokens over max_tokens":
+        scalars = {"max_tokens": np.int32(4), "min_tokens": np.int32(9)}
+    elif case == "logit_bias not JSON":
+        scalars = {"logit_bias": "{5: 1}"}
+    elif case == "logit_bias beyond its range":
+        scalars = {"logit_bias": json.dumps({"5": 101})}
+    elif case == "response_format of an unknown type":
+        scalars = {"response_format": json.dumps({"type": "poem"})}
+    elif case == "response_format not text":
+        scalars = {"response_format": '{"type": "json_object", "note": "\\ud800"}'}
+    elif case == "max_tokens beyond the context":
+        scalars = {"max_tokens": np.int32(LONG_CONTEXT)}
+    elif case == "negative block size":
+        scalars = {"block_size": np.int32(-3)}
+    elif case == "grow_to below block_size":
+        scalars = {"block_size": np.int32(8), "grow_to": np.int32(4)}
+    elif case == "text_input not UTF-8":
+        prompt = b"x = '\xed\xa0\x80'"  # an encoded lone surrogate (U+D800)
+    elif case == "prompt over the byte cap":
+        prompt = "def add(a, b):\n" * 350_000  # 5 MB: refused before it is tokenized
+    elif case == "too many stops":
+        scalars = {"stop": [f"s{i}" for i in range(17)]}
+    elif case == "stop too long":
+        scalars = {"stop": ["x" * 1025]}
+    elif case == "empty stop":
+        scalars = {"stop": ["\n", ""]}
+    elif case == "stop not UTF-8":
+        scalars = {"stop": [b"\xed\xa0\x80"]}
+    elif case == "stop token id out of range":
+        scalars = {"stop_token_ids": [np.int64(5), np.int64(10**6)]}
+    elif case == "negative stop token id":
+        scalars = {"stop_token_ids": [np.int64(-1)]}
     else:
-        prompt, scalars = PROMPT, {}
-        if case == "empty prompt":
-            prompt = ""
-        elif case == "prompt longer than the context":
-            prompt = "def add(a, b):\n" * (LONG_CONTEXT * 2)
-        elif case == "negative temperature":
-            scalars = {"temperature": np.float32(-0.5)}
-        elif case == "NaN temperature":
-            scalars = {"temperature": np.float32("nan")}
-        elif case == "negative seed":
-            scalars = {"temperature": np.float32(1.0), "seed": np.int64(-1)}
-        elif case == "zero max_tokens":
-            scalars = {"max_tokens": np.int32(0)}
-        elif case == "zero top_p":
-            scalars = {"top_p": np.float32(0)}
-        elif case == "min_tokens over max_tokens":
-            scalars = {"max_tokens": np.int32(4), "min_tokens": np.int32(9)}
-        elif case == "logit_bias not JSON":
-            scalars = {"logit_bias": "{5: 1}"}
-        elif case == "logit_bias beyond its range":
-            scalars = {"logit_bias": json.dumps({"5": 101})}
-        elif case == "response_format of an unknown type":
-            scalars = {"response_format": json.dumps({"type": "poem"})}
-        elif case == "response_format not text":
-            scalars = {"response_format": '{"type": "json_object", "note": "\\ud800"}'}
-        elif case == "max_tokens beyond the context":
-            scalars = {"max_tokens": np.int32(LONG_CONTEXT)}
-        elif case == "negative block size":
-            scalars = {"block_size": np.int32(-3)}
-        elif case == "grow_to below block_size":
-            scalars = {"block_size": np.int32(8), "grow_to": np.int32(4)}
-        elif case == "text_input not UTF-8":
-            prompt = b"x = '\xed\xa0\x80'"  # an encoded lone surrogate (U+D800)
-        elif case == "prompt over the byte cap":
-            prompt = "def add(a, b):\n" * 350_000  # 5 MB: refused before it is tokenized
-        elif case == "too many stops":
-            scalars = {"stop": [f"s{i}" for i in range(17)]}
-        elif case == "stop too long":
-            scalars = {"stop": ["x" * 1025]}
-        elif case == "empty stop":
-            scalars = {"stop": ["\n", ""]}
-        elif case == "stop not UTF-8":
-            scalars = {"stop": [b"\xed\xa0\x80"]}
-        elif case == "stop token id out of range":
-            scalars = {"stop_token_ids": [np.int64(5), np.int64(10**6)]}
-        elif case == "negative stop token id":
-            scalars = {"stop_token_ids": [np.int64(-1)]}
-        else:
-            scalars = {"block_size": np.int32(16)}
-        tensors = _inputs(http, prompt, **scalars)
+        scalars = {"block_size": np.int32(16)}
+    return _inputs(http, prompt, **scalars)
+
+
+@pytest.mark.parametrize("case, message", BAD_REQUESTS)
+def test_a_bad_request_gets_a_one_line_400_saying_what_is_wrong(client, case, message):
+    """A client error: HTTP 400 and one line, no Python stack."""
     with pytest.raises(InferenceServerException, match=message) as raised:
-        client.infer("trtspec", tensors)
-    # a client error: HTTP 400 and one line, no Python stack
+        client.infer("trtspec", _bad_tensors(case))
     assert raised.value.status() == "400", raised.value
     assert "\n" not in raised.value.message() and "Traceback" not in raised.value.message()
+
+
+@pytest.mark.parametrize("case", [case for case, _ in BAD_REQUESTS])
+def test_the_server_serves_on_after_a_bad_request(server, client, case):
+    with pytest.raises(InferenceServerException):
+        client.infer("trtspec", _bad_tensors(case))
     assert _ask(client)[0]  # the next request is served as usual
     assert server["process"].poll() is None
 
@@ -415,14 +436,13 @@ def _stream(server, inputs, model: str = "trtspec_stream") -> tuple[list[str], d
         client.close()
 
 
-def test_stop_strings_end_the_text_before_them_and_stop_token_ids_after(server, client):
-    """`stop` is text matched in the decoded text (the text ends before it, also when it spans
-    tokens, and the request leaves the batch there); `stop_token_ids` end the text after the token.
-    Before: both inputs were unknown to the model."""
+def test_a_stop_string_ends_the_text_before_it(server, client):
+    """`stop` is text matched in the decoded text: the text ends before it, also when it spans
+    tokens, and the request leaves the batch there."""
     from trtspec.tokenizer import TextCodec
 
     codec = TextCodec(server["engine"] / "tokenizer")
-    text, plain = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64))
+    text, _ = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64))
     stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if len(codec.encode(text[i:i + 3])) > 1
                 and "\ufffd" not in text[i:i + 3])
     cut, stats = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64), stop=["never there", stop])
@@ -430,6 +450,13 @@ def test_stop_strings_end_the_text_before_them_and_stop_token_ids_after(server, 
     pieces, streamed, _ = _stream(server, _inputs(grpc, PROMPT, block_size=np.int32(4), max_tokens=np.int32(64),
                                                   stop=[stop]))
     assert "".join(pieces) == cut and streamed["finish_reason"] == "stop"
+
+
+def test_a_stop_token_id_ends_the_text_after_its_token(server, client):
+    from trtspec.tokenizer import TextCodec
+
+    codec = TextCodec(server["engine"] / "tokenizer")
+    text, plain = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64))
     word = max((text[i:i + n] for i in range(2, len(text)) for n in (4, 3, 2)  # a token the model emits
                 if len(codec.encode(text[i:i + n])) == 1 and "\ufffd" not in text[i:i + n]), key=len)
     by_id, stats = _ask(client, block_size=np.int32(4), max_tokens=np.int32(64),
@@ -490,7 +517,7 @@ def _engine_parameter(repository, key: str, model: str = "trtspec") -> int:
     return int(re.search(rf'key: "{key}" value {{ string_value: "(\d+)" }}', config)[1])
 
 
-def test_a_full_queue_answers_busy_at_once_and_queued_requests_can_be_cancelled(server):
+def test_a_full_queue_answers_busy_at_once_until_its_requests_are_cancelled(server):
     """Long requests (many seconds each) fill every slot and the whole queue, and four more come:
     exactly those four are refused at once, as "busy" (HTTP 503 once the queue is known full), and
     none of the held ones; cancelling them all (the queued ones too) ends each and frees the
@@ -612,10 +639,7 @@ def test_triton_repo_refuses_a_damaged_engine(tmp_path, ort_engine_dir):
 
 
 def test_triton_repo_sizes_each_instance_engine(tmp_path, ort_engine_dir):
-    """The engine settings go into each model's config.pbtxt; more running requests than the
-    engine was built to batch are refused before anything is written."""
-    from trtspec.engines.manifest import read_manifest
-    from trtspec.errors import TrtspecError
+    """The engine settings go into each model's config.pbtxt."""
     from trtspec.runtime.engine import EngineConfig
     from trtspec.serving.triton import write_repository
 
@@ -623,6 +647,15 @@ def test_triton_repo_sizes_each_instance_engine(tmp_path, ort_engine_dir):
     for model in ("trtspec", "trtspec_stream"):
         assert _engine_parameter(tmp_path / "repo", "max_running", model) == 3
         assert _engine_parameter(tmp_path / "repo", "max_queued", model) == 5
+
+
+def test_triton_repo_refuses_more_running_requests_than_the_engine_batches(tmp_path, ort_engine_dir):
+    """Before anything is written."""
+    from trtspec.engines.manifest import read_manifest
+    from trtspec.errors import TrtspecError
+    from trtspec.runtime.engine import EngineConfig
+    from trtspec.serving.triton import write_repository
+
     too_many = read_manifest(ort_engine_dir).max_batch + 1
     with pytest.raises(TrtspecError, match=f"max-running {too_many} exceeds the {too_many - 1} requests"):
         write_repository(ort_engine_dir, tmp_path / "other", engine=EngineConfig(max_running=too_many))
