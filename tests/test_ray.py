@@ -131,7 +131,8 @@ def replica_counts(metrics_url: str) -> dict[str, float]:
     return counts
 
 
-def test_two_replicas_share_32_concurrent_requests_and_answer_like_one_process(reference, cluster):
+def test_two_replicas_serve_32_concurrent_requests_as_one_process_would(reference, cluster):
+    """Both replicas take a share (their own metrics count it), and every answer is one process's."""
     # `reference` first: what each replica must answer, decoded by one process (a pair with a BlockPilot
     # policy would time its cost table there, and the replicas would read it from the suite's cache)
     url, metrics_url, _ = cluster
@@ -157,7 +158,9 @@ def test_two_replicas_share_32_concurrent_requests_and_answer_like_one_process(r
     assert all(counts[replica] >= n for replica, n in served.items()), (counts, served)
 
 
-def test_a_killed_replica_is_restarted_and_the_other_keeps_serving(cluster, reference):
+def test_serving_survives_a_killed_replica(cluster, reference):
+    """The other replica answers meanwhile, no answer is cut short looking complete, and Ray restarts
+    the killed one: one kill, the costly part, shows all three."""
     url, _, server = cluster
     api, pids = client(url), {}
     deadline = time.monotonic() + 60
@@ -233,6 +236,11 @@ def test_a_bad_engine_directory_is_one_line_before_any_deployment(tmp_path):
 
     result = trtspec_in_process("serve", "--replicas", "2", "--engine", tmp_path / "nothing")
     assert_one_line_error(result, "nothing")
+
+
+def test_a_ray_address_without_replicas_is_one_line():
+    from helpers import assert_one_line_error, trtspec_in_process
+
     assert_one_line_error(trtspec_in_process("serve", "--ray-address", "127.0.0.1:1"), "go with --replicas N")
 
 
