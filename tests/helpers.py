@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -398,3 +399,82 @@ def post(url: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
 def pair_args(target, drafter, name: str = SERVED_NAME) -> tuple:
     """The serve options that name a pair and the model name its clients use."""
     return "--target", target, "--drafter", drafter, "--served-model-name", name
+
+
+# ---- statistics of speculative sampling (T = 1): tests/test_sampling.py, and the families, draft vocabulary and
+# engine tests that check the same property
+
+SAMPLED_VOCAB, SAMPLED_PROMPT = 8, [2, 3, 4, 5]  # a predictable pair's vocabulary, and the prompt sampled from
+ALPHA = 1e-3  # the level every test of a sampled distribution passes at
+SAMPLED_BATCH = 64  # requests the engine decodes together
+
+
+def exact_distribution(target, length: int = 3, banned: tuple[int, ...] = ()) -> np.ndarray:
+    """p(t1, ..., t_length | prompt) [SAMPLED_VOCAB] * length, from the target's logits over every
+    continuation of length - 1 tokens (`banned` ids removed from every position's distribution)."""
+    grid = torch.cartesian_prod(*[torch.arange(SAMPLED_VOCAB)] * (length - 1)).reshape(-1, length - 1)
+    sequences = torch.cat([torch.tensor(SAMPLED_PROMPT).expand(len(grid), -1), grid], dim=1)
+    with torch.no_grad():
+        logits = target(sequences, 0, None)[0].double()
+        logits[..., list(banned)] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+    joint = probs[0, len(SAMPLED_PROMPT) - 1]  # [t1]
+    for k in range(1, length):  # p(t_k+1 | t1..t_k), the same for every continuation beyond t_k
+        step = probs[::SAMPLED_VOCAB ** (length - 1 - k), len(SAMPLED_PROMPT) + k - 1]
+        step = step.reshape(*[SAMPLED_VOCAB] * (k + 1))
+        joint = joint[..., None] * step
+    return joint.numpy()
+
+
+def exact_three_token_distribution(target) -> np.ndarray:
+    return exact_distribution(target, 3)
+
+
+def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
+                        tokens: int = 3, batched: bool = True, min_p: float = 0.0, **config) -> np.ndarray:
+    """First `tokens` tokens of `count` seeded requests, through the native controller or `controller`:
+    decoded 64 at a time by the engine, or one by one by a one-slot engine (`batched=False`);
+    `config`: more GenerationConfig fields."""
+    from trtspec.runtime.engine import EngineConfig, LocalEngine
+    from trtspec.runtime.request import GenerationConfig
+    from trtspec.runtime.runner import BatchRunner
+    from trtspec.runtime.sampling import SamplingConfig
+    from trtspec.runtime.schedule import BlockChoice
+
+    options = {"controller": controller} if controller is not None else {}
+    configs = [GenerationConfig(block=BlockChoice(block_size, grow_to), max_new_tokens=tokens,
+                                sampling=SamplingConfig(temperature=1.0, seed=seed, min_p=min_p), **config)
+               for seed in range(count)]
+    if not batched:
+        one = single(*pair, **options)
+        return np.array([generate(one, SAMPLED_PROMPT, config).tokens for config in configs])
+    local = LocalEngine(BatchRunner.eager(*pair, slots=SAMPLED_BATCH), config=EngineConfig(max_running=SAMPLED_BATCH),
+                        **options)
+    return np.array([g.tokens for g in local.generate([SAMPLED_PROMPT] * count, configs)])
+
+
+def fit_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
+    """p-value that `samples` come from `probs`: the smaller of chi-square and the per-cell
+    binomial tests (Bonferroni), doubled for taking the smaller. Cells expected below 5 counts
+    are pooled."""
+    from scipy.stats import binomtest, chisquare
+
+    n = len(samples)
+    counts = np.bincount(np.ravel_multi_index(samples.T, probs.shape), minlength=probs.size)
+    probs = probs.ravel() / probs.sum()
+    small = probs * n < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    probs = np.append(probs[~small], probs[small].sum())
+    if probs[-1] == 0:
+        counts, probs = counts[:-1], probs[:-1]
+    chi2 = chisquare(counts, probs * n).pvalue
+    per_cell = min(binomtest(int(k), n, float(p)).pvalue for k, p in zip(counts, probs)) * len(probs)
+    return min(1.0, 2 * min(chi2, per_cell))
+
+
+def pvalues(samples: np.ndarray, joint: np.ndarray) -> dict[str, float]:
+    return {
+        "next token (t2)": fit_pvalue(samples[:, 1:2], joint.sum(axis=(0, 2))),
+        "two tokens (t2, t3)": fit_pvalue(samples[:, 1:3], joint.sum(axis=0)),
+        "three tokens (t1, t2, t3)": fit_pvalue(samples, joint),
+    }

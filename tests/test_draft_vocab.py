@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_one_line_error, exported_graphs, predictable_pair, trtspec_in_process
-from test_sampling import ALPHA, exact_three_token_distribution, pvalues, sample_three_tokens
+from helpers import (ALPHA, assert_one_line_error, exact_three_token_distribution, exported_graphs, predictable_pair,
+                     pvalues, sample_three_tokens, trtspec_in_process)
 from trtspec.api import Pipeline
 from trtspec.models.draft_vocab import TokenCounts, ids_sha256, load_counts
 from trtspec.runtime.request import GenerationConfig

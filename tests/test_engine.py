@@ -12,8 +12,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import code_prompts, predictable_pair
-from test_sampling import PROMPT, exact_three_token_distribution, pvalues
+from helpers import SAMPLED_PROMPT as PROMPT, code_prompts, exact_three_token_distribution, predictable_pair, pvalues
 
 from trtspec.api import Pipeline
 from trtspec.errors import Cancelled, TrtspecError

@@ -206,7 +206,7 @@ def test_generate_data_and_train_drafter_on_the_family(family_pair, tmp_path):
 def test_sampling_at_t1_follows_each_familys_target(config):
     """Speculative sampling at T = 1 through each family's target: the first three tokens follow the
     target's exact distribution (the statistics of tests/test_sampling.py, 3,000 seeded requests)."""
-    from test_sampling import exact_distribution, pvalues, sample_three_tokens
+    from helpers import exact_distribution, pvalues, sample_three_tokens
     from trtspec.models import DecoderTarget
 
     torch.manual_seed(0)

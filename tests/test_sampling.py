@@ -3,10 +3,10 @@
 The decode loop runs for real (prefill, draft, verify, accept, commit) many times with different
 seeds: tens of thousands of requests, so they are decoded 64 at a time by the continuous-batching
 engine (each request with its own seed, controller and sampler, exactly as served), and a one-slot
-engine (what `trtspec run` decodes with: its batch-1 path) is checked the same way with fewer
-requests. The first tokens they produce are compared with the exact distribution computed from the
-target's logits (chi-square, plus a Bonferroni-corrected binomial test per cell, which is what
-catches a shift concentrated on one token). The same test run with a subtly broken acceptance rule,
+engine (what `trtspec run` decodes with) is checked the same way with fewer requests. The first
+tokens they produce are compared with the exact distribution computed from the target's logits
+(chi-square, plus a Bonferroni-corrected binomial test per cell, which is what catches a shift
+concentrated on one token). The same test run with a subtly broken acceptance rule,
 moving 1% of probability mass onto the drafter's proposal, must fail: that shows it has the power to
 catch a shift of that size (broken in the Python oracle of the controller, which the same loop runs
 in place of the native controller; the native controller agrees with that oracle cycle by cycle,
@@ -16,43 +16,24 @@ test_controller.py).
 import numpy as np
 import pytest
 import torch
-from scipy.stats import binomtest, chisquare
 
 from trtspec.runtime import processing as processing_module
 from trtspec.runtime import reference as oracle
-from helpers import generate, predictable_pair, processed_logits, single
+from helpers import ALPHA, SAMPLED_PROMPT as PROMPT, SAMPLED_VOCAB as VOCAB, exact_distribution, fit_pvalue, \
+    exact_three_token_distribution, generate, predictable_pair, processed_logits, pvalues, sample_three_tokens, single
 from trtspec.runtime.request import GenerationConfig
-from trtspec.runtime.engine import EngineConfig, LocalEngine
-from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.reference import PythonController, accepted_length
 from trtspec.runtime.processing import Processing
 from trtspec.runtime.sampling import Sampler, SamplingConfig, sample_requests
 from trtspec.runtime.schedule import BlockChoice
 
-VOCAB, PROMPT, SAMPLES, ALPHA = 8, [2, 3, 4, 5], 30_000, 1e-3
-BATCH = 64  # requests the engine decodes together
+SAMPLES = 30_000
 
 
 @pytest.fixture(scope="module")
 def pair():
     # the drafter mostly proposes token 7, which the target samples with probability ~0.14
     return predictable_pair(vocab_size=VOCAB, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1)
-
-
-def exact_distribution(target, length: int = 3, banned: tuple[int, ...] = ()) -> np.ndarray:
-    """p(t1, ..., t_length | prompt) [VOCAB] * length, from the target's logits over every
-    continuation of length - 1 tokens (`banned` ids removed from every position's distribution)."""
-    grid = torch.cartesian_prod(*[torch.arange(VOCAB)] * (length - 1)).reshape(-1, length - 1)
-    sequences = torch.cat([torch.tensor(PROMPT).expand(len(grid), -1), grid], dim=1)
-    with torch.no_grad():
-        logits = target(sequences, 0, None)[0].double()
-        logits[..., list(banned)] = float("-inf")
-        probs = torch.softmax(logits, dim=-1)
-    joint = probs[0, len(PROMPT) - 1]  # [t1]
-    for k in range(1, length):  # p(t_k+1 | t1..t_k), the same for every continuation beyond t_k
-        step = probs[::VOCAB ** (length - 1 - k), len(PROMPT) + k - 1].reshape(*[VOCAB] * (k + 1))
-        joint = joint[..., None] * step
-    return joint.numpy()
 
 
 def processed(logits: torch.Tensor, prompt: list[int], output: list[int], processing: Processing,
@@ -102,51 +83,6 @@ def test_penalties_that_ignore_the_drafts_ahead_of_a_row_are_detected(pair, monk
     joint = exact_processed_distribution(pair[0], PROCESSING, min_p=0.2)
     results = pvalues(sample_three_tokens(pair, 3_000, processing=PROCESSING, min_p=0.2), joint)
     assert min(results.values()) < ALPHA, results
-
-
-def exact_three_token_distribution(target) -> np.ndarray:
-    return exact_distribution(target, 3)
-
-
-def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
-                        tokens: int = 3, batched: bool = True, min_p: float = 0.0, **config) -> np.ndarray:
-    """First `tokens` tokens of `count` seeded requests, through the native controller or `controller`:
-    decoded 64 at a time by the engine, or one by one by a one-slot engine (`batched=False`);
-    `config`: more GenerationConfig fields."""
-    options = {"controller": controller} if controller is not None else {}
-    configs = [GenerationConfig(block=BlockChoice(block_size, grow_to), max_new_tokens=tokens,
-                                sampling=SamplingConfig(temperature=1.0, seed=seed, min_p=min_p), **config)
-               for seed in range(count)]
-    if not batched:
-        one = single(*pair, **options)
-        return np.array([generate(one, PROMPT, config).tokens for config in configs])
-    local = LocalEngine(BatchRunner.eager(*pair, slots=BATCH), config=EngineConfig(max_running=BATCH), **options)
-    return np.array([g.tokens for g in local.generate([PROMPT] * count, configs)])
-
-
-def fit_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
-    """p-value that `samples` come from `probs`: the smaller of chi-square and the per-cell
-    binomial tests (Bonferroni), doubled for taking the smaller. Cells expected below 5 counts
-    are pooled."""
-    n = len(samples)
-    counts = np.bincount(np.ravel_multi_index(samples.T, probs.shape), minlength=probs.size)
-    probs = probs.ravel() / probs.sum()
-    small = probs * n < 5
-    counts = np.append(counts[~small], counts[small].sum())
-    probs = np.append(probs[~small], probs[small].sum())
-    if probs[-1] == 0:
-        counts, probs = counts[:-1], probs[:-1]
-    chi2 = chisquare(counts, probs * n).pvalue
-    per_cell = min(binomtest(int(k), n, float(p)).pvalue for k, p in zip(counts, probs)) * len(probs)
-    return min(1.0, 2 * min(chi2, per_cell))
-
-
-def pvalues(samples: np.ndarray, joint: np.ndarray) -> dict[str, float]:
-    return {
-        "next token (t2)": fit_pvalue(samples[:, 1:2], joint.sum(axis=(0, 2))),
-        "two tokens (t2, t3)": fit_pvalue(samples[:, 1:3], joint.sum(axis=0)),
-        "three tokens (t1, t2, t3)": fit_pvalue(samples, joint),
-    }
 
 
 @pytest.mark.slow
