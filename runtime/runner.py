@@ -218,7 +218,8 @@ class BatchRunner:
         self._store(TARGET, starts, count, slots, out)
         return out["logits"], out["features"]
 
-    def verify(self, slots: list[int], blocks: Sequence[np.ndarray], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, slots: list[int], blocks: Sequence[np.ndarray],
+               starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [b, B, V] and drafter features [b, B, F] of each row's block [B] (int64: the bonus,
         then the drafts) at its start (B = 1: AR steps). Both are buffers the next call of this shape
         overwrites."""

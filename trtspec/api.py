@@ -194,7 +194,8 @@ class Pipeline:
         ended at its first stop string (its config's `stop`)."""
         if len(prompts) != len(configs):
             raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
-        engine = self.stepped_engine(EngineConfig(max_running=max_running), load_aware=any(c.block.auto for c in configs))
+        engine = self.stepped_engine(EngineConfig(max_running=max_running),
+                                     load_aware=any(c.block.auto for c in configs))
         generations = engine.generate([self.codec.encode(p, chat=chat) for p in prompts], configs)
         return [TextResult(g.text, g) for g in generations]
 
