@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--draft-counts", type=Path,
                         help="Token counts of the training data (trtspec draft-vocab), for a run trained with --draft-vocab.")
     parser.add_argument("--curve", type=Path, help="JSONL to append the point to.")
+    parser.add_argument("--run", help="The run's name, kept with the point (steps count from each run's start).")
     args = parser.parse_args()
     target_dir = resolve_target(args.target)
     drafter_dir, trained = export_drafter(args.work, target_dir)
@@ -63,7 +64,7 @@ def main() -> None:
     engine = pipeline.stepped_engine(EngineConfig(max_running=len(prompts)), load_aware=False)
     began = time.perf_counter()
     stats = [g.stats for g in engine.generate(prompts, [config] * len(prompts))]
-    point = {"step": trained["step"], "sequences_seen": trained["step"] * trained["config"]["batch_size"],
+    point = {"run": args.run, "step": trained["step"], "sequences_seen": trained["step"] * trained["config"]["batch_size"],
              "block_size": block, "draft_vocab": vocab, "tau": round(mean_tau(stats), 3), "histogram": pooled_histogram(stats),
              "prompts": len(prompts), "seconds": round(time.perf_counter() - began, 1)}
     print(json.dumps(point))

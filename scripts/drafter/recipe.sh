@@ -63,7 +63,7 @@ while true; do
     [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || exit "$status"  # 124: the chunk's time is up
     python scripts/drafter/checkpoint.py save "$WORK/drafter-work" "$DATA/checkpoint" --run "$RUN"
     python scripts/drafter/curve.py "$WORK/drafter-work" --held-out "$DATA/responses/shard-0000.jsonl" \
-        --target "$TARGET" --prompts "$HELD_OUT" --draft-counts "$WORK/draft_vocab" --curve "$DATA/curve.jsonl"
+        --target "$TARGET" --prompts "$HELD_OUT" --draft-counts "$WORK/draft_vocab" --curve "$DATA/curve.jsonl" --run "$RUN"
     [ "$status" -eq 124 ] || break
 done
 
