@@ -21,13 +21,19 @@ def prompt_file(tmp_path_factory):
     return path
 
 
-def test_json_output_and_ar_baseline(target_dir, drafter_dir, prompt_file):
-    """In-process, as the other `run` checks that need no interpreter of their own; the entry point's
+@pytest.fixture(scope="module")
+def spec_json(target_dir, drafter_dir, prompt_file):
+    """One speculative `run --json` (B=8, 40 tokens), read by the tests of its format and of its tokens.
+    In-process, as the other `run` checks that need no interpreter of their own; the entry point's
     subprocess tests: streaming below, SUBPROCESS_CASES, the debug switch, test_inputs.py."""
     spec = trtspec_in_process("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir,
                               "--block-size", 8, "--max-new-tokens", 40, "--json")
     assert spec.returncode == 0, spec.stderr.decode()
-    result = json.loads(spec.stdout)
+    return json.loads(spec.stdout)
+
+
+def test_json_output_holds_the_documented_fields(spec_json):
+    result = spec_json
     stats = result["stats"]
     assert set(result) == {"text", "tokens", "stats"}
     assert {"tau", "histogram", "ceiling_fraction", "cycles", "block_size", "new_tokens",
@@ -36,10 +42,13 @@ def test_json_output_and_ar_baseline(target_dir, drafter_dir, prompt_file):
     assert stats["new_tokens"] == len(result["tokens"]) and 1 <= len(result["tokens"]) <= 40
     assert isinstance(result["text"], str)
 
+
+def test_ar_run_returns_the_speculative_runs_tokens(spec_json, target_dir, prompt_file):
+    """Greedy `--ar` is the baseline speculation must equal, at block size 1 and tau 1."""
     ar = trtspec_in_process("run", prompt_file, "--target", target_dir, "--ar", "--max-new-tokens", 40, "--json")
     assert ar.returncode == 0, ar.stderr.decode()
     baseline = json.loads(ar.stdout)
-    assert baseline["tokens"] == result["tokens"] and baseline["text"] == result["text"]
+    assert baseline["tokens"] == spec_json["tokens"] and baseline["text"] == spec_json["text"]
     assert baseline["stats"]["block_size"] == 1 and baseline["stats"]["tau"] == 1.0
 
 
@@ -76,8 +85,9 @@ def test_run_takes_what_a_request_takes(target_dir, drafter_dir, prompt_file):
     assert capped.returncode == 0 and json.loads(capped.stdout)["stats"]["finish_reason"] == "length"
 
 
-def test_streams_text_to_stdout_and_stats_to_stderr(target_dir, drafter_dir, prompt_file):
-    """The entry point in its own process, the prompt on stdin; the JSON form of the same run in-process."""
+def test_a_streamed_run_keeps_its_stats_off_stdout(target_dir, drafter_dir, prompt_file):
+    """stdout holds only the text (a pipe gets the answer), stderr the stats: one subprocess shows both.
+    The entry point in its own process, the prompt on stdin; the JSON form of the same run in-process."""
     args = ("--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 30)
     streamed = trtspec("run", "-", *args, stdin=prompt_file.read_bytes())
     assert streamed.returncode == 0, streamed.stderr.decode()
@@ -86,7 +96,7 @@ def test_streams_text_to_stdout_and_stats_to_stderr(target_dir, drafter_dir, pro
     assert "tau" in streamed.stderr.decode() and "B=16" in streamed.stderr.decode()
 
 
-def test_chat_template_and_extra_stop(target_dir, drafter_dir, prompt_file):
+def test_a_stop_token_id_ends_the_output_at_it(target_dir, drafter_dir, prompt_file):
     plain = json.loads(trtspec_in_process("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir,
                                           "--json", "--max-new-tokens", 30).stdout)
     stop = plain["tokens"][4]
@@ -94,6 +104,9 @@ def test_chat_template_and_extra_stop(target_dir, drafter_dir, prompt_file):
                                  "--max-new-tokens", 30, "--stop-token-id", stop)
     tokens = json.loads(stopped.stdout)["tokens"]
     assert tokens == plain["tokens"][:plain["tokens"].index(stop) + 1]
+
+
+def test_a_chat_run_exits_cleanly(target_dir, drafter_dir, prompt_file):
     chat = trtspec_in_process("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--chat",
                               "--json", "--max-new-tokens", 5)
     assert chat.returncode == 0, chat.stderr.decode()
