@@ -78,7 +78,8 @@ def test_native_controller_matches_the_python_oracle(request):
         _assert_same(*controllers)
 
 
-def test_a_stop_id_mid_block_truncates_and_ends_the_request():
+def test_a_stop_id_mid_block_ends_the_request_at_the_stop():
+    """The drafts after the stop are accepted by the target but never committed."""
     controller = native_controller(5, 100, [7], MASK)
     controller.begin(1, 10)
     controller.verify_block[1:] = [2, 7, 3, 4]
@@ -88,7 +89,9 @@ def test_a_stop_id_mid_block_truncates_and_ends_the_request():
     assert controller.start == 14 and controller.histogram.tolist() == [0, 0, 0, 1, 0]
 
 
-def test_a_growing_block_grows_after_a_full_base_block_and_shrinks_after_a_short_one():
+def test_a_growing_block_follows_whether_the_base_block_was_full():
+    """The rule over three cycles: a full base block grows it, a full base block keeps it grown,
+    a short one shrinks it back."""
     controller = native_controller(3, 100, [], MASK, 6)
     controller.begin(1, 0)
     assert controller.block_size == 3 and controller.verify_block.shape == (6,)

@@ -110,7 +110,7 @@ def test_an_output_inside_an_input_is_refused_naming_both(case, place):
     assert snapshot(place) == before
 
 
-def test_outputs_beside_inputs_and_default_work_directories_are_still_accepted(place):
+def test_ordinary_output_places_are_still_accepted(place):
     """The rule does not catch what it should not: an output next to a plain prompts file, and a
     drafter's default OUTPUT.work beside it (checked, not refused)."""
     from trtspec.fileio import check_distinct_outputs, check_output_file, check_work_dir
