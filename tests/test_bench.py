@@ -52,12 +52,17 @@ def test_jsonl_prompts(prompts_file, tmp_path):
         load_prompts("humaneval", limit=0)
 
 
-def test_block_sizes_are_parsed_and_checked():
+def test_block_size_lists_are_parsed_strictly():
+    """Duplicates and spaces are forgiven; anything that is not a plain size in range is one line."""
     assert parse_block_sizes("8,12,8, 16") == (8, 12, 16)
     for bad, message in [("8,x", "an integer B"), ("8,,12", "an integer B"), ("²", "an integer B"),
                          ("1", r"in \[2, 64\], got 1"), ("65", "got 65"), ("6:16", "plain block sizes")]:
         with pytest.raises(TrtspecError, match=message):
             parse_block_sizes(bad)
+
+
+def test_block_choice_lists_are_parsed_strictly():
+    """Growing blocks (B:G) and auto where allowed; a growth that does not grow is one line."""
     assert parse_block_choices("6, 6:16,auto,6", allow_auto=True) == (BlockChoice(6), BlockChoice(6, 16),
                                                                       AUTO)
     assert [c.name for c in parse_block_choices("6,6:16")] == ["6", "6:16"]
@@ -65,6 +70,9 @@ def test_block_sizes_are_parsed_and_checked():
                          ("6:65", "up to 64")]:
         with pytest.raises(TrtspecError, match=message):
             parse_block_choices(bad)
+
+
+def test_bench_config_refuses_too_few_repeats_or_tokens():
     with pytest.raises(TrtspecError, match="--repeats"):
         BenchConfig(repeats=0)
     with pytest.raises(TrtspecError, match="--max-new-tokens"):
@@ -101,13 +109,15 @@ def test_aggregation_on_hand_made_numbers():
         speedups([1.0, 2.0], [1.0, 0.0])
 
 
-def test_greedy_speculation_matches_ar_and_sampling_reproduces(pipeline):
+def test_greedy_speculation_in_the_bench_matches_ar(pipeline):
     config = BenchConfig(block_sizes=(4,), max_new_tokens=12, repeats=1)
     report = run_bench(pipeline, PROMPTS, config, progress=False)
     ar, spec = report.runs
     assert [g.tokens for g in spec.generations[0]] == [g.tokens for g in ar.generations[0]]
     assert ar.tau == 1.0 and all(len(g.tokens) >= 1 for g in ar.generations[0])
 
+
+def test_a_sampled_bench_reproduces_with_a_seed_per_repeat(pipeline):
     sampled = BenchConfig(block_sizes=(4,), max_new_tokens=12, repeats=2, sampling=SamplingConfig(temperature=1.0))
     first, second = (run_bench(pipeline, PROMPTS[:2], sampled, progress=False) for _ in range(2))
     tokens = [[[g.tokens for g in repeat] for repeat in run.generations] for run in first.runs]

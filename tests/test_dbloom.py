@@ -12,42 +12,72 @@ from trtspec.dbloom.expand import ExpandConfig, stage_plan
 from trtspec.runtime.schedule import AR, BlockChoice
 
 
-def test_per_position_acceptance_and_the_stranded_estimate():
-    # 100 cycles at B=4: 10 accept 0 drafts, 20 accept 1, 30 accept 2, 40 accept all 3
-    histogram = [10, 20, 30, 40]
-    assert per_position_acceptance(histogram) == pytest.approx([90 / 100, 70 / 90, 40 / 70])
+# 100 cycles at B=4: 10 accept 0 drafts, 20 accept 1, 30 accept 2, 40 accept all 3
+HISTOGRAM = [10, 20, 30, 40]
+
+
+def test_per_position_acceptance_is_conditional_on_the_position_before():
+    """P(accept k | k-1): None where no cycle reached position k-1."""
+    assert per_position_acceptance(HISTOGRAM) == pytest.approx([90 / 100, 70 / 90, 40 / 70])
     assert per_position_acceptance([5, 0, 0, 0]) == [0.0, None, None]
-    report = Preflight(4, histogram, tau=3.0)
+
+
+def test_preflight_estimates_the_stranded_tau():
+    report = Preflight(4, HISTOGRAM, tau=3.0)
     assert report.ceiling_fraction == 0.4
     r = report.tail_rate
     assert r == pytest.approx((0.9 + 70 / 90 + 40 / 70) / 3)
     assert report.stranded_tau_estimate == pytest.approx(3.0 + 0.4 * r / (1 - r))
-    advice = report.recommendation()
+
+
+def test_preflight_recommends_expanding_only_a_stranded_block():
+    """Many cycles at the ceiling with a high tail rate: expand, to a multiple of B; few: keep B."""
+    advice = Preflight(4, HISTOGRAM, tau=3.0).recommendation()
     assert advice["expand"] and advice["to"] % 4 == 0 and advice["to"] > 4
     low = Preflight(16, [50] + [10] * 14 + [2], tau=2.0).recommendation()
     assert not low["expand"] and low["to"] is None
 
 
 
-def test_the_histogram_formulas_that_blockpilot_dbloom_and_the_metrics_share():
-    from trtspec.runtime.stats import (accepted_at_least, committed_tokens, cut_histogram, histogram_tau,
-                                       pool_histograms)
+# BlockPilot, DBloom and the metrics share these histogram formulas (trtspec.runtime.stats).
 
-    histogram = [10, 20, 30, 40]  # cycles at B=4 that accepted 0..3 drafts
-    assert committed_tokens(histogram) == 10 * 1 + 20 * 2 + 30 * 3 + 40 * 4
-    assert histogram_tau(histogram) == pytest.approx(3.0) and histogram_tau([0, 0]) == 0.0
-    assert accepted_at_least(histogram) == [100, 90, 70, 40] and accepted_at_least([]) == []
+
+def test_tau_is_the_mean_committed_tokens_per_cycle():
+    from trtspec.runtime.stats import committed_tokens, histogram_tau
+
+    assert committed_tokens(HISTOGRAM) == 10 * 1 + 20 * 2 + 30 * 3 + 40 * 4
+    assert histogram_tau(HISTOGRAM) == pytest.approx(3.0) and histogram_tau([0, 0]) == 0.0
+
+
+def test_accepted_at_least_counts_the_cycles_reaching_each_position():
+    from trtspec.runtime.stats import accepted_at_least
+
+    assert accepted_at_least(HISTOGRAM) == [100, 90, 70, 40] and accepted_at_least([]) == []
+
+
+def test_a_cut_histogram_is_the_one_a_smaller_block_would_have_given():
+    from trtspec.runtime.stats import cut_histogram, histogram_tau
+
     # as if the block had been 3: the cycles that accepted 2 or 3 drafts accepted 2 (min(a, B - 1))
-    assert cut_histogram(histogram, 3) == [10, 20, 70]
-    assert histogram_tau(cut_histogram(histogram, 3)) == pytest.approx(sum(min(a, 2) + 1 for a, n in
-                                                                        enumerate(histogram) for _ in range(n)) / 100)
-    assert cut_histogram(histogram, 4) == histogram and cut_histogram(histogram, 8) == histogram
-    assert pool_histograms([histogram, [1, 2], []]) == [11, 22, 30, 40] and pool_histograms([]) == []
+    assert cut_histogram(HISTOGRAM, 3) == [10, 20, 70]
+    assert histogram_tau(cut_histogram(HISTOGRAM, 3)) == pytest.approx(sum(min(a, 2) + 1 for a, n in
+                                                                        enumerate(HISTOGRAM) for _ in range(n)) / 100)
+    assert cut_histogram(HISTOGRAM, 4) == HISTOGRAM and cut_histogram(HISTOGRAM, 8) == HISTOGRAM
 
-def test_expand_block_weights_and_plan():
+
+def test_pooled_histograms_add_up_position_by_position():
+    from trtspec.runtime.stats import pool_histograms
+
+    assert pool_histograms([HISTOGRAM, [1, 2], []]) == [11, 22, 30, 40] and pool_histograms([]) == []
+
+
+def test_expand_block_weights_restart_the_decay_at_the_new_positions():
     plain, shifted = position_weights(24, 10.0), position_weights(24, 10.0, emphasis_from=16)
     assert plain[0] == shifted[0] == 0 and torch.equal(plain[:16], shifted[:16])
     assert shifted[16] == pytest.approx(1.0) and shifted[16] > 4 * plain[16]  # new positions restart the decay
+
+
+def test_expand_block_plans_its_stages_up_to_the_new_size():
     assert stage_plan(16, ExpandConfig(to_block_size=24, steps=301, stages=2, continue_steps=50)) == [
         (16, 50, 0), (20, 151, 16), (24, 150, 16)]
     assert stage_plan(16, ExpandConfig(to_block_size=24, steps=300, settle_steps=40))[-1] == (24, 40, 0)  # plain decay
@@ -55,13 +85,21 @@ def test_expand_block_weights_and_plan():
         stage_plan(16, ExpandConfig(to_block_size=16))
 
 
-def test_preflight_command_writes_the_documented_json_and_plot(target_dir, drafter_dir, tmp_path):
+@pytest.fixture(scope="module")
+def preflight_run(target_dir, drafter_dir, tmp_path_factory):
+    """One `trtspec preflight` with --json and --plot, read by the tests of each of its outputs."""
+    tmp_path = tmp_path_factory.mktemp("preflight")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):\n", "import os\n"]))
     out, png = tmp_path / "pre.json", tmp_path / "pre.png"
     result = trtspec_in_process("preflight", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts,
                                 "--block-size", 8, "--max-new-tokens", 24, "--json", out, "--plot", png)
     assert result.returncode == 0, result.stderr.decode()
+    return result, out, png
+
+
+def test_preflight_command_writes_the_documented_json(preflight_run):
+    _, out, _ = preflight_run
     data = json.loads(out.read_text())
     assert set(data) == {"block_size", "histogram", "ceiling_fraction", "per_position_acceptance", "tau",
                          "stranded_tau_estimate", "recommendation", "requests"}
@@ -69,7 +107,15 @@ def test_preflight_command_writes_the_documented_json_and_plot(target_dir, draft
     assert data["stranded_tau_estimate"] >= data["tau"] >= 1.0
     assert len(data["requests"]) == 2 and all(r["cycles"] >= 1 for r in data["requests"])
     assert [sum(r["histogram"][a] for r in data["requests"]) for a in range(8)] == data["histogram"]
+
+
+def test_preflight_command_writes_the_plot(preflight_run):
+    _, _, png = preflight_run
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_preflight_command_prints_the_per_position_acceptance(preflight_run):
+    result, _, _ = preflight_run
     assert "P(accept k | k-1)" in result.stdout.decode()
 
 
@@ -136,9 +182,12 @@ def test_teacher_forced_acceptance_equals_drafting_each_context_through_the_infe
     assert report.tau == pytest.approx(1 + sum(a * n for a, n in enumerate(expected)) / horizon)
 
 
-def test_teacher_forced_preflight_refuses_sampling_and_engines(tmp_path):
+def test_teacher_forced_preflight_refuses_sampling():
     result = trtspec_in_process("preflight", "--teacher-forced", "--temperature", 1, "--limit", 1)
     assert_one_line_error(result, "--teacher-forced", "greedy")
+
+
+def test_teacher_forced_preflight_refuses_an_engine(tmp_path):
     result = trtspec_in_process("preflight", "--teacher-forced", "--engine", tmp_path, "--limit", 1)
     assert_one_line_error(result, "--teacher-forced", "--engine")
 
