@@ -16,7 +16,9 @@ def _oracle(directory):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_prefill_and_cached_steps_match_transformers(tmp_path, tie):
+def test_the_target_matches_transformers(tmp_path, tie):
+    """Logits and every layer's features, in one prefill and token by token through the KV cache: one
+    oracle load serves every comparison (tied weights stay one tensor)."""
     directory = save_hf_target(tmp_path / "t", tie=tie, with_tokenizer=False, seed=3)
     hf, ours = _oracle(directory), load_target(directory)
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie  # tied weights stay shared
@@ -53,29 +55,44 @@ def test_rollback_then_rewrite_matches_fresh_pass(tmp_path):
     assert (rewritten - fresh[:, 14:]).abs().max() < 1e-5
 
 
-def test_sharded_checkpoint_and_half_precision(tmp_path):
-    directory = save_hf_target(tmp_path / "t", with_tokenizer=False)
-    hf = _oracle(directory)
-    sharded = tmp_path / "sharded"
-    hf.save_pretrained(sharded, max_shard_size="100KB")
-    assert (sharded / "model.safetensors.index.json").exists()
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny target written by transformers, and its float32 logits of one prompt as we load it."""
+    directory = save_hf_target(tmp_path_factory.mktemp("qwen3") / "t", with_tokenizer=False)
     prompt = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(0))
+    target = load_target(directory)
     with torch.no_grad():
-        full = load_target(directory)(prompt, 0, None)[0]
+        full = target(prompt, 0, None)[0]
+    return directory, target, prompt, full
+
+
+def test_a_sharded_checkpoint_loads_the_same_weights(checkpoint, tmp_path):
+    directory, _, prompt, full = checkpoint
+    sharded = tmp_path / "sharded"
+    _oracle(directory).save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    with torch.no_grad():
         assert torch.equal(load_target(sharded)(prompt, 0, None)[0], full)
+
+
+def test_a_bfloat16_target_stays_close_to_float32(checkpoint):
+    directory, _, prompt, full = checkpoint
+    with torch.no_grad():
         bf16 = load_target(directory, dtype=torch.bfloat16)
         assert bf16.dtype == torch.bfloat16
         assert (bf16(prompt, 0, None)[0].float() - full).abs().max() < 0.25
 
 
-def test_cache_refuses_gaps_and_overflow(tmp_path):
-    ours = load_target(save_hf_target(tmp_path / "t", with_tokenizer=False))
-    cache = ours.new_cache(1, 8)
-    with torch.no_grad():
-        with pytest.raises(ValueError, match="gap"):
-            ours(torch.zeros(1, 2, dtype=torch.long), 3, cache)
-        with pytest.raises(ValueError, match="holds 8"):
-            ours(torch.zeros(1, 9, dtype=torch.long), 0, cache)
+def test_the_cache_refuses_a_gap(checkpoint):
+    ours = checkpoint[1]
+    with torch.no_grad(), pytest.raises(ValueError, match="gap"):
+        ours(torch.zeros(1, 2, dtype=torch.long), 3, ours.new_cache(1, 8))
+
+
+def test_the_cache_refuses_an_overflow(checkpoint):
+    ours = checkpoint[1]
+    with torch.no_grad(), pytest.raises(ValueError, match="holds 8"):
+        ours(torch.zeros(1, 9, dtype=torch.long), 0, ours.new_cache(1, 8))
 
 
 @pytest.mark.parametrize("damage, message", [
