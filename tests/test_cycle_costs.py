@@ -29,14 +29,31 @@ def test_the_drafter_config_is_dflash_for_qwen3_4b():
     assert config.target_layer_ids == (1, 9, 17, 25, 33) and config.num_target_layers == 36
 
 
-def test_random_pair_is_allocated_on_the_device_in_the_dtype_and_tied():
-    target, drafter = random_pair(TINY, drafter_config(TINY), torch.device("cpu"), torch.bfloat16)
+@pytest.fixture(scope="module")
+def pair():
+    return random_pair(TINY, drafter_config(TINY), torch.device("cpu"), torch.bfloat16)
+
+
+def test_random_pair_is_allocated_on_the_device_in_the_dtype(pair):
+    target, drafter = pair
     tensors = [*target.parameters(), *drafter.parameters()]
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+
+
+def test_random_pair_shares_one_head(pair):
+    """As a real Qwen3-4B pair does: tied embeddings, and the drafter bound to the target's head."""
+    target, drafter = pair
     assert target.lm_head.weight is target.model.embed_tokens.weight
     assert drafter.lm_head is target.lm_head  # bound: shares the target's head
-    weights = target.model.layers[0].mlp.up_proj.weight.float()
+
+
+def test_random_pair_weights_are_finite_at_the_initializer_scale(pair):
+    weights = pair[0].model.layers[0].mlp.up_proj.weight.float()
     assert 0.015 < weights.std().item() < 0.025 and torch.isfinite(weights).all()
+
+
+def test_random_pair_is_seeded(pair):
+    target, _ = pair
     again, _ = random_pair(TINY, drafter_config(TINY), torch.device("cpu"), torch.bfloat16)
     assert torch.equal(again.lm_head.weight, target.lm_head.weight)  # seeded
 
