@@ -174,9 +174,9 @@ def transformers_tokenizer(path: Path):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_weights_and_logits_equal_transformers_gguf(variant, gguf_files):
+def test_a_gguf_target_equals_transformers_reading_of_it(variant, gguf_files):
     """Every dequantized, renamed, un-permuted tensor is bit-identical to transformers' (experts
-    aside: it fuses them), and so are the float32 logits."""
+    aside: it fuses them), and so are the float32 logits: one transformers load serves both."""
     target = load_target(assets.resolve_target(gguf_files[variant]))
     reference = transformers_model(gguf_files[variant])
     theirs, ours = reference.state_dict(), target.state_dict()
@@ -289,8 +289,8 @@ def test_unsupported_files_are_refused_in_one_line(change, fragment, tmp_path, s
     assert not list((suite_cache / converter.CACHE_DIR).glob(".*staging*"))
 
 
-def test_unknown_type_and_missing_file_through_the_cli(tmp_path):
-    """A tensor type id the gguf package does not know, and a *.gguf path that is not there."""
+def test_an_unknown_tensor_type_is_one_line_through_the_cli(tmp_path):
+    """A tensor type id the gguf package does not know."""
     path = write_gguf(tmp_path / "model.gguf", layers=1)
     data = bytearray(path.read_bytes())
     name = b"blk.0.attn_v.weight"
@@ -302,6 +302,12 @@ def test_unknown_type_and_missing_file_through_the_cli(tmp_path):
     prompt.write_text("hi")
     result = trtspec_in_process("run", prompt, "--target", path, "--max-new-tokens", 2)
     assert_one_line_error(result, f"{path}: cannot read it as GGUF", "250")
+
+
+def test_a_missing_gguf_file_is_one_line_through_the_cli(tmp_path):
+    """A *.gguf path that is not there."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hi")
     result = trtspec_in_process("run", prompt, "--target", tmp_path / "absent.gguf", "--max-new-tokens", 2)
     assert_one_line_error(result, f"GGUF file not found: {tmp_path / 'absent.gguf'}")
 
