@@ -20,7 +20,9 @@ def _engines(cache) -> list:
     return sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) if root.is_dir() else []
 
 
-def test_auto_builds_once_reuses_rebuilds_a_damaged_entry_and_decodes_like_eager(target_dir, drafter_dir, tmp_path, empty_cache):
+def test_auto_keeps_one_sound_engine_per_pair_in_the_cache(target_dir, drafter_dir, tmp_path, empty_cache):
+    """Built on first use, reused after, passed over for a block size it lacks, rebuilt when damaged,
+    and decoding as eager does throughout: steps of one engine's life, so one build serves them."""
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def add(a, b):\n")
     cache = empty_cache
@@ -99,13 +101,18 @@ def test_the_cache_key_changes_with_the_code_the_graphs_come_from(target_dir, dr
     assert engine_key(target_dir, drafter_dir, (4, 8)) != before
 
 
-def test_an_unwritable_cache_decodes_eagerly_under_auto_and_is_one_line_under_onnxruntime(target_dir, drafter_dir,
-                                                                                          tmp_path):
+@pytest.fixture
+def unwritable(target_dir, drafter_dir, tmp_path):
+    """A cache path that is a file, and a run request."""
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("x = 1\n")
     cache = tmp_path / "cache-is-a-file"
     cache.write_text("not a directory")
-    request = ("run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 8, "--json")
+    return cache, ("run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 8, "--json")
+
+
+def test_an_unwritable_cache_decodes_eagerly_under_auto(unwritable):
+    cache, request = unwritable
     auto = _run(cache, *request)
     assert auto.returncode == 0, auto.stderr.decode()
     lines = auto.stderr.decode().strip().splitlines()
@@ -113,6 +120,11 @@ def test_an_unwritable_cache_decodes_eagerly_under_auto_and_is_one_line_under_on
     assert f"the engine cache {cache / 'engines'} cannot be written" in lines[0] and "decoding eagerly" in lines[0]
     eager = _run(cache, *request, backend="eager")
     assert json.loads(auto.stdout)["tokens"] == json.loads(eager.stdout)["tokens"]
+    assert cache.read_text() == "not a directory"
+
+
+def test_an_unwritable_cache_is_one_line_under_onnxruntime(unwritable):
+    cache, request = unwritable
     assert_one_line_error(_run(cache, *request, "--backend", "onnxruntime"), "cannot be written", CACHE_FILE_HINT)
     assert cache.read_text() == "not a directory"
 
