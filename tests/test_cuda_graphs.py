@@ -54,10 +54,10 @@ def test_buckets():
     assert [context_bucket(n) for n in (1, 2, 3, 4, 5, 17, 300)] == [1, 2, 4, 4, 8, 32, 512]
 
 
-def test_static_batches_pad_to_buckets_and_reuse_one_binding_per_shape(ort_engine_dir):
-    """Seven requests of mixed block sizes in six static slots: every output equals the request
-    decoded alone, and every decode call ran over the bindings of its (graph, block size, batch
-    bucket, context bucket): the graphs a GPU captures once and replays."""
+@pytest.fixture(scope="module")
+def static_batch(ort_engine_dir):
+    """Seven requests of mixed block sizes decoded together in six static slots, with the binding key
+    of every decode call; and the ordinary engine, to decode each alone."""
     ordinary = opened(ort_engine_dir, torch.device("cpu"))
     static_runner = ordinary.runner.with_slots(6)
     static_runner.static = True
@@ -67,10 +67,21 @@ def test_static_batches_pad_to_buckets_and_reuse_one_binding_per_shape(ort_engin
     configs = [GenerationConfig(block=BlockChoice(size), max_new_tokens=limit)
                for size, limit in zip((4, 8, 1, 4, 8, 4, 1), (20, 31, 17, 40, 9, 26, 33))]
     together = engine.generate([list(p) for p in prompts], configs)
+    return ordinary, prompts, configs, together, recorder
+
+
+def test_a_static_batch_decodes_each_request_as_alone(static_batch):
+    ordinary, prompts, configs, together, _ = static_batch
     for prompt, config, generation in zip(prompts, configs, together):
         alone = generate(ordinary if config.block.size > 1 else ar_of(ordinary), prompt, config)
         assert generation.tokens == alone.tokens
         assert generation.stats.histogram == alone.stats.histogram
+
+
+def test_a_static_batch_runs_over_one_binding_per_bucketed_shape(static_batch):
+    """Every decode call ran over the bindings of its (graph, block size, batch bucket, context
+    bucket): the graphs a GPU captures once and replays."""
+    recorder = static_batch[-1]
     shapes = set()
     for graph, profile, tensors in recorder.keys:
         dims = dict((name, shape) for name, shape, _ in tensors)
