@@ -111,9 +111,8 @@ def test_bad_drafter_config_fields_are_named(field, value, message, target_dir, 
     assert_one_line_error(trtspec("run", prompt_file, "--target", target_dir, "--drafter", drafter), message)
 
 
-def test_negative_rope_theta_was_a_silent_empty_output_and_is_now_refused(target_dir, drafter_dir, prompt_file,
-                                                                          tmp_path):
-    """Before: NaN logits decoded as EOS and `run` exited 0 with empty output."""
+def test_a_negative_rope_theta_is_refused(target_dir, drafter_dir, prompt_file, tmp_path):
+    """Its NaN logits would decode as EOS: `run` would exit 0 with an empty output."""
     target = tmp_path / "target"
     shutil.copytree(target_dir, target)
     _edit(target, "config.json", _set("rope_theta", -1e6))
@@ -145,22 +144,36 @@ def test_bad_sharded_index_is_named(damage, message, target_dir, prompt_file, tm
     assert_one_line_error(trtspec("run", prompt_file, "--target", target, "--ar"), message)
 
 
-def test_chat_templates_in_list_form_and_templates_that_raise(target_dir, prompt_file, tmp_path):
+@pytest.fixture
+def chat(target_dir, prompt_file, tmp_path):
+    """A copy of the target whose chat template a test edits, its template, and a `run --chat`."""
     target = tmp_path / "target"
     shutil.copytree(target_dir, target)
-    args = ("run", prompt_file, "--target", target, "--ar", "--chat", "--json", "--max-new-tokens", 6)
+    template = json.loads((target / "tokenizer_config.json").read_text())["chat_template"]
+    return target, template, ("run", prompt_file, "--target", target, "--ar", "--chat", "--json", "--max-new-tokens", 6)
+
+
+def test_a_chat_template_list_uses_its_default_template(chat):
+    """Hugging Face's list form: the "default" template is used, the same text as the string form."""
+    target, template, args = chat
     plain = trtspec(*args)
     assert plain.returncode == 0, plain.stderr.decode()
-    template = json.loads((target / "tokenizer_config.json").read_text())["chat_template"]
-    # Hugging Face's list form: the "default" template is used, the same text as the string form
     _edit(target, "tokenizer_config.json", _set("chat_template", [{"name": "tool_use", "template": "{{ oops"},
                                                                    {"name": "default", "template": template}]))
     listed = trtspec(*args)
     assert listed.returncode == 0, listed.stderr.decode()
     assert json.loads(listed.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]
+
+
+def test_a_chat_template_list_without_a_default_is_one_line(chat):
+    target, template, args = chat
     _edit(target, "tokenizer_config.json", _set("chat_template", [{"name": "tool_use", "template": template}]))
     assert_one_line_error(trtspec(*args), "tokenizer_config.json: chat_template lists templates ['tool_use'] "
                                           'but no "default" one')
+
+
+def test_a_chat_template_that_raises_is_one_line(chat):
+    target, _, args = chat
     for raising in ("{{ 1 / 0 }}", "{{ '%d' % messages[0]['content'] }}", "{{ raise_exception('no') }}"):
         _edit(target, "tokenizer_config.json", _set("chat_template", raising))
         assert_one_line_error(trtspec(*args), "--chat: the target's chat template failed")
@@ -283,7 +296,7 @@ def test_policy_that_is_not_an_object_or_has_truncated_weights(blockpilot, tmp_p
     ({"prompt": "x", "prompt_ids": [1, 10**6]}, "prompt 2: prompt_ids holds token id 1000000, outside the vocabulary"),
     ({"prompt": "   "}, "prompts.jsonl:2: prompt is empty"),
 ])
-def test_bad_prompt_sets_are_named_and_nothing_is_written(line, message, target_dir, tmp_path):
+def test_a_bad_prompt_set_is_refused_before_anything_is_written(line, message, target_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps(line) + "\n")
     out = tmp_path / "data.jsonl"
@@ -326,7 +339,9 @@ def test_generate_data_limit_below_one_is_refused(target_dir, tmp_path):
         assert not out.exists()
 
 
-def test_train_drafter_resume_refuses_other_data_and_a_truncated_checkpoint(target_dir, tmp_path):
+def test_train_drafter_resumes_only_its_own_intact_checkpoint(target_dir, tmp_path):
+    """Other data, other options or a truncated checkpoint: one line each, nothing changed; one
+    training run makes the checkpoint they all try."""
     data = tmp_path / "a.jsonl"
     data.write_text("".join(json.dumps({"prompt": "def f(x):", "response": f" return x + {i}\n"}) + "\n"
                             for i in range(8)))
@@ -395,8 +410,8 @@ def test_numeric_flags_out_of_range_are_refused_before_any_work(args, message, p
     assert not (tmp_path / "out").exists()
 
 
-def test_tiny_temperatures_and_the_largest_seed_sample_safely(target_dir, drafter_dir, prompt_file):
-    """Before: T = 1e-30 overflowed the softmax (inf/inf) and sampling raised."""
+def test_a_tiny_temperature_with_the_largest_seed_decodes_like_greedy(target_dir, drafter_dir, prompt_file):
+    """T = 1e-30 overflows a plain softmax (inf/inf); the seed is the largest a 64-bit generator takes."""
     common = ("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--block-size", 4,
               "--max-new-tokens", 16, "--json")
     greedy = trtspec(*common)
@@ -497,8 +512,8 @@ def _expected_bad(flag: str, value: str) -> bool:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases, value=st.data())
-def test_fuzz_damaged_inputs_and_bad_flags_give_one_line(case, value, target_dir, drafter_dir, blockpilot,
-                                                         prompt_file, tmp_path_factory):
+def test_fuzzed_bad_inputs_give_one_line(case, value, target_dir, drafter_dir, blockpilot, prompt_file,
+                                         tmp_path_factory):
     kind, what = case
     work = tmp_path_factory.mktemp("fuzz")
     labels, policy = _copy(blockpilot, work)
