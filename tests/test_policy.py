@@ -35,28 +35,48 @@ def test_prefill_summary():
         summarize_prefill(features, logits, ("median",))
 
 
-def test_policy_learns_a_feature_dependent_choice_and_round_trips(tmp_path):
-    """Prompts whose first feature is positive run fastest at B=16, the others at B=8: the
-    trained policy must tell them apart on new prompts, and survive save/load."""
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """Prompts whose first feature is positive run fastest at B=16, the others at B=8; a policy
+    trained on them, saved, and new prompts to ask it about."""
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(400, 5, generator=generator)
     positive = inputs[:, 0] > 0
     speeds = torch.stack([torch.where(positive, 1.0, 2.0), torch.where(positive, 2.0, 1.0)], dim=1)
     policy = train_policy(inputs, speeds, (8, 16), ("last",), hidden=16, steps=300)
-    fresh = torch.randn(200, 5, generator=generator)
+    saved = policy.save(tmp_path_factory.mktemp("toy") / "policy")
+    return inputs, speeds, policy, saved, torch.randn(200, 5, generator=generator)
+
+
+def test_policy_learns_a_feature_dependent_choice(toy):
+    """It must tell the two kinds apart on new prompts, not only on those it was trained on."""
+    inputs, speeds, policy, _, fresh = toy
     picks = policy.net(fresh).argmax(dim=1)
     assert (picks == (fresh[:, 0] > 0).long()).float().mean() > 0.95
     assert expected_regret(policy.net(inputs), speeds) < 0.05
-    loaded = load_policy(policy.save(tmp_path / "policy"), available_block_sizes=(8, 12, 16))
+
+
+def test_a_saved_policy_loads_as_it_was(toy):
+    _, _, policy, saved, fresh = toy
+    loaded = load_policy(saved, available_block_sizes=(8, 12, 16))
     assert torch.equal(loaded.net(fresh), policy.net(fresh)) and loaded.block_sizes == (8, 16)
+
+
+def test_a_policy_over_a_block_size_the_engine_lacks_is_refused(toy):
     with pytest.raises(TrtspecError, match="16 is not in the engine"):
-        load_policy(tmp_path / "policy", available_block_sizes=(8, 12))
-    # a growing block needs both of its sizes in the engine
+        load_policy(toy[3], available_block_sizes=(8, 12))
+
+
+def test_a_policy_with_a_growing_block_needs_both_its_sizes(toy, tmp_path):
+    inputs, speeds, _, _, _ = toy
     growing = train_policy(inputs, speeds, (BlockChoice(8), BlockChoice(4, 12)), ("last",), hidden=16, steps=5)
     loaded = load_policy(growing.save(tmp_path / "growing"), available_block_sizes=(4, 8, 12))
     assert loaded.choices == (BlockChoice(8), BlockChoice(4, 12)) and loaded.block_sizes == (4, 8, 12)
     with pytest.raises(TrtspecError, match="among 8, 4:12, but block size 12 is not in the engine"):
         load_policy(tmp_path / "growing", available_block_sizes=(4, 8, 16))
+
+
+def test_a_directory_without_a_policy_is_refused(tmp_path):
     with pytest.raises(TrtspecError, match="not a BlockPilot policy"):
         load_policy(tmp_path)
 
@@ -86,7 +106,8 @@ def trained(target_dir, drafter_dir, tmp_path_factory):
     return work, prompts, labels
 
 
-def test_label_blocks_records_every_block_size_and_the_cost_table(trained):
+def test_label_blocks_writes_a_complete_labels_file(trained):
+    """Every block size's run per prompt, the label its speeds imply, the features and the cost table."""
     from trtspec.blockpilot.labels import read_labels
 
     _, _, path = trained
@@ -108,7 +129,7 @@ def test_label_blocks_records_every_block_size_and_the_cost_table(trained):
     assert labels.features["confidence"].shape == (len(PROMPTS), 2) and labels.header["vocab_size"] > 0
 
 
-def test_eval_policy_reports_fixed_blockpilot_and_oracle(trained):
+def test_eval_policy_reports_every_strategy_against_the_oracle(trained):
     work, _, labels = trained
     out = work / "eval.json"
     result = trtspec_in_process("eval-policy", "--policy", work / "policy", "--labels", labels, "--json", out)
@@ -127,17 +148,29 @@ def test_eval_policy_reports_fixed_blockpilot_and_oracle(trained):
     assert "BlockPilot chose" in result.stdout.decode()
 
 
-def test_auto_picks_a_candidate_and_stays_lossless(trained, target_dir, drafter_dir):
+@pytest.fixture(scope="module")
+def auto_runs(trained, target_dir, drafter_dir):
+    """Each prompt decoded under `auto` by a pipeline with the trained policy, and by AR."""
     from trtspec.api import Pipeline
 
     work, _, _ = trained
     pipeline = Pipeline(target_dir, drafter_dir, policy=work / "policy")
-    assert pipeline.default_block == AUTO
     baseline = pipeline.autoregressive()
-    for prompt in PROMPTS:
-        auto = pipeline.generate(prompt, GenerationConfig(block=AUTO, max_new_tokens=20))
+    return pipeline, [(pipeline.generate(prompt, GenerationConfig(block=AUTO, max_new_tokens=20)),
+                       baseline.generate(prompt, GenerationConfig(block=AR, max_new_tokens=20)))
+                      for prompt in PROMPTS]
+
+
+def test_auto_picks_one_of_the_policys_candidates(auto_runs):
+    pipeline, runs = auto_runs
+    assert pipeline.default_block == AUTO
+    for auto, _ in runs:
         assert auto.generation.stats.auto and auto.generation.stats.schedule in ("4", "8", "4:8")
-        assert auto.tokens == baseline.generate(prompt, GenerationConfig(block=AR, max_new_tokens=20)).tokens
+
+
+def test_auto_decodes_what_ar_decodes(auto_runs):
+    for auto, ar in auto_runs[1]:
+        assert auto.tokens == ar.tokens
 
 
 def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, drafter_dir):
@@ -164,8 +197,7 @@ def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, dra
     assert "cycle_costs_ms" not in rows[0]  # AR judged nothing
 
 
-def test_the_cost_table_is_timed_once_per_machine_and_kept_in_the_cache(trained, target_dir, drafter_dir,
-                                                                      tmp_path, monkeypatch):
+def test_the_cost_table_is_timed_once_per_machine(trained, target_dir, drafter_dir, tmp_path, monkeypatch):
     """An engine with a policy times its cost table the first time; the next engine of the same kind
     reads it from the cache ($TRTSPEC_CACHE/costs) instead of timing it again; other slots (another
     key) are timed afresh; a damaged entry is timed again and rewritten; an unwritable cache only
@@ -218,13 +250,18 @@ def test_train_policy_ar_auto_needs_the_ablation(trained):
     assert not (work / "x").exists()
 
 
-def test_engine_ships_the_policy_and_refuses_one_it_cannot_serve(trained, target_dir, drafter_dir, tmp_path):
+def test_build_refuses_a_policy_the_engine_cannot_serve(trained, target_dir, drafter_dir, tmp_path):
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
-    work, prompts, _ = trained
     assert_one_line_error(trtspec_in_process("build", "--target", target_dir, "--drafter", drafter_dir, "--block-sizes", "4,12",
-                                             "--policy", work / "policy", "-o", tmp_path / "bad"),
+                                             "--policy", trained[0] / "policy", "-o", tmp_path / "bad"),
                           "8 is not in the engine")
     assert not (tmp_path / "bad").exists()
+
+
+def test_an_engine_built_with_a_policy_decodes_auto_by_default(trained, target_dir, drafter_dir, tmp_path):
+    """`run` and `bench` on the engine alone choose with the policy it ships."""
+    pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
+    work, prompts, _ = trained
     engine = tmp_path / "engine"
     result = trtspec_in_process("--threads", 1, "build", "--target", target_dir, "--drafter", drafter_dir,
                                 "--block-sizes", "4,8", "--policy", work / "policy", "-o", engine)
