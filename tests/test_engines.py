@@ -144,10 +144,10 @@ def test_torch_export_backend_equals_eager(target_dir, drafter_dir, pair, tmp_pa
 
 
 @pytest.mark.slow
-def test_inductor_backend_compiles_the_graphs_and_decodes_like_eager(target_dir, drafter_dir, pair, tmp_path):
+def test_an_inductor_engine_decodes_like_eager(target_dir, drafter_dir, pair, tmp_path):
     """`trtspec build --backend inductor`: AOTInductor packages (C++ here) listed and hashed in the
     manifest; `trtspec run --engine` on it and a batch of mixed requests decode like eager PyTorch.
-    A second build takes the compiled packages from the cache."""
+    A second build takes the compiled packages from the cache. One costly compile serves every check."""
     engine = tmp_path / "inductor"
     made = trtspec_in_process("--threads", 1, "build", "--target", target_dir, "--drafter", drafter_dir,
                               "--backend", "inductor", "--block-sizes", "4,8", "-o", engine)
@@ -169,7 +169,7 @@ def test_inductor_backend_compiles_the_graphs_and_decodes_like_eager(target_dir,
     assert time.monotonic() - began < 15  # nothing compiled again
 
 
-def test_cli_build_run_and_block_sizes_the_engine_lacks(target_dir, drafter_dir, ort_engine, tmp_path):
+def test_run_on_a_built_engine_decodes_like_eager(target_dir, drafter_dir, ort_engine, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def add(a, b):\n")
     common = ("--max-new-tokens", 20, "--json")
@@ -179,6 +179,11 @@ def test_cli_build_run_and_block_sizes_the_engine_lacks(target_dir, drafter_dir,
     assert json.loads(built.stdout)["tokens"] == json.loads(eager.stdout)["tokens"]
     ar = trtspec_in_process("run", prompt, "--engine", ort_engine, "--ar", *common)
     assert json.loads(ar.stdout)["tokens"] == json.loads(eager.stdout)["tokens"]  # greedy spec == AR
+
+
+def test_a_block_size_the_engine_lacks_is_one_line(ort_engine, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def add(a, b):\n")
     assert_one_line_error(trtspec_in_process("run", prompt, "--engine", ort_engine, "--block-size", 16),
                           "built for block sizes 4, 8")
 
@@ -250,8 +255,8 @@ def test_a_failed_build_leaves_nothing_that_looks_complete(target_dir, drafter_d
     assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]  # no staging directories left behind
 
 
-def test_a_rebuild_takes_its_graphs_from_the_cache_and_a_damaged_entry_is_exported_again(
-        target_dir, drafter_dir, ort_engine, suite_cache, tmp_path, monkeypatch):
+def test_a_rebuild_exports_only_the_graphs_the_cache_cannot_supply(target_dir, drafter_dir, ort_engine, suite_cache,
+                                                                   tmp_path, monkeypatch):
     """ort_engine's build left this pair's graphs in the suite's cache: a build at other block sizes
     exports nothing and holds the cached graphs; an entry whose bytes changed is exported afresh
     (by a stand-in that writes the graph's real bytes: what is checked is that the build exports
@@ -280,8 +285,12 @@ def test_a_rebuild_takes_its_graphs_from_the_cache_and_a_damaged_entry_is_export
     assert damaged.read_bytes() == (tmp_path / "again" / "draft.onnx").read_bytes() == graph
 
 
-def test_the_graph_cache_keeps_small_graphs_checks_them_and_never_fails_a_build(tmp_path, monkeypatch):
-    """export_cached's rules with a stand-in export (any callable that writes the file)."""
+# export_cached's rules, with a stand-in export (any callable that writes the file).
+
+
+@pytest.fixture
+def graph_cache(tmp_path, monkeypatch):
+    """The cache module over an empty cache, and a stand-in export that numbers the graphs it writes."""
     import trtspec.export.cache as cache
 
     monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "cache"))
@@ -291,24 +300,45 @@ def test_the_graph_cache_keeps_small_graphs_checks_them_and_never_fails_a_build(
         calls.append(path.name)
         path.write_bytes(b"graph " + str(len(calls)).encode())
 
+    return cache, export, calls
+
+
+def test_a_cached_graph_is_exported_once(graph_cache, tmp_path):
+    cache, export, calls = graph_cache
     cache.export_cached(tmp_path / "a.onnx", "k.onnx", export)     # a miss: exported and kept
     cache.export_cached(tmp_path / "b.onnx", "k.onnx", export)     # a hit: copied
     assert calls == ["a.onnx"] and (tmp_path / "b.onnx").read_bytes() == b"graph 1"
+
+
+def test_a_damaged_graph_cache_entry_is_exported_again(graph_cache, tmp_path):
+    cache, export, calls = graph_cache
+    cache.export_cached(tmp_path / "a.onnx", "k.onnx", export)
     entry = tmp_path / "cache" / cache.GRAPHS_DIR / "k.onnx"
     entry.write_bytes(b"graph X")                                  # damaged: exported afresh, the entry mended
     cache.export_cached(tmp_path / "c.onnx", "k.onnx", export)
     assert calls == ["a.onnx", "c.onnx"] and entry.read_bytes() == b"graph 2"
+
+
+def test_a_graph_too_large_to_cache_is_still_exported(graph_cache, tmp_path, monkeypatch):
+    cache, export, _ = graph_cache
     monkeypatch.setattr(cache, "MAX_CACHED_BYTES", 3)              # too large to keep
     cache.export_cached(tmp_path / "d.onnx", "big.onnx", export)
-    assert not (entry.parent / "big.onnx").exists() and (tmp_path / "d.onnx").read_bytes() == b"graph 3"
+    assert not (tmp_path / "cache" / cache.GRAPHS_DIR / "big.onnx").exists()
+    assert (tmp_path / "d.onnx").read_bytes() == b"graph 1"
+
+
+def test_a_graph_cache_that_cannot_be_created_never_fails_a_build(graph_cache, tmp_path, monkeypatch):
+    cache, export, _ = graph_cache
     (tmp_path / "file").write_text("")                             # a cache that cannot be created
     monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "file"))
-    monkeypatch.setattr(cache, "MAX_CACHED_BYTES", 1 << 30)
     cache.export_cached(tmp_path / "e.onnx", "k.onnx", export)
-    assert (tmp_path / "e.onnx").read_bytes() == b"graph 4"
+    assert (tmp_path / "e.onnx").read_bytes() == b"graph 1"
 
-    monkeypatch.setenv("TRTSPEC_CACHE", str(tmp_path / "cache"))  # two builds of one graph at once:
-    exporting = threading.Event()                                 # the second waits and copies
+
+def test_two_builds_of_one_graph_at_once_export_it_once(graph_cache, tmp_path):
+    """The second waits for the first and copies its graph."""
+    cache, export, calls = graph_cache
+    exporting = threading.Event()
 
     def slow_export(path):
         exporting.set()
@@ -329,7 +359,7 @@ def _edit_manifest(engine, edit) -> None:
     (engine / MANIFEST_FILE).write_text(json.dumps(data))
 
 
-def test_a_graph_dropped_from_the_manifest_and_corrupted_is_refused(ort_engine, tmp_path):
+def test_a_corrupted_graph_dropped_from_the_manifest_is_refused(ort_engine, tmp_path):
     """Before, only listed files were hashed: this engine ran, exit 0, with a garbage drafter."""
     engine = tmp_path / "engine"
     shutil.copytree(ort_engine, engine)
@@ -365,7 +395,7 @@ def test_a_file_the_manifest_does_not_list_is_refused(ort_engine, tmp_path):
     ("policy", {"dir": "../elsewhere", "block_sizes": [4]}, "field policy"),
     ("sources", [], "field sources must be a JSON object"),
 ])
-def test_manifest_fields_are_validated_one_line_naming_file_and_field(ort_engine, tmp_path, field, value, message):
+def test_a_bad_manifest_field_is_one_line_naming_it(ort_engine, tmp_path, field, value, message):
     engine = tmp_path / "engine"
     shutil.copytree(ort_engine, engine)
     prompt = tmp_path / "prompt.txt"
@@ -405,12 +435,17 @@ def test_an_edited_manifest_is_refused_in_one_line(ort_engine, tmp_path, field, 
                           f"{engine / MANIFEST_FILE} was edited or damaged", "rebuild the engine")
 
 
-def test_a_manifest_without_its_digest_is_refused_and_a_rewritten_one_loads(ort_engine, tmp_path):
+def test_a_reformatted_manifest_still_loads(ort_engine, tmp_path):
     """The digest is of the content, not the bytes: re-indenting the JSON keeps the engine loadable."""
     engine = tmp_path / "engine"
     shutil.copytree(ort_engine, engine)
     (engine / MANIFEST_FILE).write_text(json.dumps(json.loads((engine / MANIFEST_FILE).read_text())))
     assert read_manifest(engine).max_context == read_manifest(ort_engine).max_context
+
+
+def test_a_manifest_without_its_digest_is_refused(ort_engine, tmp_path):
+    engine = tmp_path / "engine"
+    shutil.copytree(ort_engine, engine)
     _edit_manifest(engine, lambda data: data.pop("manifest_sha256"))
     with pytest.raises(TrtspecError, match="has no manifest_sha256 .*; rebuild the engine"):
         read_manifest(engine)
