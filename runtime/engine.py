@@ -179,7 +179,8 @@ class LocalEngine:
         check_request(self.runner, list(prompt), config, self.policy)
         if config.stop and self.codec is None:
             raise TrtspecError("stop strings are matched in the text: this engine has no tokenizer")
-        output = OutputProcessor(self.codec, config.stop) if self.codec is not None else None
+        output = None if self.codec is None else OutputProcessor(self.codec, config.stop, config.keep_stop,
+                                                                 config.skip_special)
         request = Request(next(self._ids), list(prompt), config, on_commit, on_finish, output, on_text)
         with self.lock:
             if self.closed:

@@ -1,8 +1,9 @@
 """The output processor: a request's committed token ids in, its text out, ended at its first stop string.
 
 The engine runs one per request when it has a tokenizer: each cycle's tokens are detokenized
-incrementally (`trtspec.tokenizer.TextStream`), and a stop string (`GenerationConfig.stop`) ends
-the request at once, with finish reason "stop" and the tokens through the one that completed it.
+incrementally (`trtspec.tokenizer.TextStream`, with the config's `keep_stop` and `skip_special`),
+and a stop string (`GenerationConfig.stop`) ends the request at once, with finish reason "stop" and
+the tokens through the one that completed it.
 So text is cut in one place for every caller, as vLLM v1's OutputProcessor does; the controller
 below it knows only token ids.
 """
@@ -15,8 +16,9 @@ from trtspec.tokenizer import TextCodec, TextStream
 class OutputProcessor:
     """One request's text: pieces as its tokens are committed, which join to exactly its text."""
 
-    def __init__(self, codec: TextCodec, stops: tuple[str, ...] = ()):
-        self.stream = TextStream(codec, stops)
+    def __init__(self, codec: TextCodec, stops: tuple[str, ...] = (), keep_stop: bool = False,
+                 skip_special: bool = True):
+        self.stream = TextStream(codec, stops, keep_stop, skip_special)
 
     @property
     def stopped(self) -> bool:

@@ -35,6 +35,8 @@ class GenerationConfig:
     max_new_tokens: int = DEFAULT_MAX_TOKENS
     stop_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: the output ends before the first (trtspec.runtime.output)
+    keep_stop: bool = False     # the text ends with the stop string instead (vLLM's include_stop_str_in_output)
+    skip_special: bool = True   # special tokens (EOS, ...) decode to nothing, else to their text
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ignore_eos: bool = False
     min_tokens: int = 0

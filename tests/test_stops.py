@@ -100,3 +100,40 @@ def test_prompts_that_are_not_text_are_refused_in_one_line(pair, tmp_path):
     for name, data in (("surrogate.txt", b"x = '\xed\xa0\x80'\n"), ("latin1.txt", b"caf\xe9\n")):
         (tmp_path / name).write_bytes(data)
         assert_one_line_error(trtspec_in_process("run", tmp_path / name, *args[2:]), "is not valid UTF-8")
+
+
+# -- the engine's output processor, as every front end uses it (GenerationConfig's stop, keep_stop, skip_special)
+
+@pytest.fixture(scope="module")
+def pipeline(target_dir, drafter_dir):
+    from trtspec.api import Pipeline
+
+    return Pipeline(target_dir, drafter_dir)
+
+
+def _config(**options):
+    from trtspec.runtime.request import GenerationConfig
+    from trtspec.runtime.schedule import BlockChoice
+
+    return GenerationConfig(block=BlockChoice(4), **{"max_new_tokens": 40, **options})
+
+
+def test_keep_stop_ends_the_text_with_the_stop_string(pipeline):
+    """vLLM's include_stop_str_in_output, in the engine: decoding ends at the stop as without it."""
+    plain = pipeline.generate("def add(a, b):\n", _config())
+    text = plain.text
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if "\ufffd" not in text[i:i + 3])
+    cut = pipeline.generate("def add(a, b):\n", _config(stop=(stop,)))
+    kept = pipeline.generate("def add(a, b):\n", _config(stop=(stop,), keep_stop=True))
+    assert kept.text == text[:text.index(stop) + len(stop)] and kept.generation.stats.finish_reason == "stop"
+    assert kept.tokens == cut.tokens and cut.text == text[:text.index(stop)]
+
+
+def test_special_tokens_decode_to_their_text_only_when_asked(pipeline):
+    from trtspec.runtime.processing import Processing
+
+    eos = pipeline.codec.stop_ids[0]
+    forced = dict(max_new_tokens=3, ignore_eos=True, processing=Processing(logit_bias=((eos, 100.0),)))
+    assert pipeline.generate("def f():\n", _config(**forced)).text == ""
+    shown = pipeline.generate("def f():\n", _config(skip_special=False, **forced))
+    assert shown.tokens == [eos] * 3 and shown.text == pipeline.codec.decode([eos] * 3, skip_special_tokens=False)
