@@ -37,7 +37,9 @@ def _oracle(directory):
     ("qwen3_moe", {}),
     ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 2}),
 ], ids=["llama-llama3-rope-bias", "llama-tied", "moe-top2-norm-dense1", "moe-unnormed-step2"])
-def test_logits_and_every_layers_features_match_transformers(tmp_path, family, options):
+def test_the_family_target_matches_transformers(tmp_path, family, options):
+    """Logits, every layer's features, and token-by-token steps through the KV cache, plus what makes
+    the family itself (llama3 RoPE scaling, sparse and dense MoE layers): one oracle load serves all."""
     directory = save_hf_target(tmp_path / "t", family=family, with_tokenizer=False, seed=3, **options)
     hf, ours = _oracle(directory), load_target(directory)
     assert ours.config.model_type == family
@@ -102,9 +104,15 @@ def _greedy(runner, prompts, block_size, tokens=20):
 PROMPTS = [[5, 9, 33, 2, 7], [100], list(range(40, 70))]
 
 
-def test_greedy_speculative_equals_autoregressive_and_transformers(family_pair):
-    _, target_dir, _, target, drafter = family_pair
-    ar = _greedy(single(target), PROMPTS, 1)
+@pytest.fixture(scope="module")
+def family_ar(family_pair):
+    """Greedy autoregressive tokens of PROMPTS, eager: the reference of the family's decode tests."""
+    return _greedy(single(family_pair[3]), PROMPTS, 1)
+
+
+def test_greedy_autoregressive_equals_transformers_generate(family_pair, family_ar):
+    _, target_dir, _, _, _ = family_pair
+    ar = family_ar
     hf = _oracle(target_dir)
     hf.generation_config.eos_token_id = None
     with torch.no_grad():
@@ -112,8 +120,12 @@ def test_greedy_speculative_equals_autoregressive_and_transformers(family_pair):
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20,
                               pad_token_id=0)
             assert out[0, len(prompt):].tolist() == tokens
+
+
+def test_greedy_speculative_equals_autoregressive(family_pair, family_ar):
+    _, _, _, target, drafter = family_pair
     for block_size in (4, 8, 16):
-        assert _greedy(single(target, drafter), PROMPTS, block_size) == ar
+        assert _greedy(single(target, drafter), PROMPTS, block_size) == family_ar
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +147,7 @@ def test_onnxruntime_engine_equals_eager(family_pair, family_engine):
     assert _greedy(ar_of(engine), PROMPTS[:2], 1) == _greedy(single(target), PROMPTS[:2], 1)
 
 
-def test_cli_run_eager_and_engine_agree(family_pair, family_engine, tmp_path):
+def test_cli_run_on_the_family_engine_decodes_like_eager(family_pair, family_engine, tmp_path):
     _, target_dir, drafter_dir, _, _ = family_pair
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def add(a, b):\n")
@@ -184,8 +196,8 @@ def test_unsupported_configs_are_refused_in_one_line_naming_the_field(tmp_path, 
         assert_one_line_error(trtspec_in_process("run", prompt, "--target", directory, "--ar"), "mistral")
 
 
-def test_generate_data_and_train_drafter_on_the_family(family_pair, tmp_path):
-    """The training commands take these targets too; the drafter they write decodes losslessly."""
+def test_a_drafter_trained_on_the_family_decodes_losslessly(family_pair, tmp_path):
+    """The training commands take these targets too (generate-data, then train-drafter on its data)."""
     _, target_dir, _, target, _ = family_pair
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(4)))
