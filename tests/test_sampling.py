@@ -63,7 +63,7 @@ def exact_processed_distribution(target, processing: Processing, min_p: float) -
 PROCESSING = Processing(logit_bias=((3, 1.5),), repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.4)
 
 
-def test_penalties_biases_and_min_p_sample_from_the_processed_target(pair):
+def test_sampling_under_vllms_processing_follows_the_processed_target(pair):
     """At T = 1 with vLLM's processing (a bias, all three penalties, min_p), the first three tokens
     follow the target's distribution processed position by position, each given the tokens before it
     (and not the same distribution without min_p: the check sees it)."""
@@ -182,12 +182,19 @@ def test_accepted_length_rule():
     assert accepted_length(drafts, posterior).tolist() == [3, 1, 0, 2]
 
 
-def test_top_k_and_top_p_filter_the_distribution():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+FOUR_TOKENS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+
+
+def test_top_p_keeps_the_fewest_tokens_reaching_p():
+    top_p = Sampler(SamplingConfig(temperature=1.0, top_p=0.9, seed=0)).probabilities(FOUR_TOKENS)
+    assert torch.allclose(top_p, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+
+
+def test_top_k_keeps_the_k_likeliest_tokens():
+    """In the distribution, renormalised, and in what is drawn from it."""
+    logits = FOUR_TOKENS
     top_k = Sampler(SamplingConfig(temperature=1.0, top_k=2, seed=0)).probabilities(logits)
     assert torch.allclose(top_k, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
-    top_p = Sampler(SamplingConfig(temperature=1.0, top_p=0.9, seed=0)).probabilities(logits)
-    assert torch.allclose(top_p, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
     sampler = Sampler(SamplingConfig(temperature=1.0, top_k=2, seed=0))
     draws = sampler.sample(logits.expand(2000, -1))
     assert set(draws.tolist()) == {0, 1}
