@@ -78,10 +78,9 @@ class Request:
         self.id, self.prompt, self.config = request_id, prompt, config
         self.on_commit, self.on_finish = on_commit, on_finish
         self.output, self.on_text = output, on_text  # its text (an engine with a tokenizer)
-        # the engine's clock (time.perf_counter) at submission, at its first tokens' and at its latest's emission
+        # the engine's clock (time.perf_counter) at submission, and at each emission of tokens with their count
         self.submitted = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
+        self.emissions: list[tuple[float, int]] = []
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # one per token in `tokens`, when the config asks
         self.prompt_logprobs: list[TokenLogprob | None] = []
@@ -89,6 +88,16 @@ class Request:
         self.error: BaseException | None = None
         self._cancelled = False  # set by any thread, read by the stepping one (a flag: no waiting on it)
         self._done = threading.Event()
+
+    @property
+    def first_token_at(self) -> float | None:
+        """When its first tokens were emitted (the engine's clock; None: none yet)."""
+        return self.emissions[0][0] if self.emissions else None
+
+    def token_intervals(self) -> list[tuple[int, float]]:
+        """Each emission after the first: its token count and the seconds since the one before (the
+        inter-token latency of those tokens together), from the engine's clock."""
+        return [(count, at - before) for (before, _), (at, count) in zip(self.emissions, self.emissions[1:])]
 
     def cancel(self) -> None:
         """Withdraw the request; its slot is freed before the next cycle."""
@@ -503,9 +512,7 @@ class LocalEngine:
             if output is not None:
                 piece, fresh = output.push(fresh)
             request.tokens.extend(fresh)
-            request.last_token_at = time.perf_counter()
-            if request.first_token_at is None:
-                request.first_token_at = request.last_token_at
+            request.emissions.append((time.perf_counter(), len(fresh)))
             try:
                 if request.on_commit is not None:
                     request.on_commit(fresh)

@@ -73,9 +73,8 @@ class GenerationConfig:
 class RequestField:
     """One request field as every front end takes it: its name on the wire, its kind (int, float
     or bool), its default and its range. `part` is the config that holds it ("generation",
-    "sampling" or "processing"; "text": how the front end cuts the reply's text,
-    `trtspec.serving.frontend.Reply`) under `attribute` (default: the same name); that config
-    checks the range, once."""
+    "sampling" or "processing") under `attribute` (default: the same name); that config checks the
+    range, once."""
 
     name: str
     kind: type
@@ -114,21 +113,21 @@ REQUEST_FIELDS = (
     RequestField("presence_penalty", float, 0.0, PENALTY, "processing"),
     RequestField("frequency_penalty", float, 0.0, PENALTY, "processing"),
     RequestField("repetition_penalty", float, 1.0, REPETITION_PENALTY, "processing"),
-    RequestField("include_stop_str_in_output", bool, False, part="text", attribute="keep_stop"),
-    RequestField("skip_special_tokens", bool, True, part="text", attribute="skip_special"),
+    RequestField("include_stop_str_in_output", bool, False, attribute="keep_stop"),
+    RequestField("skip_special_tokens", bool, True, attribute="skip_special"),
 )
 
 
 def read_fields(values: dict) -> dict[str, dict]:
     """The REQUEST_FIELDS values (by wire name; absent or None: the field's default), read and
     grouped by part, under their attribute names."""
-    parts: dict[str, dict] = {"generation": {}, "sampling": {}, "processing": {}, "text": {}}
+    parts: dict[str, dict] = {"generation": {}, "sampling": {}, "processing": {}}
     for spec in REQUEST_FIELDS:
         parts[spec.part][spec.attribute or spec.name] = spec.read(values.get(spec.name))
     return parts
 
 
-def request_config(values: dict, block: BlockChoice, stop_ids: tuple[int, ...] = (), *,
+def request_config(values: dict, block: BlockChoice, stop_ids: tuple[int, ...] = (), stop: tuple[str, ...] = (), *,
                    logit_bias: tuple[tuple[int, float], ...] = (), grammar: Grammar | None = None,
                    prompt_logprobs: int | None = None) -> GenerationConfig:
     """A request's GenerationConfig from its REQUEST_FIELDS values (`read_fields`) and what each
@@ -136,8 +135,8 @@ def request_config(values: dict, block: BlockChoice, stop_ids: tuple[int, ...] =
     parts = read_fields(values)
     sampling = SamplingConfig(**parts["sampling"])
     processing = Processing(logit_bias=logit_bias, grammar=grammar, **parts["processing"])
-    return GenerationConfig(block=block, stop_ids=tuple(stop_ids), sampling=sampling, processing=processing,
-                            prompt_logprobs=prompt_logprobs, **parts["generation"])
+    return GenerationConfig(block=block, stop_ids=tuple(stop_ids), stop=tuple(stop), sampling=sampling,
+                            processing=processing, prompt_logprobs=prompt_logprobs, **parts["generation"])
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ def test_a_block_size_string_is_parsed_into_a_block_choice(codec):
 
 
 def test_stop_strings_are_kept_for_the_text(codec):
-    assert completion(codec, stop=["\n\n", "END"]).stops == ("\n\n", "END")
+    assert completion(codec, stop=["\n\n", "END"]).config.stop == ("\n\n", "END")
 
 
 def test_stop_token_ids_join_the_engine_stop_ids(codec):

@@ -717,13 +717,16 @@ def test_serving_metrics_render_finished_requests_by_block_size():
 
 
 def test_a_cycle_of_several_tokens_shares_its_latency_among_them():
+    from trtspec.runtime.stats import DecodeStats
     from trtspec.serving.metrics import ServingMetrics
 
     served = ServingMetrics(model_name="m")
-    served.observe_tokens(4, 0.02)  # one cycle of 4 tokens 20 ms after the previous: 4 tokens of 5 ms each
+    # a request whose one cycle after its first token committed 4 tokens 20 ms later: 4 tokens of 5 ms each
+    served.observe_finished(DecodeStats(block_size=4, new_tokens=5, finish_reason="length"), latency_s=0.1,
+                            intervals=[(4, 0.02)])
     text = served.render().decode()
     assert 'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.005",model_name="m"} 4.0' in text
-    assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 4.0' in text
+    assert 'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 4.0' in text
 
 
 def test_serve_refuses_bad_options_before_loading():

@@ -76,67 +76,64 @@ def test_text_stream_holds_back_in_linear_time(codec):
 
 # -- frontend.Reply: what serve and the Triton model both answer ----------------------------------------
 
-class _Handle:
-    """The engine's Request as a Reply sees it."""
-
-    def __init__(self, prompt, tokens=(), stats=None):
-        self.prompt, self.tokens, self.stats, self.cancelled = list(prompt), list(tokens), stats, False
-
-    def cancel(self):
-        self.cancelled = True
-
-    def result(self, timeout=None):
-        from trtspec.runtime.request import Generation
-
-        return Generation(self.tokens, self.stats)
-
-
-STOPPED = "def add(a, b):\n    return a + b\n"  # cut at "return"
-
-
-def test_a_reply_cut_at_a_stop_cancels_its_request_as_stopped(codec):
-    """Before the engine reports the request: the reply's own statistics, finish reason stop."""
-    from trtspec.serving.frontend import Reply
-
-    ids = codec.encode(STOPPED)
-    reply = Reply(codec, ("return",))
-    reply.request = _Handle([1, 2, 3])  # not reported yet: stats None
-    text = "".join(reply.push([token]) for token in ids if not reply.stopped)
-    assert text == "def add(a, b):\n    " and reply.request.cancelled
-    rest, generation = reply.end()
-    assert rest == "" and not reply.reported and generation.stats.finish_reason == "stop"
-    assert generation.stats.cycles == 0 and generation.stats.prompt_tokens == 3
-    assert generation.tokens == ids[:len(generation.tokens)] and generation.stats.new_tokens == len(generation.tokens)
-
-
-def test_a_reported_request_cut_at_a_stop_keeps_its_cycles_as_stopped(codec):
-    """After the engine reports it cancelled: its statistics, finish reason stop."""
+def _finished(tokens, emissions, error=None):
+    """The engine's Request for a prompt of 3 tokens, submitted at 10 s on the engine's clock and
+    finished with these tokens, emitted as `emissions` ((engine clock, count) each)."""
+    from trtspec.runtime.engine import Request
+    from trtspec.runtime.request import GenerationConfig
     from trtspec.runtime.stats import DecodeStats
+
+    request = Request(0, [1, 2, 3], GenerationConfig(), None, None)
+    request.submitted, request.tokens, request.emissions = 10.0, list(tokens), list(emissions)
+    request.stats = DecodeStats(block_size=4, prompt_tokens=3, new_tokens=len(tokens), finish_reason="length",
+                                ttft_s=request.first_token_at - request.submitted)  # as the engine stamps it
+    request._finish(error)
+    return request
+
+
+def test_a_reply_times_its_request_on_the_engine_clock():
+    """TTFT and the inter-token latency come from the engine's stamps (its statistics, its handle's
+    emissions), not from when the front end saw the tokens: the prefill's token 0.25 s after
+    submission, then a cycle of 4 tokens 15.625 ms later (4 tokens of 3.9 ms each)."""
     from trtspec.serving.frontend import Reply
+    from trtspec.serving.metrics import ServingMetrics
 
-    ids = codec.encode(STOPPED)
-    reported = Reply(codec, ("return",))
-    reported.request = _Handle([1, 2, 3], stats=DecodeStats(block_size=4, histogram=[1, 2, 0, 1],
-                                                             finish_reason="cancelled"))
-    for token in ids:
-        reported.push([token])
-    _, generation = reported.end()
-    assert reported.reported and generation.stats.finish_reason == "stop" and generation.stats.cycles == 4
+    reply = Reply(ServingMetrics(model_name="m"))
+    reply.request = _finished([5, 6, 7, 8, 9], [(10.25, 1), (10.265625, 4)])
+    reply.commit([5])
+    assert reply.end().tokens == [5, 6, 7, 8, 9]
+    text = reply.metrics.render().decode()
+    assert 'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.25' in text
+    assert 'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.0025",model_name="m"} 0.0' in text
+    assert 'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.005",model_name="m"} 4.0' in text
 
 
-def test_the_reply_of_a_finished_request_carries_its_whole_generation(codec):
-    from trtspec.runtime.stats import DecodeStats
+def test_a_reply_counts_the_tokens_it_was_not_told_of_at_its_end():
+    """Tokens are counted as they are committed; those of a request that did not stream them (a
+    Triton request answered at its end) are counted when it ends, none twice."""
     from trtspec.serving.frontend import Reply
+    from trtspec.serving.metrics import ServingMetrics
 
-    ids = codec.encode("print('héllo')\n")
-    streamed, unstreamed = Reply(codec), Reply(codec)  # pushed every cycle, or only answered at the end
-    for reply in (streamed, unstreamed):
-        reply.request = _Handle([1], ids, DecodeStats(block_size=1, finish_reason="length"))
-    pieces = [streamed.push([token]) for token in ids]
-    rest, generation = streamed.end()
-    assert "".join(pieces) + rest == streamed.text == codec.decode(ids)
-    assert generation.tokens == ids and generation.stats.finish_reason == "length" and streamed.reported
-    assert unstreamed.end()[0] == unstreamed.text == codec.decode(ids)
+    told, untold = Reply(ServingMetrics(model_name="m")), Reply(ServingMetrics(model_name="m"))
+    for reply in (told, untold):
+        reply.request = _finished([5, 6, 7], [(10.5, 1), (10.75, 2)])
+    told.commit([5])
+    told.commit([6, 7])
+    for reply in (told, untold):
+        reply.end()
+        assert 'vllm:generation_tokens_total{engine="0",model_name="m"} 3.0' in reply.metrics.render().decode()
+
+
+def test_a_failed_request_is_not_observed_as_finished():
+    from trtspec.errors import Cancelled
+    from trtspec.serving.frontend import Reply
+    from trtspec.serving.metrics import ServingMetrics
+
+    reply = Reply(ServingMetrics(model_name="m"))
+    reply.request = _finished([5], [(10.5, 1)], Cancelled("the request was cancelled"))
+    with pytest.raises(Cancelled):
+        reply.end()
+    assert "vllm:e2e_request_latency_seconds_count" not in reply.metrics.render().decode()
 
 
 # -- the real server --------------------------------------------------------------------------------

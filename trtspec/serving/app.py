@@ -243,9 +243,9 @@ class OpenAIServer:
         try:
             for index in range(parsed.n):
                 bridge = LoopBridge(loop)
-                reply = Reply(self.codec, parsed.stops, self.metrics, **parsed.text_options)
+                reply = Reply(self.metrics)
                 reply.request = self.engine.submit(parsed.prompt_ids, parsed.choice_config(index), bridge.on_commit,
-                                                   bridge.on_finish)
+                                                   bridge.on_finish, on_text=bridge.on_text)
                 choices.append((reply, bridge))
         except TrtspecError as exc:
             for reply, _ in choices:  # all the choices or none

@@ -2,14 +2,14 @@
 (`trtspec.serving.app`) and the Triton model (`trtspec.serving.triton_model`) differ
 only in how a request arrives and how its answer leaves.
 
-* `Bridge`: the engine thread's callbacks (`on_commit`, `on_finish`) become events handed to the
-  front end's own thread or event loop (`LoopBridge`), which does the work: the engine thread
-  only queues, so no client's text or response delays the next cycle.
-* `Reply`: a request's committed tokens as text pieces (`trtspec.tokenizer.TextStream`), cut
-  before the first stop string, which withdraws the request; at the end, its generation as the
-  client sees it (finish reason "stop" when a stop string ended it).
-* `observe_finished`: a finished request in the serving metrics (`trtspec.serving.metrics`),
-  with its latency, time to first token and queue time from the engine's handle.
+* `Bridge`: the engine thread's callbacks (`on_commit`, `on_text`, `on_finish`) become events
+  handed to the front end's own thread or event loop (`LoopBridge`), which does the work: the
+  engine thread only queues, so no client's response delays the next cycle. The text is the
+  engine's (`trtspec.runtime.output`: detokenized once, ended at the request's stop strings).
+* `Reply`: a request on the front end's side: its engine handle, its tokens counted in the
+  serving metrics (`trtspec.serving.metrics`) as they are committed, and at the end its generation,
+  observed there with its latency, time to first token, inter-token latencies and queue time,
+  all from the engine's clock.
 * `stats_json`: a request's statistics as every front end sends them; `schedule_name`: the
   block schedule it ran, spelled as requests spell it (also the metrics' label).
 * `logit_bias`, `response_format`: the two structured request fields, read the same way by both
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import reprlib
 import time
-from dataclasses import replace
 from typing import Callable
 
 from trtspec.errors import FieldError, TrtspecError
@@ -30,9 +29,10 @@ from trtspec.runtime.grammar import Grammar, grammar_tokenizer, response_format_
 from trtspec.runtime.request import Generation
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
-from trtspec.tokenizer import TextStream, check_text
+from trtspec.tokenizer import check_text
 
-COMMIT, FINISH = "commit", "finish"  # a Bridge's events: (COMMIT, new token ids), (FINISH, the engine's Request)
+# a Bridge's events: (COMMIT, new token ids), (TEXT, their text), (FINISH, the engine's Request)
+COMMIT, TEXT, FINISH = "commit", "text", "finish"
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
@@ -100,14 +100,18 @@ def response_format(value, codec, vocab_size: int) -> Grammar | None:
 
 class Bridge:
     """One request's engine callbacks, carried to the thread or event loop that answers it: on the
-    engine thread, `on_commit` and `on_finish` only hand `(COMMIT, tokens)` and `(FINISH, request)`
-    to `deliver`, which must only queue them."""
+    engine thread, `on_commit`, `on_text` and `on_finish` only hand `(COMMIT, tokens)`,
+    `(TEXT, piece)` and `(FINISH, request)` to `deliver`, which must only queue them. A cycle's
+    COMMIT comes before its TEXT, and the text the engine held back to the end before FINISH."""
 
     def __init__(self, deliver: Callable[[str, object], None]):
         self.deliver = deliver
 
     def on_commit(self, tokens: list[int]) -> None:
         self.deliver(COMMIT, list(tokens))
+
+    def on_text(self, piece: str) -> None:
+        self.deliver(TEXT, piece)
 
     def on_finish(self, request) -> None:
         self.deliver(FINISH, request)
@@ -128,58 +132,34 @@ class LoopBridge(Bridge):
 
 
 class Reply:
-    """One request's answer as it forms, on the front end's side of the Bridge: committed tokens in,
-    text pieces out (which join to exactly the decoded text), cut before the first stop string;
-    reaching one withdraws the request (`request`, the engine's handle once submitted), which frees
-    its slot before the next cycle."""
+    """One request's answer on the front end's side of its Bridge: `request` is the engine's handle
+    once submitted; its committed tokens are counted in the serving metrics (None: none kept) as
+    they come (`commit`), and `end` observes the rest once the engine has finished it."""
 
-    def __init__(self, codec, stops: tuple[str, ...] = (), metrics=None, keep_stop: bool = False,
-                 skip_special: bool = True):
-        self.stream = TextStream(codec, stops, keep_stop, skip_special)
+    def __init__(self, metrics=None):
         self.request = None
-        self.reported = True  # after `end`: whether the statistics are the engine's (see there)
-        self.metrics, self._last = metrics, None  # token counts and inter-token latency, as tokens come
+        self.metrics = metrics
         self.counted = 0  # tokens already counted in the metrics
 
-    @property
-    def stopped(self) -> bool:
-        """Whether the text reached a stop string (the rest of the request is not wanted)."""
-        return self.stream.stopped
-
-    @property
-    def text(self) -> str:
-        """The text so far (after `end`: all of it)."""
-        return self.stream.text
-
-    def push(self, tokens: list[int]) -> str:
-        """The text that can be sent after these committed tokens ('' when none)."""
+    def commit(self, tokens: list[int]) -> None:
+        """Committed tokens, counted in the metrics (the generation counter) as they come."""
         if self.metrics is not None and tokens:
-            now = time.perf_counter()
-            self.metrics.observe_tokens(len(tokens), None if self._last is None else now - self._last)
-            self._last, self.counted = now, self.counted + len(tokens)
-        piece = self.stream.push(tokens)
-        if self.stopped and self.request is not None:
-            self.request.cancel()  # a stop string: the engine frees the slot and finishes the request
-        return piece
+            self.metrics.observe_tokens(len(tokens))
+            self.counted += len(tokens)
 
-    def end(self) -> tuple[str, Generation]:
-        """Once the engine has finished the request, or a stop string has ended it: the rest of its
-        text (bytes held back until the end) and its generation as the client sees it. A request
-        ended by a stop string has the tokens through the one that completed it and finish reason
-        "stop"; its statistics count what was decoded until it was withdrawn, or, when the engine
-        has not reported yet (`reported` false), the request and no cycles. Otherwise raises the
-        request's error (`Cancelled`, a TrtspecError, ...)."""
-        if self.stopped:
-            stats, tokens = self.request.stats, list(self.stream.tokens)
-            self.reported = stats is not None
-            if stats is None:
-                stats = DecodeStats(block_size=1, prompt_tokens=len(self.request.prompt), new_tokens=len(tokens))
-            return "", Generation(tokens, replace(stats, finish_reason="stop"))
+    def end(self) -> Generation:
+        """Once the engine has finished the request: its generation (its text ended at a stop string,
+        its finish reason, its statistics), observed in the metrics. Otherwise raises the request's
+        error (`Cancelled`, a TrtspecError, ...)."""
         generation = self.request.result(timeout=0)
-        rest = self.stream.finish(generation.tokens)
-        if self.stopped:  # the stop string ends in the bytes the decoder held back
-            generation = Generation(list(self.stream.tokens), replace(generation.stats, finish_reason="stop"))
-        return rest, generation
+        if self.metrics is not None:
+            stats, request = generation.stats, self.request
+            if stats.new_tokens > self.counted:  # tokens it was not told as they were committed
+                self.metrics.observe_tokens(stats.new_tokens - self.counted)
+            self.metrics.observe_finished(stats, latency_s=time.perf_counter() - request.submitted,
+                                          ttft_s=stats.ttft_s, queue_s=stats.queue_s,
+                                          intervals=request.token_intervals())
+        return generation
 
 
 def schedule_name(stats: DecodeStats) -> str:
@@ -203,17 +183,3 @@ def stats_json(stats: DecodeStats) -> dict:
     if stats.turned_ar_at:  # `auto` turned AR under load after this many tokens (its cycles: before it)
         out["turned_ar_at"] = stats.turned_ar_at
     return out
-
-
-def observe_finished(metrics, request, stats: DecodeStats, counted: int = 0) -> None:
-    """A finished request (a stop or its limit) in the serving metrics (None: none kept): its
-    statistics and its times since submission: to the end, to its first token (TTFT) and to
-    its admission into a slot; its generated tokens beyond the `counted` ones (`Reply.counted`:
-    those already counted as they were committed)."""
-    if metrics is None:
-        return
-    first = request.first_token_at
-    if stats.new_tokens > counted:
-        metrics.observe_tokens(stats.new_tokens - counted, None)
-    metrics.observe_finished(stats, latency_s=time.perf_counter() - request.submitted,
-                             ttft_s=None if first is None else first - request.submitted, queue_s=stats.queue_s)

@@ -22,6 +22,7 @@ BlockPilot's choices, running requests per block size, the pooled tau and the st
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -180,22 +181,21 @@ class ServingMetrics:
     def __getitem__(self, name: str):
         return self.families[name]
 
-    def observe_tokens(self, count: int, interval_s: float | None) -> None:
-        """`count` tokens committed together, `interval_s` after the request's previous ones (None:
-        its first tokens, whose latency is the TTFT): the generation counter and the inter-token
-        latency, one observation per token."""
-        m = self.families
-        with self._lock:
-            m["generation_tokens"].inc(count)
-            if interval_s is not None:
-                for _ in range(count):
-                    m["inter_token_latency_seconds"].observe(interval_s / count)
+    def observe_tokens(self, count: int) -> None:
+        """`count` tokens generated (the generation counter, as they are committed)."""
+        self.families["generation_tokens"].inc(count)
 
     def observe_finished(self, stats: DecodeStats, *, latency_s: float, ttft_s: float | None = None,
-                         queue_s: float | None = None) -> None:
-        """A request that finished (a stop or its limit): its decode statistics and timings."""
+                         queue_s: float | None = None, intervals: Sequence[tuple[int, float]] = ()) -> None:
+        """A request that finished (a stop or its limit): its decode statistics and timings.
+        `intervals`: (tokens, seconds since the request's previous tokens) of each of its emissions
+        after the first (whose latency is the TTFT), in the inter-token latency one observation per
+        token, the tokens of one emission sharing its interval."""
         m, schedule = self.families, schedule_name(stats)
         with self._lock:
+            for count, interval_s in intervals:
+                for _ in range(count):
+                    m["inter_token_latency_seconds"].observe(interval_s / count)
             m["request_success"].labels(stats.finish_reason or "stop").inc()
             m["prompt_tokens"].inc(stats.prompt_tokens)
             m["request_prompt_tokens"].observe(stats.prompt_tokens)

@@ -7,12 +7,11 @@ server, no event loop. Every refusal is an `ApiError` in OpenAI's shape that nam
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from trtspec import limits
 from trtspec.errors import FieldError, TrtspecError
-from trtspec.runtime.request import (REQUEST_FIELDS, GenerationConfig, RequestField, check_room, read_fields,
-                                    request_config)
+from trtspec.runtime.request import REQUEST_FIELDS, GenerationConfig, RequestField, check_room, request_config
 from trtspec.runtime.sampling import derive_seed
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.serving.frontend import logit_bias, response_format, short_repr
@@ -46,12 +45,10 @@ class ParsedRequest:
 
     prompt_ids: list[int]
     config: GenerationConfig
-    stops: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
     chat: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
-    text_options: dict = field(default_factory=dict)  # frontend.Reply's: the "text" REQUEST_FIELDS
     n: int = 1                      # independent choices, each its own engine request
     echo: str | None = None         # completions' echo: the prompt's text, put before the completion
 
@@ -203,8 +200,8 @@ def _chat_ids(body: dict, codec, max_context: int) -> list[int]:
 
 
 def _stops(body: dict, codec) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """`stop`: a string or a list of strings, cut from the text (one that is exactly one token also
-    stops the engine); `stop_token_ids`: token ids (vLLM's field). Counted and measured before any
+    """`stop`: a string or a list of strings, which end the text (one that is exactly one token is
+    also a stop id); `stop_token_ids`: token ids (vLLM's field). Counted and measured before any
     of them is tokenized."""
     stop, ids = body.get("stop"), body.get("stop_token_ids")
     texts = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -280,10 +277,10 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     values = {**{spec.name: body.get(spec.name) for spec in REQUEST_FIELDS}, "max_tokens": body.get(limit_field),
               "logprobs": logprobs}  # OpenAI's two forms of it, as one count
     try:
-        config = request_config(values, block, stop_ids, logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
+        config = request_config(values, block, stop_ids, texts,
+                                logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
                                 grammar=response_format(body.get("response_format"), codec, vocab_size),
                                 prompt_logprobs=prompt_logprobs)
-        text_options = read_fields(values)["text"]
     except FieldError as exc:
         wire = {"max_tokens": limit_field, "logprobs": "top_logprobs" if chat else "logprobs",
                 "prompt_logprobs": "logprobs"}.get(exc.field, exc.field)
@@ -300,10 +297,10 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     echo = None
     if not chat and _flag(body, "echo", False):
         echo = body["prompt"] if isinstance(body["prompt"], str) else \
-            codec.decode(ids, skip_special_tokens=text_options["skip_special"])
+            codec.decode(ids, skip_special_tokens=config.skip_special)
         echo = echo[0] if isinstance(echo, list) else echo
-    return ParsedRequest(ids, config, texts, bool(stream), bool(options.get("include_usage")), chat,
-                         bool(options.get("continuous_usage_stats")), text_options, n, echo)
+    return ParsedRequest(ids, config, bool(stream), bool(options.get("include_usage")), chat,
+                         bool(options.get("continuous_usage_stats")), n, echo)
 
 
 def parse_tokenize(body: dict, codec, max_context: int) -> list[int]:

@@ -1,5 +1,5 @@
 """An answer in OpenAI's format: a request's choices, as their engine events arrive
-(`frontend.LoopBridge`) and become text (`frontend.Reply`), leave as one completion or chat
+(`frontend.LoopBridge`: the engine's tokens and their text), leave as one completion or chat
 completion (`Answer.complete`) or as server-sent events in OpenAI's chunk format (`Answer.stream`).
 Every answer carries a `trtspec` object: the block size run and its acceptance statistics.
 """
@@ -16,7 +16,7 @@ from starlette.responses import Response
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.stats import DecodeStats
 from trtspec.serving import logprobs as logprob_objects
-from trtspec.serving.frontend import FINISH, LoopBridge, Reply, observe_finished, stats_json
+from trtspec.serving.frontend import COMMIT, FINISH, LoopBridge, Reply, stats_json
 from trtspec.serving.protocol import ApiError, ParsedRequest, bad_request
 
 
@@ -41,29 +41,28 @@ class Answer:
 
     async def _events(self, reply: Reply, bridge: LoopBridge, outcome: _Outcome):
         """Text pieces as the engine commits tokens, each with the count of tokens committed since the
-        last piece; `outcome` is filled in at the end. The request
-        is cancelled when it stops at a stop string (by `reply`), or when the consumer goes away."""
+        last piece; `outcome` is filled in at the end. The engine ends the request (at a stop string,
+        a stop id or its limit); it is cancelled when the consumer goes away."""
         finished, pending = False, 0
         try:
             while True:
-                kind, tokens = await bridge.queue.get()
+                kind, payload = await bridge.queue.get()
                 if kind == FINISH:
                     break
-                piece = reply.push(tokens)
-                outcome.completion_tokens += len(tokens)
-                pending += len(tokens)
-                if piece:
-                    yield piece, pending
+                if kind == COMMIT:
+                    reply.commit(payload)
+                    outcome.completion_tokens += len(payload)
+                    pending += len(payload)
+                else:  # TEXT: the text these tokens completed
+                    yield payload, pending
                     pending = 0
-                if reply.stopped:
-                    break
             finished = True
         finally:
             if not finished:
                 reply.request.cancel()
                 self.metrics.observe_failed("cancelled")
         try:
-            piece, generation = reply.end()  # done: a stop string, or on_finish came last
+            generation = reply.end()
         except Cancelled:
             self.metrics.observe_failed("cancelled")
             raise ApiError(503, "the request was cancelled (the server is shutting down)", "service_unavailable")
@@ -73,12 +72,9 @@ class Answer:
         except Exception:
             self.metrics.observe_failed("error")
             raise
-        if piece:
-            yield piece, pending
-        outcome.stats = generation.stats if reply.reported else None  # none to show: cut before a cycle reported
+        outcome.stats = generation.stats
         outcome.finish_reason = generation.stats.finish_reason or "stop"
         outcome.completion_tokens = len(generation.tokens)
-        observe_finished(self.metrics, reply.request, generation.stats, reply.counted)
 
     def _usage(self, outcomes: list[_Outcome]) -> dict:
         prompt, completion = len(self.parsed.prompt_ids), sum(o.completion_tokens for o in outcomes)
@@ -127,8 +123,8 @@ class Answer:
                 "created": int(time.time()), "model": self.model_name, "choices": answers,
                 "usage": self._usage(outcomes), "trtspec": self._extension(outcomes[0].stats)}
 
-    def _extension(self, stats: DecodeStats | None) -> dict:
-        out = {} if stats is None else stats_json(stats)
+    def _extension(self, stats: DecodeStats) -> dict:
+        out = stats_json(stats)
         if self.replica is not None:
             out["replica"] = self.replica
         return out

@@ -23,12 +23,12 @@ response goes back through the request's response sender:
 * NAME is not decoupled (Triton's HTTP and unary gRPC endpoints refuse decoupled models), but
   it answers the same way: one response per request, sent when the request finishes.
 
-The engine thread's callbacks only queue events (`trtspec.serving.frontend.Bridge`); one *outbox*
-thread per instance turns them into text (`frontend.Reply`, as `trtspec serve` does) and
-responses and sends them, and every CANCEL_POLL_S asks Triton which requests the
-client has cancelled (a closed stream, a dropped call) and withdraws them from the engine, which
-frees their slots before its next cycle. A bad request gets its own error response (HTTP 400; a
-full queue: 503) and the others keep decoding.
+The engine thread's callbacks only queue events (`trtspec.serving.frontend.Bridge`: the tokens
+and their text, detokenized and ended at the stop strings by the engine, as for `trtspec serve`);
+one *outbox* thread per instance turns them into responses and sends them, and every
+CANCEL_POLL_S asks Triton which requests the client has cancelled (a closed stream, a dropped
+call) and withdraws them from the engine, which frees their slots before its next cycle. A bad
+request gets its own error response (HTTP 400; a full queue: 503) and the others keep decoding.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ except ImportError:  # pragma: no cover - imported for documentation or tests ou
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import STOP_CHARS, STOPS
-from trtspec.runtime.request import REQUEST_FIELDS, Generation, check_room, read_fields, request_config
+from trtspec.runtime.request import REQUEST_FIELDS, Generation, check_room, request_config
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.serving.frontend import (COMMIT, FINISH, Bridge, Reply, check_json_text, logit_bias, observe_finished,
+from trtspec.serving.frontend import (COMMIT, FINISH, TEXT, Bridge, Reply, check_json_text, logit_bias,
                                       response_format, stats_json)
 from trtspec.serving.logprobs import completion_logprobs, entries
 from trtspec.serving.triton import ENGINE_PARAMETERS
@@ -152,8 +152,8 @@ def _response(text: str, stats: dict | None, logprobs: dict | None = None):
 
 
 class _Call:
-    """One Triton request in flight: its response sender and its reply (its text so far and the
-    engine's handle, once prepared). Only the outbox thread touches it after submission."""
+    """One Triton request in flight: its response sender and its reply (the engine's handle, once
+    prepared). Only the outbox thread touches it after submission."""
 
     def __init__(self, sender):
         self.sender = sender
@@ -161,16 +161,12 @@ class _Call:
         self.sends = False   # whether it sends each cycle's text (a decoupled stream)
         self.finished = False
 
-    def cut(self) -> bool:
-        """Whether the text reached a stop string (the rest of the request is not wanted)."""
-        return self.reply is not None and self.reply.stopped
-
 
 class _Outbox:
     """The instance's sending thread: events from the engine thread and from execute() become
     responses, in order; between events it polls the live calls for cancellation."""
 
-    COMMIT, FINISH = COMMIT, FINISH  # a request's Bridge delivers these
+    COMMIT, TEXT, FINISH = COMMIT, TEXT, FINISH  # a request's Bridge delivers these
     LIVE, REFUSED, STOP = "live", "refused", "stop"
 
     def __init__(self, decoupled: bool, engine, codec, metrics=None):
@@ -213,12 +209,10 @@ class _Outbox:
         if kind == self.LIVE:
             if not call.finished:  # a request may finish before it is registered
                 self.live.add(call)
-                if call.cut():  # reached before its handle was known
-                    call.reply.request.cancel()
         elif kind == self.COMMIT:
-            piece = call.reply.push(payload)  # a stop string withdraws the request: FINISH follows
-            if piece and call.sends:
-                call.sender.send(_response(piece, None))
+            call.reply.commit(payload)
+        elif kind == self.TEXT:
+            call.sender.send(_response(payload, None))
         elif kind == self.FINISH:
             call.finished = True
             self.live.discard(call)
@@ -234,7 +228,7 @@ class _Outbox:
     def _finish(self, call: _Call) -> None:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            rest, generation = call.reply.end()  # one withdrawn by its own stop string is finished
+            generation = call.reply.end()
         except Cancelled as exc:
             self._failed("cancelled")
             if self.decoupled:
@@ -251,24 +245,19 @@ class _Outbox:
             _log_error(f"trtspec: request failed: {exc!r}")
             call.sender.send(_error(exc, "INTERNAL"), flags=final)
             return
-        self._done(call, rest, generation)
+        self._done(call, generation)
 
-    def _done(self, call: _Call, rest: str, generation: Generation) -> None:
-        """The final response(s) of a finished request: its text (the rest of it, `rest`, when it
-        streams), its statistics and, when asked, its tokens' logprobs (OpenAI's completions form)."""
+    def _done(self, call: _Call, generation: Generation) -> None:
+        """The final response of a finished request: its text (when it does not stream: a streamed
+        one's was sent as it came), its statistics and, when asked, its tokens' logprobs (OpenAI's
+        completions form)."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         request = call.reply.request
-        observe_finished(self.metrics, request, generation.stats, call.reply.counted)
         stats, logprobs = stats_json(generation.stats), None
         if request.config.logprobs is not None:
             count = len(generation.tokens)  # the tokens through a stop string, when one ended it
             logprobs = completion_logprobs(self.codec, entries(generation.tokens, request.logprobs[:count]))
-        if not call.sends:
-            call.sender.send(_response(call.reply.text, stats, logprobs), flags=final)
-            return
-        if rest:
-            call.sender.send(_response(rest, None))
-        call.sender.send(_response("", stats, logprobs), flags=final)
+        call.sender.send(_response("" if call.sends else generation.text, stats, logprobs), flags=final)
 
     def _failed(self, reason: str) -> None:
         if self.metrics is not None:
@@ -385,18 +374,18 @@ class TritonPythonModel:
         stop_ids = codec.stop_token_ids(inputs.stop_token_ids, "stop_token_ids") + single_token_stops
         scalars, structured = inputs.scalars, {name: _json(raw, name) for name, raw in inputs.json.items()}
         vocab = self.pipeline.vocab_size
-        config = request_config(scalars, self._block(scalars["block_size"], scalars["grow_to"]), stop_ids,
+        config = request_config(scalars, self._block(scalars["block_size"], scalars["grow_to"]), stop_ids, stops,
                                 logit_bias=logit_bias(structured["logit_bias"], vocab),
                                 grammar=response_format(structured["response_format"], codec, vocab))
         ids = codec.encode_unlocked(_utf8(inputs.text, "text_input"))  # an empty one: refused at submit
         if scalars["max_tokens"] is not None:  # as serve and run: an asked-for count must fit (the default is capped)
             check_room(len(ids), config.max_new_tokens, self.context, "max_tokens")
         call.sends = self.decoupled and bool(scalars["stream"])
-        call.reply = Reply(codec, stops, self.outbox.metrics, **read_fields(scalars)["text"])
+        call.reply = Reply(self.outbox.metrics)
         bridge = Bridge(lambda kind, payload: self.outbox.put(kind, call, payload))
-        # a call that neither streams nor has stops is answered from its tokens at the end
-        call.reply.request = self.engine.submit(ids, config, bridge.on_commit if call.sends or stops else None,
-                                                bridge.on_finish)
+        # a call that does not stream is answered from its generation at the end
+        call.reply.request = self.engine.submit(ids, config, bridge.on_commit if call.sends else None,
+                                                bridge.on_finish, on_text=bridge.on_text if call.sends else None)
 
     def finalize(self) -> None:
         """Unload: submit what is being prepared, withdraw what is left (its clients get their final
