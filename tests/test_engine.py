@@ -173,7 +173,9 @@ def tiny(target_dir, drafter_dir):
     return Pipeline(target_dir, drafter_dir)
 
 
-def test_bad_requests_fail_alone_and_the_batch_finishes_unchanged(tiny):
+def test_a_bad_request_fails_alone(tiny):
+    """Refused submissions and a failing callback raise for their own request only: the batch's other
+    requests finish as if decoded alone (one engine run shows both sides)."""
     prompts = [[5, 9, 33, 2, 7], [100, 3], [8] * 30]
     config = GenerationConfig(block=BlockChoice(4), max_new_tokens=40)
     alone = [_alone(tiny, p, config).tokens for p in prompts]
