@@ -193,6 +193,12 @@ def test_run_batch_decodes_a_file_of_prompts_together(target_dir, drafter_dir, p
         alone = pipeline.generate(prompt, GenerationConfig(block=BlockChoice(4), max_new_tokens=20)).to_dict()
         assert line["tokens"] == alone["tokens"] and line["stats"]["histogram"] == alone["stats"]["histogram"]
     assert max(line["stats"]["batch_mean"] for line in lines) > 1.0
+
+
+def test_bad_batch_arguments_are_one_line(target_dir, drafter_dir, prompt_file, tmp_path):
+    """PROMPT_FILE or --batch, exactly one; --compare-ar compares one request, so never with --batch."""
+    batch = tmp_path / "prompts.jsonl"
+    batch.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
     for args, message in ((("--batch", batch, prompt_file), "give one PROMPT_FILE, or --batch"),
                           (("--batch", batch, "--compare-ar"), "--compare-ar compares one request"),
                           ((), "give one PROMPT_FILE, or --batch")):
