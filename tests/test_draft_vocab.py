@@ -142,7 +142,7 @@ def test_bad_draft_vocabularies_are_one_line(target_dir, drafter_dir, tmp_path, 
     assert_one_line_error(result, *fragments)
 
 
-def test_bad_counts_and_draft_vocab_commands_are_one_line(target_dir, drafter_dir, counts_dir, tmp_path):
+def test_bad_draft_vocabulary_inputs_are_one_line(target_dir, drafter_dir, counts_dir, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def add(a, b):\n")
     assert_one_line_error(trtspec_in_process("run", prompt, "--target", target_dir, "--drafter", drafter_dir,

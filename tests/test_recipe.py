@@ -29,7 +29,7 @@ def run_recipe(target_dir: Path, data: Path, work: Path, **overrides: str) -> su
 
 
 @pytest.mark.slow
-def test_recipe_runs_end_to_end_and_resumes_from_committed_state(target_dir, tmp_path):
+def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path):
     data, work = tmp_path / "data", tmp_path / "work"
     data.mkdir()
     codec = TextCodec(target_dir)

@@ -235,7 +235,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_data, target_dir,
         train_drafter(pipeline.target, sequences, config, tmp_path / "resumed", progress=False)
 
 
-def test_generate_data_and_train_drafter_commands(target_dir, tmp_path):
+def test_the_training_commands_turn_prompts_into_a_drafter(target_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(6)))
     data = tmp_path / "train.jsonl"
