@@ -390,6 +390,8 @@ def post(url: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
+            if response.headers.get_content_type() == "text/event-stream":  # "stream": true: the events, as text
+                return response.status, {"events": response.read().decode()}
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
