@@ -90,21 +90,23 @@ class DrafterLoss(nn.Module):
         self.teacher = [teacher]  # in a list: frozen, not a submodule (no gradients, not in DDP's buckets)
         # A draft vocabulary: logits over its K ids only (the head's other rows never computed, the
         # step's largest cost), each label mapped to its index among them, labels outside ignored.
-        self.register_buffer("vocab_ids", vocab_ids, persistent=False)
+        # The head is the target's, frozen and shared with the teacher: its K rows are cut once.
+        index = head = None
         if vocab_ids is not None:
             index = torch.full((drafter.config.vocab_size,), IGNORE, dtype=torch.long, device=vocab_ids.device)
             index[vocab_ids] = torch.arange(vocab_ids.numel(), device=vocab_ids.device)
-            self.register_buffer("label_index", index, persistent=False)
+            head = drafter.lm_head.weight.detach()[vocab_ids]
+        self.register_buffer("label_index", index, persistent=False)
+        self.register_buffer("vocab_head", head, persistent=False)
 
     def _logits(self, drafter: DFlashDrafter, hidden: torch.Tensor) -> torch.Tensor:
-        head = drafter.lm_head.weight if self.vocab_ids is None else drafter.lm_head.weight[self.vocab_ids]
-        return F.linear(hidden, head).float()
+        return F.linear(hidden, drafter.lm_head.weight if self.vocab_head is None else self.vocab_head).float()
 
     def forward(self, features: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         hidden = self.drafter.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
         chosen = batch.labels != IGNORE
         labels = batch.labels[chosen]
-        if self.vocab_ids is not None:
+        if self.label_index is not None:
             labels = self.label_index[labels]
         logits = self._logits(self.drafter, hidden[chosen])
         losses = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE)
