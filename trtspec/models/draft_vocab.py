@@ -22,6 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from trtspec.errors import TrtspecError
 from trtspec.limits import DRAFT_VOCAB
+from trtspec.models.checkpoint import read_json
+from trtspec.models.config import DFlashConfig
 
 DRAFTER_VOCAB_DIR = "draft_vocab"
 COUNTS_FILE = "counts.safetensors"
@@ -111,13 +113,10 @@ def load_counts(directory: str | Path, vocab_size: int) -> TokenCounts:
 def trained_draft_vocab(drafter_dir: str | Path | None) -> dict | None:
     """{"size", "ids_sha256"} of the draft vocabulary a drafter was trained with (train-drafter
     --draft-vocab records it in its config's lineage), or None."""
-    if drafter_dir is None or not (Path(drafter_dir) / "config.json").is_file():
+    config_file = Path(drafter_dir) / "config.json" if drafter_dir is not None else None
+    if config_file is None or not config_file.is_file():
         return None
-    try:
-        lineage = json.loads((Path(drafter_dir) / "config.json").read_text(encoding="utf-8")).get("trtspec_lineage")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return None  # loading the drafter reports a bad config in its own words
-    trained = lineage.get("draft_vocab") if isinstance(lineage, dict) else None
+    trained = DFlashConfig.from_zlab(read_json(config_file, "drafter"), str(config_file)).lineage.get("draft_vocab")
     return trained if isinstance(trained, dict) and isinstance(trained.get("size"), int) else None
 
 
