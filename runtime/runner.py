@@ -206,6 +206,15 @@ class BatchRunner:
             tensor.copy_(torch.from_numpy(np.asarray(values, dtype=np.int64)), non_blocking=True)
         return tensor
 
+    def _staged_context(self, batch: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        """A draft call's context buffer [batch, width, F], kept per shape like the index inputs (its
+        address stays put, so an executor need not bind it again)."""
+        key = ("context", (batch, width), like.dtype)
+        known = self._staged.get(key)
+        if known is None:
+            known = self._staged[key] = like.new_empty(batch, width, like.shape[-1]), None
+        return known[0]
+
     # ---- the step functions ------------------------------------------------------------------------
 
     def prefill(self, slots: list[int], chunks: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,10 +263,11 @@ class BatchRunner:
         counts = [c.shape[0] for c in contexts]
         width = context_bucket(max(counts)) if self.static else max(counts)
         keep = None  # the rows' positions to store: not their left padding, when they are padded to the width
+        padded = self._staged_context(batch, width, contexts[0])
         if all(n == width for n in counts):
-            padded = torch.stack(contexts)
+            torch.stack(contexts, out=padded)
         else:
-            padded = contexts[0].new_zeros(batch, width, contexts[0].shape[-1])
+            padded.zero_()
             for row, context in enumerate(contexts):
                 padded[row, width - len(context):] = context
             keep = torch.arange(width, device=self.device)[None, :] >= (width - self._long("counts", counts))[:, None]
