@@ -191,7 +191,7 @@ class BatchRunner:
         """`values` (integers, or equal-length rows of them) as an int64 tensor on the device, in a
         buffer kept per (name, shape): on the CPU written through a numpy view (a torch call per
         input costs more than the copy)."""
-        shape = (len(values), *np.shape(values[0]))
+        shape = (len(values), *getattr(values[0], "shape", ()))  # np.shape costs more than the copy
         known = self._staged.get((name, shape))
         if known is None:
             tensor = torch.zeros(shape, dtype=torch.long, device=self.device)
