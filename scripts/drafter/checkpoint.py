@@ -4,9 +4,10 @@ A session can end at any moment, and only what is committed survives it, so the 
 work directory's checkpoint.pt (drafter, optimizer, schedule, data order) as parts after every
 training chunk, and restores it before the next one when the work directory lacks it or holds an
 older step. Parts carry the recipe's name for their run (`--run`: its data, starting point and
-options), and a new run does not restore another's (train-drafter would refuse to resume it). The optimizer's moments are kept in bfloat16 (the weights stay float32), which
-makes the parts a third smaller; a resumed run continues from moments rounded to 8 bits of
-mantissa, not from the exact ones.
+options), and a new run does not restore another's (train-drafter would refuse to resume it). The
+optimizer's moments are kept in bfloat16 (the weights stay float32), which makes the parts a third
+smaller; a resumed run continues from moments rounded to 8 bits of mantissa, not from the exact
+ones.
 
     python scripts/drafter/checkpoint.py save build/smollm2/drafter-work data/smollm2/checkpoint
     python scripts/drafter/checkpoint.py restore data/smollm2/checkpoint build/smollm2/drafter-work
