@@ -47,8 +47,6 @@ public:
     bool running() const { return finish_ == Finish::running; }
 
     int64_t block_size() const { return active_; }  // the next cycle's block size
-    int64_t base_block_size() const { return block_size_; }
-    int64_t grow_to() const { return grow_to_; }
     int64_t grown_cycles() const { return grown_cycles_; }  // cycles run at the grown size
     int64_t ceilings() const { return ceilings_; }          // cycles that accepted every draft
     int64_t count() const { return count_; }
