@@ -353,7 +353,7 @@ def measure_loop(engine: BatchRunner, prompt: list[int], block_size: int, config
     one more request on a GPU, where it waits for every run."""
     request = GenerationConfig(block=BlockChoice(block_size), max_new_tokens=config.new_tokens)
     local = LocalEngine(engine.with_slots(1, drafter=False) if block_size == 1 else engine,
-                      config=EngineConfig(max_running=1, prefill_chunk=0))
+                        config=EngineConfig(max_running=1, prefill_chunk=0))
     clock, on_cpu = ExecutorClock(engine.executor), engine.device.type == "cpu"
 
     def generate():

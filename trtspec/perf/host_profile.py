@@ -197,13 +197,13 @@ def run_host_profile(pipeline, prompts: list[str], config: BenchConfig, *, promp
 
     def through(controller):
         """Requests decoded with `controller`, each yielding its generation and its model seconds."""
-        cores = {ar: LocalEngine(source.runner, source.policy, EngineConfig(max_running=1, prefill_chunk=0),
-                                tuple(pipeline.codec.stop_ids), controller=controller)
-                 for ar, source in ((True, baseline), (False, pipeline))}
+        engines = {ar: LocalEngine(source.runner, source.policy, EngineConfig(max_running=1, prefill_chunk=0),
+                                   tuple(pipeline.codec.stop_ids), controller=controller)
+                   for ar, source in ((True, baseline), (False, pipeline))}
 
         def request(choice: BlockChoice, ids: list[int], config: GenerationConfig):
             before, drafted = clock.seconds, clock.by_graph[DRAFT]
-            generation = cores[choice.ar].generate([ids], [config])[0]
+            generation = engines[choice.ar].generate([ids], [config])[0]
             return generation, clock.seconds - before, clock.by_graph[DRAFT] - drafted
         return request
 
