@@ -12,9 +12,9 @@ only in how a request arrives and how its answer leaves.
   all from the engine's clock.
 * `stats_json`: a request's statistics as every front end sends them; `schedule_name`: the
   block schedule it ran, spelled as requests spell it (also the metrics' label).
-* `logit_bias`, `response_format`: the two structured request fields, read the same way by both
-  (the scalar ones are `trtspec.runtime.request.REQUEST_FIELDS`); `check_json_text`: JSON whose
-  strings are all text.
+* `stops`, `logit_bias`, `response_format`: the structured request fields, read the same way by
+  both (the scalar ones are `trtspec.runtime.request.REQUEST_FIELDS`); `check_json_text`: JSON
+  whose strings are all text.
 """
 
 from __future__ import annotations
@@ -46,6 +46,21 @@ def _short_reprs() -> reprlib.Repr:
 
 
 short_repr = _short_reprs().repr
+
+
+def stops(texts, ids, codec) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """`stop` (strings: the text ends before the first; one that is exactly one token is also a stop
+    id) and `stop_token_ids` (the output ends after the token) as a config's stop strings and stop
+    ids; refused in a FieldError naming the field."""
+    try:
+        texts, single_token_ids = codec.stop_strings(texts, "stop")
+    except TrtspecError as exc:
+        raise FieldError(str(exc), "stop") from None
+    try:
+        token_ids = codec.stop_token_ids(ids, "stop_token_ids")
+    except TrtspecError as exc:
+        raise FieldError(str(exc), "stop_token_ids") from None
+    return texts, tuple(dict.fromkeys(single_token_ids + token_ids))
 
 
 def logit_bias(value, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -14,7 +14,7 @@ from trtspec.errors import FieldError, TrtspecError
 from trtspec.runtime.request import REQUEST_FIELDS, GenerationConfig, RequestField, check_room, request_config
 from trtspec.runtime.sampling import derive_seed
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.serving.frontend import logit_bias, response_format, short_repr
+from trtspec.serving.frontend import logit_bias, response_format, short_repr, stops
 
 
 class ApiError(Exception):
@@ -211,14 +211,9 @@ def _stops(body: dict, codec) -> tuple[tuple[str, ...], tuple[int, ...]]:
                             or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
         raise bad_request(f"stop_token_ids must be a list of token ids, got {short_repr(ids)}", "stop_token_ids")
     try:
-        text_stops, text_ids = codec.stop_strings(texts, "stop")
-    except TrtspecError as exc:
-        raise bad_request(str(exc), "stop") from None
-    try:
-        token_ids = codec.stop_token_ids(ids or [], "stop_token_ids")
-    except TrtspecError as exc:
-        raise bad_request(str(exc), "stop_token_ids") from None
-    return text_stops, tuple(dict.fromkeys(text_ids + token_ids))
+        return stops(texts, ids or [], codec)
+    except FieldError as exc:
+        raise bad_request(str(exc), exc.field) from None
 
 
 def _logprobs(body: dict, chat: bool) -> tuple[int | None, int | None]:

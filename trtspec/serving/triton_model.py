@@ -52,7 +52,7 @@ from trtspec.runtime.request import REQUEST_FIELDS, Generation, check_room, requ
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.serving.frontend import (COMMIT, FINISH, TEXT, Bridge, Reply, check_json_text, logit_bias,
-                                      response_format, stats_json)
+                                      response_format, stats_json, stops)
 from trtspec.serving.logprobs import completion_logprobs, entries
 from trtspec.serving.triton import ENGINE_PARAMETERS
 
@@ -121,8 +121,8 @@ class _Inputs:
                                f"{context} tokens of the context")
         self.text = text
         self.scalars = {name: _scalar(request, name, default) for name, default in SCALARS.items()}
-        stops = _values(request, "stop", STOPS.high)
-        self.stops = [] if stops is None else list(stops)
+        given = _values(request, "stop", STOPS.high)
+        self.stops = [] if given is None else list(given)
         for stop in self.stops:  # a character is at most 4 UTF-8 bytes: longer ones cannot be valid
             if isinstance(stop, bytes) and len(stop) > 4 * STOP_CHARS.high:
                 raise TrtspecError(f"stop: a stop string holds 1 to {STOP_CHARS.high:g} characters, "
@@ -370,11 +370,10 @@ class TritonPythonModel:
     def _submit(self, call: _Call, inputs: _Inputs) -> None:
         """Tokenize, prepare the stops and submit (on the preparing thread)."""
         codec = self.pipeline.codec
-        stops, single_token_stops = codec.stop_strings([_utf8(stop, "stop") for stop in inputs.stops], "stop")
-        stop_ids = codec.stop_token_ids(inputs.stop_token_ids, "stop_token_ids") + single_token_stops
+        texts, stop_ids = stops([_utf8(stop, "stop") for stop in inputs.stops], inputs.stop_token_ids, codec)
         scalars, structured = inputs.scalars, {name: _json(raw, name) for name, raw in inputs.json.items()}
         vocab = self.pipeline.vocab_size
-        config = request_config(scalars, self._block(scalars["block_size"], scalars["grow_to"]), stop_ids, stops,
+        config = request_config(scalars, self._block(scalars["block_size"], scalars["grow_to"]), stop_ids, texts,
                                 logit_bias=logit_bias(structured["logit_bias"], vocab),
                                 grammar=response_format(structured["response_format"], codec, vocab))
         ids = codec.encode_unlocked(_utf8(inputs.text, "text_input"))  # an empty one: refused at submit
