@@ -48,8 +48,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--draft-counts", type=Path,
-                        help="Token counts of the training data (trtspec draft-vocab), for a run trained with --draft-vocab.")
+    parser.add_argument("--draft-counts", type=Path, help="Token counts of the training data (trtspec draft-vocab), "
+                                                              "for a run trained with --draft-vocab.")
     parser.add_argument("--curve", type=Path, help="JSONL to append the point to.")
     parser.add_argument("--run", help="The run's name, kept with the point (steps count from each run's start).")
     args = parser.parse_args()
@@ -64,8 +64,9 @@ def main() -> None:
     engine = pipeline.stepped_engine(EngineConfig(max_running=len(prompts)), load_aware=False)
     began = time.perf_counter()
     stats = [g.stats for g in engine.generate(prompts, [config] * len(prompts))]
-    point = {"run": args.run, "step": trained["step"], "sequences_seen": trained["step"] * trained["config"]["batch_size"],
-             "block_size": block, "draft_vocab": vocab, "tau": round(mean_tau(stats), 3), "histogram": pooled_histogram(stats),
+    point = {"run": args.run, "step": trained["step"],
+             "sequences_seen": trained["step"] * trained["config"]["batch_size"], "block_size": block,
+             "draft_vocab": vocab, "tau": round(mean_tau(stats), 3), "histogram": pooled_histogram(stats),
              "prompts": len(prompts), "seconds": round(time.perf_counter() - began, 1)}
     print(json.dumps(point))
     if args.curve is not None:

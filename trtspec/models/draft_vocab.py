@@ -140,7 +140,8 @@ def select(k: int | None, counts_dir: str | Path | None, drafter_dir: str | Path
                            "-o DIR` and pass --draft-counts DIR")
     counts = load_counts(source, vocab_size)
     ids = counts.top_ids(k)
-    if trained is not None and k == trained["size"] and counts_dir is None and ids_sha256(ids) != trained.get("ids_sha256"):
+    own = trained is not None and k == trained["size"] and counts_dir is None  # the drafter's own K and counts
+    if own and ids_sha256(ids) != trained.get("ids_sha256"):
         raise TrtspecError(f"{drafter_dir}: its {DRAFTER_VOCAB_DIR}/ counts do not rank the {k} ids it was trained to "
                            "propose among; count the training data again (trtspec draft-vocab --data) into it")
     return ids, counts
