@@ -160,9 +160,12 @@ class Answer:
         events: asyncio.Queue = asyncio.Queue()
 
         def chunk(index: int, piece: str | None, finish: str | None = None, logprobs: dict | None = None,
-                  **extra) -> str:
+                  role: bool = False, **extra) -> str:
+            """One choice's chunk; `role`: a chat's first, which names the assistant."""
             if self.parsed.chat:
                 delta = {} if piece is None else {"content": piece}
+                if role:
+                    delta = {"role": "assistant", **delta}
                 choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
                 choice = {"index": index, "text": piece or "", "finish_reason": finish, "logprobs": logprobs}
@@ -187,9 +190,7 @@ class Answer:
 
         if self.parsed.chat:
             for index in range(len(self.choices)):
-                first = json.loads(chunk(index, "")[6:])
-                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield f"data: {json.dumps(first)}\n\n"
+                yield chunk(index, "", role=True)
         tasks = [asyncio.ensure_future(produce(i, r, b)) for i, (r, b) in enumerate(self.choices)]
         echoed: set[int] = set()
         try:
