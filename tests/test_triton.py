@@ -384,8 +384,11 @@ def test_a_json_object_response_format_gives_json(client):
     assert structured.startswith("{") and (stats["finish_reason"] == "length" or isinstance(json.loads(structured), dict))
 
 
-def test_penalties_are_taken(client):
-    assert _ask(client, repetition_penalty=np.float32(1.5), presence_penalty=np.float32(1.0))[0]
+def test_penalties_change_the_text_alike_under_speculation_or_ar(client):
+    """They act on the target's distribution, as serve's: speculation stays lossless."""
+    penalties = {"repetition_penalty": np.float32(1.5), "presence_penalty": np.float32(1.0)}
+    penalised = {size: _ask(client, block_size=np.int32(size), **penalties)[0] for size in (8, 1)}  # 1: AR
+    assert penalised[8] == penalised[1] != _ask(client, block_size=np.int32(8))[0]
 
 
 def test_logprobs_come_in_their_own_output(client):
