@@ -207,9 +207,7 @@ class Pipeline:
         so, decoding stops there with `Cancelled` (a server frees its instance at once). The first
         of the config's stop strings (`stop`) in the text ends decoding: the text ends before it,
         the tokens with the one that completed it."""
-        ids = self.codec.encode(prompt, chat=chat)
-        if not ids:
-            raise TrtspecError("the prompt is empty")
+        ids = self.codec.encode(prompt, chat=chat)  # an empty one is refused at the engine's door (check_request)
 
         def check_cancelled(_: int, tokens: list[int]) -> None:
             if cancelled():
