@@ -13,7 +13,7 @@ from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, dra
                                       load_pipeline, max_new_tokens_option, model_options, policy_option,
                                       sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
-from trtspec.runtime.request import GenerationConfig, check_room
+from trtspec.runtime.request import DEFAULT_MAX_TOKENS, GenerationConfig, check_room
 from trtspec.runtime.schedule import AR
 
 
@@ -60,8 +60,8 @@ Examples:
 @policy_option
 @draft_vocab_options
 @sampling_options
-@max_new_tokens_option(256, "An asked-for count beyond the context's room after the prompt is refused, as "
-                        "serve refuses a request's max_tokens; the default is capped at the context.")
+@max_new_tokens_option(DEFAULT_MAX_TOKENS, "An asked-for count beyond the context's room after the prompt is "
+                       "refused, as serve refuses a request's max_tokens; the default is capped at the context.")
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N", help="Cap on prompt + output tokens. [default: the model's]")
 @click.option("--stop", multiple=True, metavar="TEXT",
               help="Stop string, matched in the decoded text: the output ends before it (--stop $'\\n\\n'); "
