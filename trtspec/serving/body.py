@@ -39,8 +39,6 @@ async def read_body(http, max_bytes: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
-
-
 def decode_body(raw: bytes, max_values: int = limits.INT32_MAX):
     """A request body as JSON, or ApiError(400): not UTF-8, not JSON, nested too deep, an integer
     too long for Python to read, or a string with a lone surrogate (not Unicode text). A large body

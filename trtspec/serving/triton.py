@@ -35,7 +35,6 @@ from trtspec.runtime.engine import EngineConfig
 from trtspec.runtime.request import REQUEST_FIELDS, RequestField
 
 
-
 def _triton_type(spec: RequestField) -> str:
     """A request field's Triton dtype: an integer whose range passes int32's is int64 (the seed)."""
     if spec.kind is bool:
