@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from trtspec.errors import TrtspecError
+from trtspec.runtime.sampling import greedy_tokens
 
 
 class Controller(Protocol):
@@ -82,4 +83,4 @@ class Stepper:
         if known[1] is not None:
             self.controller.step_greedy(known[1][row])
         else:
-            self.controller.step(logits[row].argmax(dim=-1).cpu())
+            self.controller.step(greedy_tokens(logits[row]).cpu())

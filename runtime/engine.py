@@ -41,7 +41,7 @@ from trtspec.runtime.output import OutputProcessor
 from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
 from trtspec.runtime.runner import BatchRunner
-from trtspec.runtime.sampling import Sampler, sample_requests
+from trtspec.runtime.sampling import Sampler, greedy_tokens, sample_requests
 from trtspec.runtime.schedule import BlockChoice, BlockChooser, BlockPolicy, Load
 from trtspec.runtime.stats import DecodeStats
 
@@ -400,7 +400,7 @@ class LocalEngine:
         if not starting:
             return []
         rows = torch.cat([row for row in rows if row is not None])
-        first = rows.argmax(dim=-1)
+        first = greedy_tokens(rows)
         sampled = [row for row, active in enumerate(starting) if not active.request.config.sampling.greedy]
         if sampled:
             chosen = rows if len(sampled) == len(starting) else rows[sampled]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from trtspec.runtime.sampling import greedy_tokens
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import DecodeStats
 
@@ -112,7 +113,7 @@ class PythonController:
         return self.running
 
     def step_greedy(self, logits) -> bool:
-        return self.step(torch.as_tensor(logits).argmax(dim=-1))
+        return self.step(greedy_tokens(torch.as_tensor(logits)))
 
     @property
     def histogram(self) -> np.ndarray:

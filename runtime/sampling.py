@@ -100,9 +100,16 @@ class Sampler:
         """One token per row of `logits` [N, V] -> [N]: inverse-CDF draws, one uniform per row (several
         times faster than torch.multinomial over a large vocabulary)."""
         if self.config.greedy:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         probs = self.probabilities(logits)
         return _inverse_cdf(probs, self.uniforms(probs.shape[0], probs))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension, the first maximum on ties (as `argmax`): torch's CPU
+    argmax over bfloat16 logits takes ~5x as long as `max` (2.6 against 0.55 ms for 16 rows of
+    49,152), a tenth of a small model's decode step."""
+    return logits.max(dim=-1).indices
 
 
 def sample_requests(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,9 @@ if [ "$DRAFT_VOCAB" -gt 0 ]; then VOCAB=(--draft-vocab "$DRAFT_VOCAB"); else VOC
 #    start and options): a new run (other shards, INIT_FROM, STEPS...) starts afresh.
 if [ -n "$INIT_FROM" ]; then START=(--init-from "$INIT_FROM"); else START=(--layers-from-target); fi
 RUN="shards=$TRAIN_SHARDS init=${INIT_FROM:-target-layers} steps=$STEPS lr=$LR layers=$LAYERS vocab=$DRAFT_VOCAB"
+# A work directory another run left behind is cleared: its checkpoint would not resume this run.
+if [ "$(cat "$WORK/drafter-work/run" 2>/dev/null)" != "$RUN" ]; then rm -rf "$WORK/drafter-work"; fi
+mkdir -p "$WORK/drafter-work" && echo "$RUN" > "$WORK/drafter-work/run"
 [ -f "$DATA/checkpoint/index.json" ] && python scripts/drafter/checkpoint.py restore "$DATA/checkpoint" "$WORK/drafter-work" --run "$RUN"
 while true; do
     status=0

@@ -68,9 +68,12 @@ class DFlashDrafter(nn.Module):
 
     def propose(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy proposals [..., n] (full-vocabulary ids) from final hidden states [..., n, H]."""
+        # Rows flattened first: a linear over a strided [R, n, H] slice multiplies through a transposed
+        # copy of the whole head (10 ms a cycle for 8,192 rows in bfloat16, against 0.7 ms as one matmul).
+        flat = hidden.reshape(-1, hidden.shape[-1])
         if self.draft_ids is None:
-            return self.lm_head(hidden).argmax(dim=-1)
-        return self.draft_ids[torch.nn.functional.linear(hidden, self.draft_head).argmax(dim=-1)]
+            return self.lm_head(flat).argmax(dim=-1).view(hidden.shape[:-1])
+        return self.draft_ids[torch.nn.functional.linear(flat, self.draft_head).argmax(dim=-1)].view(hidden.shape[:-1])
 
     @property
     def dtype(self) -> torch.dtype:
