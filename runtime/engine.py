@@ -189,7 +189,7 @@ class LocalEngine:
         if config.stop and self.codec is None:
             raise TrtspecError("stop strings are matched in the text: this engine has no tokenizer")
         output = None if self.codec is None else OutputProcessor(self.codec, config.stop, config.keep_stop,
-                                                                 config.skip_special)
+                                                                 config.skip_special, streamed=on_text is not None)
         request = Request(next(self._ids), list(prompt), config, on_commit, on_finish, output, on_text)
         with self.lock:
             if self.closed:

@@ -136,11 +136,12 @@ class BatchRunner:
 
     # ---- running a graph ---------------------------------------------------------------------------
 
-    def _run(self, graph: str, profile: ProfileKey, sizes: dict[str, int], past: int,
-             inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run `graph` over the first `past` cache positions. In static mode a decode call's rows are
-        padded to their batch bucket (the padding rows read the cache and their outputs are dropped:
-        nothing they compute is stored)."""
+    def _run(self, graph: str, profile: ProfileKey, sizes: dict[str, int], past: int, inputs: dict[str, torch.Tensor],
+             slots: list[int], new_at: list[int], keep: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Run `graph` over the first `past` cache positions and store its new keys/values [b, n, ...]
+        at positions new_at[r]..new_at[r]+n-1 of row r's slot (the rows' positions where `keep`). In
+        static mode a decode call's rows are padded to their batch bucket (the padding rows read the
+        cache and their outputs are dropped: nothing they compute is stored)."""
         cache_k, cache_v = self._caches[graph]
         rows = sizes["batch"]
         replayed = self.static and profile != PREFILL
@@ -164,17 +165,27 @@ class BatchRunner:
                 bound[name][:rows].copy_(tensor, non_blocking=True)
             inputs, past = dict(bound), cache_k.shape[0]
         inputs["past_k"], inputs["past_v"] = cache_k[:past], cache_v[:past]
+        if self.slots == 1 and not replayed and keep is None:
+            # One slot: the graph writes its new keys/values into the cache itself, no copy after (on a
+            # small model's batch-1 decode the copy and the extra buffer cost ~7% of the tokens/s).
+            count = outputs["new_k"].shape[1]
+            outputs = {**outputs, "new_k": cache_k[new_at[0]:new_at[0] + count].transpose(0, 1),
+                       "new_v": cache_v[new_at[0]:new_at[0] + count].transpose(0, 1)}
+            self.executor.run(graph, profile, inputs, outputs)
+            return outputs
         self.executor.run(graph, profile, inputs, outputs)
         if replayed and sizes["batch"] > rows:
-            return {name: tensor[:rows] for name, tensor in outputs.items()}
+            outputs = {name: tensor[:rows] for name, tensor in outputs.items()}
+        self._store(graph, new_at, slots, outputs, keep)
         return outputs
 
-    def _store(self, graph: str, starts: list[int], count: int, slots: list[int], outputs: dict[str, torch.Tensor],
+    def _store(self, graph: str, starts: list[int], slots: list[int], outputs: dict[str, torch.Tensor],
                keep: torch.Tensor | None = None) -> None:
         """Write the new keys/values [b, count, ...] at positions start..start+count-1 of each row's slot
         (rows' positions where `keep`)."""
         cache_k, cache_v = self._caches[graph]
         new_k, new_v = outputs["new_k"], outputs["new_v"]
+        count = new_k.shape[1]
         if len(slots) == 1 and keep is None:  # one strided copy
             start, slot = starts[0], slots[0]
             cache_k[start:start + count, slot].copy_(new_k[0])
@@ -223,8 +234,8 @@ class BatchRunner:
         tokens = torch.tensor(chunks, dtype=torch.long, device=self.device)
         batch, count = tokens.shape
         out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots}, max(starts),
-                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)})
-        self._store(TARGET, starts, count, slots, out)
+                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
+                        slots, starts)
         return out["logits"], out["features"]
 
     def verify(self, slots: list[int], blocks: Sequence[np.ndarray],
@@ -235,8 +246,8 @@ class BatchRunner:
         tokens = self._long("blocks", blocks)
         batch, size = tokens.shape
         out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots}, max(starts),
-                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)})
-        self._store(TARGET, starts, size, slots, out)
+                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
+                        slots, starts)
         return out["logits"], out["features"]
 
     def draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: Sequence[np.ndarray],
@@ -264,7 +275,9 @@ class BatchRunner:
         width = context_bucket(max(counts)) if self.static else max(counts)
         keep = None  # the rows' positions to store: not their left padding, when they are padded to the width
         padded = self._staged_context(batch, width, contexts[0])
-        if all(n == width for n in counts):
+        if len(contexts) == 1 and counts[0] == width:
+            padded[0].copy_(contexts[0])  # a third of stack's cost, on the batch-1 path
+        elif all(n == width for n in counts):
             torch.stack(contexts, out=padded)
         else:
             padded.zero_()
@@ -275,6 +288,6 @@ class BatchRunner:
         first = [s - n for s, n in zip(starts, counts)]  # where each row's new context begins
         result = self._run(DRAFT, size, sizes, max(first),
                            {"context": padded, "counts": self._long("counts", counts), "block": blocks,
-                            "starts": self._long("starts", starts), "slots": self._long("slots", slots)})
-        self._store(DRAFT, [s - width for s in starts], width, slots, result, keep)
+                            "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
+                           slots, [s - width for s in starts], keep)
         return result["drafts"]
