@@ -153,6 +153,23 @@ class _Active:
     failed: bool = False    # its own error ended it (`LocalEngine._alone`): the rest of the iteration skips it
 
 
+def verify_calls(groups: dict[int, list["_Active"]]) -> list[tuple[int, list["_Active"]]]:
+    """An iteration's verify calls, as (width, requests), from its requests by block size: one call
+    over all of them at the widest size, shorter blocks padded, so a batch of several sizes reads
+    the weights once (on a CPU or a small batch the call's cost is mostly that read). Measured
+    with scripts/batch_mix.py (4 greedy B = 8 and 4 sampled AR requests, the default pair, eager
+    bfloat16, 1 thread): 0.70 of the same requests split by kind with a call per size, 0.82 with
+    one call; the rest is the AR rows' padding. A call per size instead when padding would more than double the positions computed
+    (e.g. many AR requests beside one B = 16), where a large batch's cost grows with them."""
+    if len(groups) <= 1:
+        return list(groups.items())
+    width = max(groups)
+    computed = sum(size * len(members) for size, members in groups.items())
+    if width * sum(len(members) for members in groups.values()) > 2 * computed:
+        return sorted(groups.items())
+    return [(width, [active for _, members in sorted(groups.items()) for active in members])]
+
+
 class LocalEngine:
     """Continuous batching over one `BatchRunner`, stepped by its caller: submit from any thread,
     step on one. `generate()` decodes a list of requests to the end on the caller's thread. With a
@@ -306,22 +323,24 @@ class LocalEngine:
             if active.controller is not None and active.controller.running:
                 groups.setdefault(active.controller.block_size, []).append(active)
         timed = self.chooser is not None
-        for size, members in sorted(groups.items()):
+        for width, members in verify_calls(groups):
             began = time.perf_counter() if timed else 0.0
-            if size > 1:
-                self._draft(size, members)
-            self._verify(size, members)
+            for size, drafting in sorted(groups.items()):  # a draft call per block size: each drafts its own block
+                drafting = [active for active in drafting if active in members]
+                if size > 1 and drafting:
+                    self._draft(size, drafting)
+            self._verify(width, members)
             for active in members:
                 if not active.failed:
                     self._emit(active)
             if timed:  # what a cycle of this shape costs here, host work included: load-aware BlockPilot's costs
-                self.chooser.observe_cycle(size, len(members), (time.perf_counter() - began) * 1e3)
+                self.chooser.observe_cycle(width, len(members), (time.perf_counter() - began) * 1e3)
         for active in [a for a in self._active if a.controller is not None and not a.controller.running]:
             self._emit(active)  # any that finished without a cycle
 
     def _switch_to_ar(self, chosen: BlockChoice) -> None:
         """The chooser's switches after an `auto` admission got `chosen`: the requests it names turn
-        AR from their next cycle (a batch of two block sizes pays two calls per iteration).
+        AR from their next cycle (a batch of two block sizes pays the wider block for every row).
         Lossless: every token after the turn is the target's own, greedy or sampled. Their
         statistics keep the speculative cycles only."""
         self._chosen = None
@@ -452,20 +471,26 @@ class LocalEngine:
             active.controller.verify_block[1:size] = drafts[row]
             active.context = None  # the drafter cache holds it now
 
-    def _verify(self, size: int, members: list[_Active]) -> None:
-        """The group's verify call, then each request's step (processing, sampling, accept, commit)."""
-        drafting = self.runner.mask_token_id is not None and size > 1  # an AR request never drafts
+    def _verify(self, width: int, members: list[_Active]) -> None:
+        """The verify call of these requests, each block padded to `width` (the widest: logits of a
+        row's own positions are what they would be alone), then each request's step over its own
+        positions (processing, sampling, accept, commit)."""
+        sizes = [active.controller.block_size for active in members]  # before the step: a block may grow
         logits, features = self.runner.verify([a.slot for a in members],
-                                              [a.controller.verify_block[:size] for a in members],
+                                              [a.controller.verify_block[:size] for a, size in zip(members, sizes)],
                                               [a.controller.start for a in members])
-        asked = [self._alone(active, self._process, active, logits[row], size) for row, active in enumerate(members)]
+        asked = [self._alone(active, self._process, active, logits[row, :size], size)
+                 for row, (active, size) in enumerate(zip(members, sizes))]
         live = [row for row, active in enumerate(members) if not active.failed]
-        # the sampled rows are drawn together (per row, a small model's batch is mostly dispatch cost)
-        sampled = [row for row in live if members[row].stepper is None]
+        # the sampled rows of a block size are drawn together (per row, a small model's batch is mostly
+        # dispatch cost), each over its own positions: a request draws the same uniforms in any batch
         drawn = {}
-        if sampled:  # all of them: the logits as they are (indexing copies [R, B, V])
-            rows = logits if len(sampled) == len(members) else logits[sampled]
-            drawn = dict(zip(sampled, sample_requests([members[row].sampler for row in sampled], rows).cpu()))
+        for size in sorted(set(sizes)):
+            sampled = [row for row in live if sizes[row] == size and members[row].stepper is None]
+            if not sampled:
+                continue
+            rows = logits if len(sampled) == len(members) and size == width else logits[sampled, :size]
+            drawn.update(zip(sampled, sample_requests([members[row].sampler for row in sampled], rows).cpu()))
         for row in live:
             active = members[row]
             if row in drawn:
@@ -476,7 +501,7 @@ class LocalEngine:
                 self._record_logprobs(active, *asked[row])
             active.calls += 1
             active.shared += len(members)
-            if drafting:  # a copy: the next verify of this shape overwrites the buffer
+            if sizes[row] > 1 and self.runner.mask_token_id is not None:  # a copy: the next verify of this shape overwrites the buffer
                 active.context = features[row, :active.controller.accepted + 1].clone()
 
     @staticmethod

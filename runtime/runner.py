@@ -242,7 +242,12 @@ class BatchRunner:
                starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [b, B, V] and drafter features [b, B, F] of each row's block [B] (int64: the bonus,
         then the drafts) at its start (B = 1: AR steps). Both are buffers the next call of this shape
-        overwrites."""
+        overwrites. Blocks shorter than the longest are padded with their first token: a row's logits
+        at its own positions do not see later ones, and the keys/values the padding writes lie past
+        what the row can commit, overwritten before anything reads them."""
+        width = max(len(block) for block in blocks)
+        if any(len(block) != width for block in blocks):
+            blocks = [np.pad(block, (0, width - len(block)), mode="edge") for block in blocks]
         tokens = self._long("blocks", blocks)
         batch, size = tokens.shape
         out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots}, max(starts),

@@ -8,8 +8,8 @@ default) decodes `--batch` requests at once, three ways, alternating rounds:
 * `ar`:    every request sampled at T = 1, autoregressive (what `auto` sends sampled ones to);
 * `mixed`: half and half, as a router that looks only at queue lengths hands a replica.
 
-The engine runs one call per block size in an iteration, so in a mixed batch each half waits
-for the other's call. `mixed / split` compares two replicas that each get the mix against two that
+The engine verifies a mixed batch in one call at the wider block (runtime.engine.verify_calls),
+so the AR half's rows are padded to B. `mixed / split` compares two replicas that each get the mix against two that
 each get one kind (the same requests, routed by kind): below 1, a router that knows each replica's
 block sizes would serve more.
 

@@ -145,6 +145,29 @@ def test_seeded_requests_draw_in_a_batch_what_they_draw_alone():
     assert len({tuple(g.tokens) for g in batched}) > 6  # sampled requests differ: the seeds are used
 
 
+def test_a_batch_of_several_block_sizes_verifies_in_one_call(monkeypatch):
+    """AR, B = 4 and B = 8 requests side by side run one verify call per iteration (at 8, the
+    shorter blocks padded), with each request's tokens what it decodes alone; a batch where padding
+    would more than double the positions computed (seven AR requests beside one B = 8) runs a call
+    per size."""
+    pair = predictable_pair(vocab_size=64, beta=0.5)
+    runner = BatchRunner.eager(*pair, slots=8)
+    widths = []
+    verify = runner.verify
+    monkeypatch.setattr(runner, "verify", lambda slots, blocks, starts: (
+        widths.append((len(slots), max(len(b) for b in blocks))), verify(slots, blocks, starts))[1])
+    alone = LocalEngine(BatchRunner.eager(*pair, slots=1), config=EngineConfig(max_running=1))
+    engine = LocalEngine(runner, config=EngineConfig(max_running=8))
+    for sizes, calls in (((1, 4, 8, 1, 4, 8), {(6, 8)}), ((1,) * 7 + (8,), {(7, 1), (1, 8)})):
+        widths.clear()
+        configs = [GenerationConfig(block=BlockChoice(size), max_new_tokens=30) for size in sizes]
+        prompts = [[2, 3, 4 + i] for i in range(len(sizes))]
+        batched = engine.generate(prompts, configs)
+        assert set(widths[:3]) == calls  # the first iterations, while every request runs
+        for prompt, config, generation in zip(prompts, configs, batched):
+            assert generation.tokens == alone.generate([prompt], [config])[0].tokens
+
+
 @pytest.mark.slow
 def test_sampling_inside_a_batch_follows_the_target(predictable):
     joint = exact_three_token_distribution(predictable[0])
