@@ -1,6 +1,7 @@
 """Decode statistics, the one place they are computed: acceptance length (tau), the acceptance
-histogram and its ceiling bin, and decode tokens per second, per request (DecodeStats) and pooled
-over many requests (the functions below, which bench, preflight, labels and the GPU check use).
+histogram and its ceiling bin, and decode tokens per second, per request (DecodeStats, whose
+`to_dict` is the one JSON form every front end sends) and pooled over many requests (the functions
+below, which bench, preflight, labels and the GPU check use).
 
 The formulas over an acceptance histogram (`histogram[a]`: cycles that accepted `a` drafts) are
 written here once: committed tokens and tau, tau as if the block had been smaller (`cut_histogram`),
@@ -10,9 +11,12 @@ analysis and the serving metrics call them."""
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Iterable, Sequence
+
+from trtspec.runtime.schedule import BlockChoice
 
 
 @dataclass
@@ -69,8 +73,9 @@ class DecodeStats:
 
     @property
     def schedule(self) -> str:
-        """The block size as written on the command line: B, or B:G for a growing block."""
-        return f"{self.block_size}:{self.grow_to}" if self.grow_to else str(self.block_size)
+        """The block schedule run, spelled as a flag or request spells it (`BlockChoice.name`: "AR",
+        "8", "4:8"), in every output: the JSON below, the bench's counts, the metrics' labels."""
+        return BlockChoice(self.block_size, self.grow_to).name
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -78,25 +83,29 @@ class DecodeStats:
         return decode_tokens_per_s([self])
 
     def to_dict(self) -> dict:
+        """The statistics as every output sends them: `trtspec run --json`'s `stats`, `trtspec serve`'s
+        `trtspec` object, the Triton model's `stats` output. The schedule run and whether BlockPilot
+        chose it, its acceptance (AR has no block, so no ceiling: null), its counts and its times;
+        `turned_ar_at` 0 unless `auto` turned AR under load (its cycles: those before it)."""
         return {
+            "block_size": self.schedule,
+            "grow_to": self.grow_to,
+            "block_size_auto": self.auto,
             "tau": self.tau,
             "histogram": list(self.histogram),
-            "ceiling_fraction": self.ceiling_fraction,
+            "ceiling_fraction": None if self.block_size <= 1 else self.ceiling_fraction,
             "cycles": self.cycles,
-            "block_size": self.block_size,
-            "grow_to": self.grow_to,
             "grown_cycles": self.grown_cycles,
-            "block_size_auto": self.auto,
-            "policy_s": self.policy_s,
+            "turned_ar_at": self.turned_ar_at,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
+            "finish_reason": self.finish_reason,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
-            "finish_reason": self.finish_reason,
-            "batch_mean": self.batch_mean,
             "queue_s": self.queue_s,
             "ttft_s": self.ttft_s,
+            "batch_mean": self.batch_mean,
         }
 
     def summary(self) -> str:
@@ -165,6 +174,13 @@ def mean_tau(stats: Iterable[DecodeStats]) -> float:
 def pooled_histogram(stats: Iterable[DecodeStats]) -> list[int]:
     """The requests' acceptance histograms pooled (`pool_histograms`)."""
     return pool_histograms(s.histogram for s in stats)
+
+
+def schedule_counts(stats: Iterable[DecodeStats]) -> dict[str, int]:
+    """How many requests ran each block schedule (`DecodeStats.schedule`; for auto, the distribution
+    BlockPilot chose), smallest block first."""
+    counts = Counter((s.block_size, s.grow_to) for s in stats)
+    return {BlockChoice(size, grow_to).name: n for (size, grow_to), n in sorted(counts.items())}
 
 
 def pooled_ceiling_fraction(stats: Iterable[DecodeStats]) -> float:

@@ -12,7 +12,7 @@ from trtspec.errors import TrtspecError
 from trtspec.runtime.request import Generation
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AUTO, BlockChoice, parse_block_choices, parse_block_sizes
-from trtspec.runtime.stats import DecodeStats
+from trtspec.runtime.stats import DecodeStats, schedule_counts
 
 PROMPTS = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n"]
 
@@ -107,6 +107,11 @@ def test_aggregation_on_hand_made_numbers():
     assert report.speedup(ar) == 1.0 and ar.tau == 1.0
     with pytest.raises(TrtspecError, match="no decode tokens"):
         speedups([1.0, 2.0], [1.0, 0.0])
+
+
+def test_chosen_block_sizes_are_spelled_as_flags_smallest_first():
+    mixed = [DecodeStats(12, grow_to=24), DecodeStats(4), DecodeStats(1, histogram=[3]), DecodeStats(4)]
+    assert list(schedule_counts(mixed).items()) == [("AR", 1), ("4", 2), ("12:24", 1)]
 
 
 def test_greedy_speculation_in_the_bench_matches_ar(pipeline):

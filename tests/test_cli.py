@@ -36,9 +36,10 @@ def test_json_output_holds_the_documented_fields(spec_json):
     result = spec_json
     stats = result["stats"]
     assert set(result) == {"text", "tokens", "stats"}
-    assert {"tau", "histogram", "ceiling_fraction", "cycles", "block_size", "new_tokens",
-            "decode_tokens_per_s", "prefill_s", "decode_s"} <= set(stats)
-    assert stats["block_size"] == 8 and len(stats["histogram"]) == 8
+    assert set(stats) == {"block_size", "grow_to", "block_size_auto", "tau", "histogram", "ceiling_fraction",
+                          "cycles", "grown_cycles", "turned_ar_at", "prompt_tokens", "new_tokens", "finish_reason",
+                          "prefill_s", "decode_s", "decode_tokens_per_s", "queue_s", "ttft_s", "batch_mean"}
+    assert stats["block_size"] == "8" and len(stats["histogram"]) == 8
     assert stats["new_tokens"] == len(result["tokens"]) and 1 <= len(result["tokens"]) <= 40
     assert isinstance(result["text"], str)
 
@@ -49,7 +50,7 @@ def test_ar_run_returns_the_speculative_runs_tokens(spec_json, target_dir, promp
     assert ar.returncode == 0, ar.stderr.decode()
     baseline = json.loads(ar.stdout)
     assert baseline["tokens"] == spec_json["tokens"] and baseline["text"] == spec_json["text"]
-    assert baseline["stats"]["block_size"] == 1 and baseline["stats"]["tau"] == 1.0
+    assert baseline["stats"]["block_size"] == "AR" and baseline["stats"]["tau"] == 1.0
 
 
 def test_run_compares_with_autoregressive_decoding(target_dir, drafter_dir, prompt_file):
@@ -77,7 +78,7 @@ def test_run_takes_what_a_request_takes(target_dir, drafter_dir, prompt_file):
         return json.loads(result.stdout)
 
     ar = run("--ar")
-    assert run("--block-size", 1)["tokens"] == ar["tokens"] and run("--block-size", "AR")["stats"]["block_size"] == 1
+    assert run("--block-size", 1)["tokens"] == ar["tokens"] and run("--block-size", "AR")["stats"]["block_size"] == "AR"
     sampled = ("--temperature", 1, "--seed", 7)
     assert run(*sampled, "--top-k", -1)["tokens"] == run(*sampled, "--top-k", 0)["tokens"]
     capped = trtspec_in_process("run", prompt_file, "--target", target_dir, "--drafter", drafter_dir, "--json",

@@ -129,6 +129,7 @@ def test_greedy_completion_equals_trtspec_run(server, reference):
     assert response.usage.prompt_tokens == reference["stats"]["prompt_tokens"]
     assert response.usage.completion_tokens == len(reference["tokens"]) == reference["stats"]["new_tokens"]
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    assert set(response.model_extra["trtspec"]) == set(reference["stats"])  # one serialisation: DecodeStats.to_dict
 
 
 def test_a_completion_carries_its_decode_statistics(server):

@@ -24,7 +24,7 @@ from trtspec.runtime.request import Generation
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import (DecodeStats, decode_tokens_per_s, mean_tau, pooled_ceiling_fraction,
-                                   pooled_histogram)
+                                   pooled_histogram, schedule_counts)
 from trtspec.perf.machine import machine_info
 from trtspec.perf.sweep import Sweep, pipeline_requests, run_sweep
 from trtspec.training.data import read_prompt_set
@@ -126,9 +126,7 @@ class BenchRun:
     @property
     def chosen_block_sizes(self) -> dict[str, int]:
         """How often each schedule ran (the distribution BlockPilot chose, for auto)."""
-        names = [s.schedule for s in self.stats]
-        ordered = sorted(set(names), key=lambda name: [int(size) for size in name.split(":")])
-        return {name: names.count(name) for name in ordered}
+        return schedule_counts(self.stats)
 
     @property
     def tokens_per_s_repeats(self) -> list[float]:

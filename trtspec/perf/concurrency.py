@@ -32,7 +32,7 @@ from trtspec.runtime.request import Generation, GenerationConfig
 from trtspec.runtime.engine import EngineConfig
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AR, BlockChoice
-from trtspec.runtime.stats import mean_tau, pooled_ceiling_fraction
+from trtspec.runtime.stats import mean_tau, pooled_ceiling_fraction, schedule_counts
 
 
 @dataclass
@@ -91,8 +91,7 @@ class LoadRun:
             "tau": mean_tau(stats),
             "ceiling_fraction": pooled_ceiling_fraction(stats),
             "batch_mean": statistics.fmean(s.batch_mean for s in stats),
-            "chosen_block_sizes": {name: [s.schedule for s in stats].count(name)
-                                   for name in sorted({s.schedule for s in stats})},
+            "chosen_block_sizes": schedule_counts(stats),
             "identical_to_serial": self.identical,
             "greedy_requests": self.compared,
             "throughput_repeats": self.throughput_repeats,

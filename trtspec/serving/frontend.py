@@ -10,8 +10,6 @@ only in how a request arrives and how its answer leaves.
   serving metrics (`trtspec.serving.metrics`) as they are committed, and at the end its generation,
   observed there with its latency, time to first token, inter-token latencies and queue time,
   all from the engine's clock.
-* `stats_json`: a request's statistics as every front end sends them; `schedule_name`: the
-  block schedule it ran, spelled as requests spell it (also the metrics' label).
 * `stops`, `logit_bias`, `response_format`: the structured request fields, read the same way by
   both (the scalar ones are `trtspec.runtime.request.REQUEST_FIELDS`); `check_json_text`: JSON
   whose strings are all text.
@@ -27,8 +25,6 @@ from typing import Callable
 from trtspec.errors import FieldError, TrtspecError
 from trtspec.runtime.grammar import Grammar, grammar_tokenizer, response_format_grammar
 from trtspec.runtime.request import Generation
-from trtspec.runtime.schedule import BlockChoice
-from trtspec.runtime.stats import DecodeStats
 from trtspec.tokenizer import check_text
 
 # a Bridge's events: (COMMIT, new token ids), (TEXT, their text), (FINISH, the engine's Request)
@@ -175,26 +171,3 @@ class Reply:
                                           ttft_s=stats.ttft_s, queue_s=stats.queue_s,
                                           intervals=request.token_intervals())
         return generation
-
-
-def schedule_name(stats: DecodeStats) -> str:
-    """The block schedule a request ran, spelled as a request or flag spells it (BlockChoice.name:
-    "AR", "8", "4:8"), in every output: the statistics, the metrics' labels."""
-    return BlockChoice(stats.block_size, stats.grow_to).name
-
-
-def stats_json(stats: DecodeStats) -> dict:
-    """A request's statistics as every front end sends them (`trtspec serve`'s `trtspec` object,
-    Triton's `stats` output): the block schedule run ("AR", "8" or "4:8") and whether BlockPilot
-    chose it, its acceptance (tau, histogram, ceiling fraction; AR has no block, so no ceiling),
-    its counts and its times."""
-    ar = stats.block_size <= 1
-    out = {"block_size": schedule_name(stats), "block_size_auto": stats.auto, "tau": stats.tau,
-           "histogram": list(stats.histogram), "ceiling_fraction": None if ar else stats.ceiling_fraction,
-           "cycles": stats.cycles, "grown_cycles": stats.grown_cycles, "prompt_tokens": stats.prompt_tokens,
-           "new_tokens": stats.new_tokens, "finish_reason": stats.finish_reason, "prefill_s": stats.prefill_s,
-           "decode_s": stats.decode_s, "decode_tokens_per_s": stats.decode_tokens_per_s, "queue_s": stats.queue_s,
-           "ttft_s": stats.ttft_s, "batch_mean": stats.batch_mean}
-    if stats.turned_ar_at:  # `auto` turned AR under load after this many tokens (its cycles: before it)
-        out["turned_ar_at"] = stats.turned_ar_at
-    return out

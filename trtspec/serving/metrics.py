@@ -31,7 +31,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from trtspec.runtime.stats import (DecodeStats, accepted_at_least, committed_tokens, cut_histogram, decode_tokens,
                                    histogram_tau, pool_histograms)
 from trtspec.runtime.schedule import BlockChoice
-from trtspec.serving.frontend import schedule_name
 
 PREFIX = "trtspec_"      # trtspec's own families
 VLLM_PREFIX = "vllm:"    # the families vLLM also exports, under its names
@@ -191,7 +190,7 @@ class ServingMetrics:
         `intervals`: (tokens, seconds since the request's previous tokens) of each of its emissions
         after the first (whose latency is the TTFT), in the inter-token latency one observation per
         token, the tokens of one emission sharing its interval."""
-        m, schedule = self.families, schedule_name(stats)
+        m, schedule = self.families, stats.schedule
         with self._lock:
             for count, interval_s in intervals:
                 for _ in range(count):

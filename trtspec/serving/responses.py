@@ -16,7 +16,7 @@ from starlette.responses import Response
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.runtime.stats import DecodeStats
 from trtspec.serving import logprobs as logprob_objects
-from trtspec.serving.frontend import COMMIT, FINISH, LoopBridge, Reply, stats_json
+from trtspec.serving.frontend import COMMIT, FINISH, LoopBridge, Reply
 from trtspec.serving.protocol import ApiError, ParsedRequest, bad_request
 
 
@@ -124,7 +124,7 @@ class Answer:
                 "usage": self._usage(outcomes), "trtspec": self._extension(outcomes[0].stats)}
 
     def _extension(self, stats: DecodeStats) -> dict:
-        out = stats_json(stats)
+        out = stats.to_dict()
         if self.replica is not None:
             out["replica"] = self.replica
         return out

@@ -52,7 +52,7 @@ from trtspec.runtime.request import REQUEST_FIELDS, Generation, check_room, requ
 from trtspec.runtime.engine import Busy
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.serving.frontend import (COMMIT, FINISH, TEXT, Bridge, Reply, check_json_text, logit_bias,
-                                      response_format, stats_json, stops)
+                                      response_format, stops)
 from trtspec.serving.logprobs import completion_logprobs, entries
 from trtspec.serving.triton import ENGINE_PARAMETERS
 
@@ -253,7 +253,7 @@ class _Outbox:
         completions form)."""
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         request = call.reply.request
-        stats, logprobs = stats_json(generation.stats), None
+        stats, logprobs = generation.stats.to_dict(), None
         if request.config.logprobs is not None:
             count = len(generation.tokens)  # the tokens through a stop string, when one ended it
             logprobs = completion_logprobs(self.codec, entries(generation.tokens, request.logprobs[:count]))
