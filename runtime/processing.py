@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trtspec.errors import FieldError, TrtspecError
+from trtspec.errors import TrtspecError, field_error
 from trtspec.limits import LOGIT_BIAS, PENALTY, REPETITION_PENALTY
 from trtspec.runtime.grammar import Grammar, first_line
 
@@ -50,10 +50,8 @@ class Processing:
             PENALTY.check_field(getattr(self, name), name)
         REPETITION_PENALTY.check_field(self.repetition_penalty, "repetition_penalty")
         for token, bias in self.logit_bias:
-            try:
+            with field_error("logit_bias"):
                 LOGIT_BIAS.check(bias, f"logit_bias of token {token}")
-            except TrtspecError as exc:
-                raise FieldError(str(exc), "logit_bias") from None
 
     @property
     def penalised(self) -> bool:

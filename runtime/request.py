@@ -10,7 +10,7 @@ from __future__ import annotations
 import reprlib
 from dataclasses import dataclass, field, replace
 
-from trtspec.errors import FieldError, TrtspecError
+from trtspec.errors import FieldError, TrtspecError, field_error
 from trtspec.limits import (LOGPROBS, MAX_NEW_TOKENS, MIN_P, MIN_TOKENS, PENALTY, REPETITION_PENALTY, SEED,
                             TEMPERATURE, TOP_K, TOP_P, Limit, check_block_size)
 from trtspec.runtime.grammar import Grammar
@@ -164,10 +164,8 @@ def check_request(runner, prompt: list[int], config: GenerationConfig, policy) -
         raise FieldError("the prompt is empty", "prompt")
     if len(prompt) >= runner.max_context:
         raise FieldError(f"the prompt is {len(prompt)} tokens; the context holds {runner.max_context}", "prompt")
-    try:
+    with field_error("block_size"):
         check_block(runner, config.block, policy)
-    except TrtspecError as exc:
-        raise FieldError(str(exc), "block_size") from None
     limit = min(config.max_new_tokens, runner.max_context - len(prompt))
     grammar = config.processing.grammar
     if grammar is not None and grammar.forced > limit:  # its output could never be complete

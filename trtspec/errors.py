@@ -5,6 +5,9 @@ Anything a user can cause (a wrong path, a bad flag, a checkpoint that does not 
 a bug and keeps its traceback.
 """
 
+from contextlib import contextmanager
+from typing import Iterator
+
 
 class TrtspecError(Exception):
     """An error caused by the input; its message is shown to the user as is."""
@@ -17,6 +20,16 @@ class FieldError(TrtspecError):
     def __init__(self, message: str, field: str | None):
         super().__init__(message)
         self.field = field
+
+
+@contextmanager
+def field_error(field: str | None) -> Iterator[None]:
+    """Inside it, a TrtspecError (a check that knows nothing of requests) is refused as a
+    FieldError naming `field`, with the same message."""
+    try:
+        yield
+    except TrtspecError as exc:
+        raise FieldError(str(exc), field) from None
 
 
 class CheckpointError(TrtspecError):

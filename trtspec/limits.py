@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from trtspec.errors import FieldError, TrtspecError
+from trtspec.errors import TrtspecError, field_error
 
 INT32_MAX = 2**31 - 1
 MAX_BLOCK_SIZE = 64  # the largest block any engine or decode call accepts (export.bindings re-exports it)
@@ -49,10 +49,8 @@ class Limit:
 
     def check_field(self, value, field: str):
         """`check` for a request field: refused with a FieldError that names it."""
-        try:
+        with field_error(field):
             return self.check(value, field)
-        except TrtspecError as exc:
-            raise FieldError(str(exc), field) from None
 
     def parse(self, text: str, label: str | None = None):
         """A command-line value: ASCII digits for integers (no '²', '1_000' or '٣'), a float for reals."""

@@ -22,7 +22,7 @@ import reprlib
 import time
 from typing import Callable
 
-from trtspec.errors import FieldError, TrtspecError
+from trtspec.errors import FieldError, field_error
 from trtspec.runtime.grammar import Grammar, grammar_tokenizer, response_format_grammar
 from trtspec.runtime.request import Generation
 from trtspec.tokenizer import check_text
@@ -48,14 +48,10 @@ def stops(texts, ids, codec) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """`stop` (strings: the text ends before the first; one that is exactly one token is also a stop
     id) and `stop_token_ids` (the output ends after the token) as a config's stop strings and stop
     ids; refused in a FieldError naming the field."""
-    try:
+    with field_error("stop"):
         texts, single_token_ids = codec.stop_strings(texts, "stop")
-    except TrtspecError as exc:
-        raise FieldError(str(exc), "stop") from None
-    try:
+    with field_error("stop_token_ids"):
         token_ids = codec.stop_token_ids(ids, "stop_token_ids")
-    except TrtspecError as exc:
-        raise FieldError(str(exc), "stop_token_ids") from None
     return texts, tuple(dict.fromkeys(single_token_ids + token_ids))
 
 
@@ -92,10 +88,8 @@ def check_json_text(value, field: str | None = None) -> None:
             pending.extend((inner, under) for inner in item)
         elif isinstance(item, str) and not item.isascii():
             named = under if isinstance(under, str) and under.isascii() else None
-            try:
+            with field_error(named):
                 check_text(item, named or "a string")
-            except TrtspecError as exc:
-                raise FieldError(str(exc), named) from None
 
 
 def response_format(value, codec, vocab_size: int) -> Grammar | None:
@@ -103,10 +97,8 @@ def response_format(value, codec, vocab_size: int) -> Grammar | None:
     grammar the output follows (None: free text)."""
     if value is None:
         return None
-    try:
+    with field_error("response_format"):
         return response_format_grammar(value, grammar_tokenizer(codec, vocab_size))
-    except TrtspecError as exc:
-        raise FieldError(str(exc), "response_format") from None
 
 
 class Bridge:
