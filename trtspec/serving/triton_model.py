@@ -54,15 +54,14 @@ from trtspec.runtime.schedule import BlockChoice
 from trtspec.serving.frontend import (COMMIT, FINISH, TEXT, Bridge, Reply, check_json_text, logit_bias,
                                       response_format, stops)
 from trtspec.serving.logprobs import completion_logprobs, entries
-from trtspec.serving.triton import ENGINE_PARAMETERS
+from trtspec.serving.triton import ENGINE_PARAMETERS, JSON_INPUTS, SCALAR_INPUTS
 
 CANCEL_POLL_S = 0.05  # asking Triton is a round trip to the server process: at most this often
 LOAD_POLL_S = 0.5     # how often the engine's load gauges are refreshed
 MAX_JSON_BYTES = 2**20  # a logit_bias or response_format input
 
 # optional one-value inputs and their defaults: None is the field's own (block_size: the model's)
-SCALARS = {**{spec.name: None for spec in REQUEST_FIELDS}, "block_size": None, "grow_to": 0, "stream": True}
-JSON_INPUTS = ("logit_bias", "response_format")
+SCALARS = {**{spec.name: None for spec in REQUEST_FIELDS}, **{name: default for name, _, default in SCALAR_INPUTS}}
 
 
 def _values(request, name: str, most: int | None = None):
