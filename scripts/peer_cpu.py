@@ -11,8 +11,9 @@ The same prompts, thread count and token budget, greedy, through five systems on
 
 Every system's speed is counted the same way: tokens generated / wall time of one generate call
 (prefill included), median over prompts x repeats; `vs llama.cpp` is the median over calls of each
-call's rate over llama.cpp plain's on the same prompt in the same repeat. Prefill (prompt tokens per
-second) is reported where the system times it itself: trtspec, and llama.cpp plain (its perf counters).
+call's rate over llama.cpp plain's on the same prompt in the same repeat. Where a system times its
+prefill itself (trtspec; llama.cpp plain, by its perf counters) the table also gives prefill (prompt
+tokens per second) and decode alone (the tokens after the first over the time after prefill).
 Calls are interleaved prompt by prompt (each system in turn), after one warm-up call each, so all
 systems see the same machine state. llama.cpp tokenizes the prompt text itself (no BOS for SmolLM2,
 as trtspec); transformers gets trtspec's token ids (its GGUF tokenizer would prepend `<|im_start|>`).
@@ -82,6 +83,13 @@ class Call:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first (which prefill yields) per second after prefill, where prefill is timed."""
+        if self.prefill_s is None or self.new_tokens < 2:
+            return None
+        return (self.new_tokens - 1) / (self.seconds - self.prefill_s)
 
 
 Generate = Callable[[Prompt, int], Call]  # (prompt, max new tokens) -> the call
@@ -223,6 +231,8 @@ def summary(system: System, baseline: System | None) -> dict:
               if baseline is not None and key in baseline.calls]
     return {"tokens_per_s": median_or_none([c.tokens_per_s for c in calls.values()]),
             f"vs_{BASELINE}": median_or_none(ratios),
+            "decode_tokens_per_s": median_or_none([c.decode_tokens_per_s for c in calls.values()
+                                                   if c.decode_tokens_per_s is not None]),
             "prefill_tokens_per_s": median_or_none([c.prompt_tokens / c.prefill_s for c in calls.values()
                                                     if c.prefill_s]),
             "mean_new_tokens": statistics.fmean(c.new_tokens for c in calls.values()) if calls else None,
@@ -259,20 +269,22 @@ def format_table(header: str, systems: list[System], rows: dict[str, dict], agre
     def number(value: float | None, form: str = ".1f", suffix: str = "") -> str:
         return "-" if value is None else format(value, form) + suffix
 
-    lines = [header, f"{'system':36}  {'tok/s':>7}  {'vs llama.cpp':>12}  {'prefill tok/s':>13}  "
-                     f"{'new tokens':>10}  {'tau':>5}"]
+    lines = [header, f"{'system':36}  {'tok/s':>7}  {'vs llama.cpp':>12}  {'decode tok/s':>12}  "
+                     f"{'prefill tok/s':>13}  {'new tokens':>10}  {'tau':>5}"]
     for system in systems:
         if system.skipped:
             continue
         row = rows[system.name]
         lines.append(f"{system.label:36}  {number(row['tokens_per_s']):>7}  "
-                     f"{number(row[f'vs_{BASELINE}'], '.2f', 'x'):>12}  {number(row['prefill_tokens_per_s']):>13}  "
+                     f"{number(row[f'vs_{BASELINE}'], '.2f', 'x'):>12}  {number(row['decode_tokens_per_s']):>12}  "
+                     f"{number(row['prefill_tokens_per_s']):>13}  "
                      f"{number(row['mean_new_tokens']):>10}  {number(row['tau'], '.2f'):>5}")
     reasons = {s.skipped: [t.name for t in systems if t.skipped == s.skipped] for s in systems if s.skipped}
     lines += [f"skipped {', '.join(names)}: {reason}" for reason, names in reasons.items()]
     lines += [describe_agreement(found) for found in agreements]
     lines.append("tok/s: new tokens / wall time of one generate call (prefill included), median over prompts x "
-                 "repeats; vs llama.cpp: median of per-call ratios (same prompt, same repeat)")
+                 "repeats; vs llama.cpp: median of per-call ratios (same prompt, same repeat); decode tok/s: "
+                 "the tokens after the first over the time after prefill, where the system times its prefill")
     return "\n".join(lines)
 
 
@@ -356,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
 def without_output(call: Call) -> dict:
     figures = asdict(call)
     del figures["output"]
-    return {**figures, "tokens_per_s": call.tokens_per_s}
+    return {**figures, "tokens_per_s": call.tokens_per_s, "decode_tokens_per_s": call.decode_tokens_per_s}
 
 
 def peer_versions() -> dict[str, str | None]:

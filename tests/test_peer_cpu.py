@@ -32,7 +32,9 @@ def test_peer_benchmark_measures_trtspec_and_transformers_and_skips_a_missing_ll
         assert ran["skipped"] is None and ran["tokens_per_s"] > 0 and ran["vs_llama.cpp"] is None
         assert [(c["repeat"], c["prompt"]) for c in ran["calls"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert all(c["new_tokens"] == 8 and c["seconds"] > 0 for c in ran["calls"])
-    assert systems["trtspec-ar"]["prefill_tokens_per_s"] > 0 and systems["trtspec-spec"]["tau"] >= 1
+    assert systems["trtspec-ar"]["prefill_tokens_per_s"] > 0 and systems["trtspec-ar"]["decode_tokens_per_s"] > 0
+    assert systems["transformers"]["decode_tokens_per_s"] is None  # it times no prefill of its own
+    assert systems["trtspec-spec"]["tau"] >= 1
     for name in ("llama.cpp", "llama.cpp-lookup"):  # one readable reason, naming what installs it
         assert "llama_cpp is not installed" in systems[name]["skipped"]
         assert "pip install 'llama-cpp-python" in systems[name]["skipped"] and not systems[name]["calls"]
