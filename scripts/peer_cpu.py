@@ -259,7 +259,8 @@ def agreement(system: System, reference: System, prompts: list[Prompt]) -> dict 
 
 def describe_agreement(found: dict) -> str:
     """One line: how many outputs are identical, and where the others part (never 'identical' when they are not)."""
-    line = f"{found['system']} vs {found['reference']}: identical output on {found['identical']}/{found['prompts']} prompts"
+    line = (f"{found['system']} vs {found['reference']}: identical output on "
+            f"{found['identical']}/{found['prompts']} prompts")
     parted = [f"prompt {p['prompt'] + 1} at {found['unit']} {p['parts_at']}"
               for p in found["per_prompt"] if p["parts_at"] is not None]
     return line + (f"; parted: {', '.join(parted)}" if parted else "")
