@@ -31,6 +31,7 @@ TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")
 BACKENDS = ("onnxruntime", "tensorrt", "torch", "inductor")
 DTYPES = tuple(MODEL_DTYPES)
+WEIGHT_FORMATS = ("int4",)  # quantized weights (`weights`); absent: weights in the engine's dtype
 UNLISTED = (MANIFEST_FILE, MARKER)  # the only files of an engine directory that are not artifacts
 
 
@@ -68,6 +69,7 @@ class Manifest:
     check: dict | None = None          # build-time comparison with eager torch
     policy: dict | None = None
     draft_vocab: dict | None = None    # {"dir", "size": K, "ids_sha256"}: the drafter proposes among K ids
+    weights: dict | None = None        # None: weights in `dtype`; else {"format": "int4", "graphs", ...}
     trtspec_version: str = ""
     manifest_version: int = MANIFEST_VERSION
 
@@ -81,6 +83,13 @@ class Manifest:
 
     def specs(self) -> dict[str, GraphSpec]:
         return graph_specs(self.target, self.drafter)
+
+    @property
+    def label(self) -> str:
+        """The backend and any weight format, as reports name the engine: "onnxruntime int4 (target)"."""
+        if self.weights is None:
+            return self.backend
+        return f"{self.backend} {self.weights['format']} ({', '.join(self.weights['graphs'])})"
 
     def profile_index(self, graph: str, key) -> int:
         return self.profiles[graph].index(key)
@@ -151,7 +160,7 @@ def validate_fields(data: dict, path: Path) -> None:
     for name in ("target_config", "drafter_config", "sources", "artifacts", "graphs", "profiles"):
         if not isinstance(data[name], dict):
             raise bad(name, "a JSON object")
-    for name in ("tensorrt_profiles", "check", "policy", "draft_vocab"):
+    for name in ("tensorrt_profiles", "check", "policy", "draft_vocab", "weights"):
         if data.get(name) is not None and not isinstance(data[name], dict):
             raise bad(name, "a JSON object or null")
     if not isinstance(data.get("trtspec_version", ""), str):
@@ -183,6 +192,13 @@ def validate_fields(data: dict, path: Path) -> None:
     policy = data.get("policy")
     if policy is not None and (not _relative(policy.get("dir")) or not isinstance(policy.get("block_sizes"), list)):
         raise TrtspecError(f"{path}: field policy must have a dir inside the engine directory and block_sizes; "
+                           "rebuild the engine")
+    weights = data.get("weights")
+    if weights is not None and (weights.get("format") not in WEIGHT_FORMATS or data["backend"] != "onnxruntime"
+                                or not isinstance(weights.get("graphs"), list) or not weights["graphs"]
+                                or any(g not in (TARGET, DRAFT) for g in weights["graphs"])):
+        raise TrtspecError(f"{path}: field weights must be null or, in an onnxruntime engine, have a format "
+                           f"({', '.join(WEIGHT_FORMATS)}) and the graphs it applies to ({TARGET}, {DRAFT}); "
                            "rebuild the engine")
     vocab = data.get("draft_vocab")
     if vocab is not None and (not _relative(vocab.get("dir")) or not _is_int(vocab.get("size"), 2)

@@ -37,6 +37,10 @@ POLICY_DIR = "policy"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")
 CHECK_TOLERANCE = 1e-3  # max |logit difference| vs eager torch at float32 for a build to pass its self-check
+WEIGHTS = ("float", "int4")
+# The graphs `--weights int4` quantizes: the target's step (AR, verify and prefill). The draft graph
+# stays float32: quantized, it drafted 10-35% faster but was accepted less (docs/engines.md, "4-bit weights").
+INT4_GRAPHS = (TARGET,)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class BuildConfig:
     max_batch: int = 16         # requests one decode call may batch (TensorRT profiles; serving)
     draft_vocab: int | None = None      # K: the draft graph computes only the K most frequent ids' logits
     draft_counts: Path | None = None    # the counts behind K [default: the drafter's draft_vocab/]
+    weights: str = "float"  # float: the dtype's own; int4: the target's matmuls as ONNX Runtime MatMulNBits
 
     def __post_init__(self) -> None:
         if not self.block_sizes or any(not MIN_COMPILED_BLOCK_SIZE <= b <= MAX_BLOCK_SIZE for b in self.block_sizes):
@@ -61,6 +66,11 @@ class BuildConfig:
             raise TrtspecError(f"--max-batch must be in [1, {MAX_BATCH}], got {self.max_batch}")
         if self.max_context is not None and self.max_context < 2:
             raise TrtspecError(f"--max-context must be >= 2, got {self.max_context}")
+        if self.weights not in WEIGHTS:
+            raise TrtspecError(f"--weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.weights == "int4" and self.backend not in ("auto", "onnxruntime"):
+            raise TrtspecError(f"--weights int4 is ONNX Runtime's MatMulNBits format; use --backend onnxruntime "
+                               f"(got --backend {self.backend})")
 
 
 def best_backend() -> str:
@@ -82,6 +92,10 @@ def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
     dtype = str(resolve_dtype(config.dtype, device, compiled=True)).removeprefix("torch.")
     if backend == "onnxruntime" and dtype == "bfloat16":
         raise TrtspecError("ONNX Runtime engines are float32 or float16; pass --dtype float32 or float16")
+    if config.weights == "int4" and (backend != "onnxruntime" or device.type != "cpu" or dtype != "float32"):
+        raise TrtspecError(f"--weights int4 builds an ONNX Runtime engine for the CPU in float32 (MatMulNBits), "
+                           f"not {backend} on {device.type} in {dtype}; pass --backend onnxruntime --device cpu "
+                           "--dtype float32")
     return backend, device, dtype
 
 
@@ -118,8 +132,10 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     # The TensorRT optimization profiles of these graphs; recorded for every backend (a TensorRT
     # build uses exactly this table), so it can be inspected and checked on any machine.
     table = trt_engine.profile_table(specs, block_sizes, max_context, config.max_batch)
+    quantized = INT4_GRAPHS if config.weights == "int4" else ()
     steps = [(name, stage) for name in modules for stage in
-             (("export", "compile") if backend in ("tensorrt", "inductor") else ("export",))] + [("engine", "self-check")]
+             (("export", "compile") if backend in ("tensorrt", "inductor") else
+              ("export", "quantize") if name in quantized else ("export",))] + [("engine", "self-check")]
     with staged_directory(output, ENGINE, inputs) as staging, tqdm(
             total=len(steps), desc="build", unit="step", file=sys.stderr, disable=not progress,
             dynamic_ncols=True) as bar:
@@ -133,6 +149,15 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
                                 dtype=target.dtype, device=export_device)
                 export_cached(staging / files[name], key, functools.partial(
                     _export, modules[name], specs[name], max_context, target.dtype, export_device))
+            elif stage == "quantize":  # 4-bit MatMul weights, cached like the float graph they come from
+                graph = f"{name}.int4.onnx"
+                key = graph_key(name, ".int4.onnx", specs[name], max_context=max_context, dtype=target.dtype,
+                                device=export_device, sources={**graph_sources[name],
+                                                               "weights": ort_engine.quantizer_identity()})
+                export_cached(staging / graph, key,
+                              functools.partial(ort_engine.quantize_weights, staging / files[name]))
+                (staging / files[name]).unlink()
+                files[name] = graph
             elif backend == "inductor":  # an AOTInductor package, cached per machine like the graph it compiles
                 package = f"{name}.pt2"
                 key = graph_key(name, ".aoti.pt2", specs[name], max_context=max_context, dtype=target.dtype,
@@ -168,10 +193,12 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             if policy is not None else None,
             draft_vocab={"dir": DRAFTER_VOCAB_DIR, "size": int(chosen[0].numel()),
                          "ids_sha256": ids_sha256(chosen[0])}
-            if chosen is not None else None)
+            if chosen is not None else None,
+            weights={**ort_engine.INT4, "graphs": list(quantized), "onnxruntime": ort_engine.version()}
+            if quantized else None)
         manifest.write(staging)
         bar.set_postfix_str("self-check")
-        manifest.check = self_check(staging, device, target, drafter, block_sizes)
+        manifest.check = self_check(staging, device, target, drafter, block_sizes, exact=not quantized)
         manifest.write(staging)
         bar.update()
     return manifest
@@ -198,9 +225,11 @@ def _check_prompt(vocab_size: int) -> list[int]:
     return torch.randint(2, vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def self_check(directory: Path, device: torch.device, target, drafter, block_sizes: list[int]) -> dict:
+def self_check(directory: Path, device: torch.device, target, drafter, block_sizes: list[int],
+               exact: bool = True) -> dict:
     """Run the built engine's prefill, verify(B) and draft(B) on a fixed prompt and compare them
-    with the eager modules; refuse the build if the logits differ by more than the tolerance."""
+    with the eager modules; refuse a float32 build (`exact`) if the logits differ by more than the
+    tolerance. An engine of lower precision (float16, 4-bit weights) records its difference only."""
     from trtspec.runtime.runner import BatchRunner
 
     prompt = _check_prompt(target.config.vocab_size)
@@ -218,7 +247,7 @@ def self_check(directory: Path, device: torch.device, target, drafter, block_siz
             worst = max(worst, (logits_g.float().cpu() - logits_e.float().cpu()).abs().max().item(),
                         (verified[0].float().cpu() - verified[1].float().cpu()).abs().max().item())
             agree = (drafts_g.cpu() == drafts_e.cpu()).float().mean().item()
-            if target.dtype == torch.float32 and (worst > CHECK_TOLERANCE or agree < 1.0):
+            if exact and target.dtype == torch.float32 and (worst > CHECK_TOLERANCE or agree < 1.0):
                 raise TrtspecError(f"self-check failed at block size {block_size}: max |logit difference| {worst:.2e}, "
                                    f"draft agreement {agree:.0%} (the engine does not reproduce PyTorch)")
     return {"max_abs_logit_diff": worst, "block_sizes": block_sizes, "prompt_tokens": len(prompt)}

@@ -1,0 +1,108 @@
+"""`trtspec build --weights int4`: the target's matmuls as ONNX Runtime MatMulNBits (4-bit blocks).
+
+The tiny target with its trained drafter (drafts are accepted on code prompts) is built once with
+4-bit target weights. 4-bit weights change the target's numbers, so its greedy output differs from
+the float32 engine's by the rounding; what is checked is that speculation through the int4 graphs
+reproduces their own AR output (greedy speculative == greedy AR through the same engine) on the
+tiny pair. That equality is exact only as far as verify(B) and B AR steps compute the same logits:
+MatMulNBits' int8 activation rounding can magnify their float differences (~1e-5) into a flipped
+near-tie, and on the default pair it does for some prompts (docs/engines.md, "4-bit weights").
+"""
+
+from collections import Counter
+
+import pytest
+from helpers import assert_one_line_error, code_prompts, trtspec_in_process
+
+from trtspec.api import Pipeline
+from trtspec.build import BuildConfig, build_engine
+from trtspec.engines.manifest import read_manifest
+from trtspec.errors import TrtspecError
+from trtspec.export.bindings import DRAFT, TARGET
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import AR, BlockChoice
+
+BLOCK_SIZES = (4, 8)
+HELD_OUT = 96  # code_prompts(96) trained the tiny drafter (helpers.TRAINED_PROMPTS); later ones are new to it
+
+
+@pytest.fixture(scope="module")
+def int4_engine(target_dir, trained_drafter_dir, tmp_path_factory):
+    pytest.importorskip("onnxruntime", reason="--weights int4 needs the [onnx] extra")
+    output = tmp_path_factory.mktemp("engines") / "int4"
+    build_engine(target_dir, trained_drafter_dir, output,
+                 BuildConfig(block_sizes=BLOCK_SIZES, backend="onnxruntime", weights="int4"), progress=False)
+    return output
+
+
+def _ops(path) -> Counter:
+    import onnx
+
+    return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
+
+
+def test_an_int4_engine_holds_matmulnbits_target_weights_and_says_so(int4_engine):
+    manifest = read_manifest(int4_engine)
+    assert manifest.weights["format"] == "int4" and manifest.weights["graphs"] == [TARGET]
+    assert (manifest.weights["block_size"], manifest.weights["symmetric"], manifest.weights["accuracy_level"]) == (
+        32, False, 4)
+    assert manifest.label == "onnxruntime int4 (target)" and manifest.dtype == "float32"
+    target_ops, draft_ops = (_ops(int4_engine / manifest.graphs[g]["file"]) for g in (TARGET, DRAFT))
+    # every weight matmul of the tiny target: q, k, v, o, gate, up, down per layer (2 layers) and the head
+    assert target_ops["MatMulNBits"] == 15 and manifest.graphs[TARGET]["file"] == "target.int4.onnx"
+    assert draft_ops["MatMulNBits"] == 0 and draft_ops["MatMul"] > 0  # the drafter stays float32
+    assert manifest.check["max_abs_logit_diff"] > 0  # recorded, not held to float32's tolerance
+
+
+def test_greedy_speculation_through_int4_weights_equals_their_own_ar(int4_engine):
+    pipeline = Pipeline(engine=int4_engine)
+    assert pipeline.backend == "onnxruntime int4 (target)"
+    prompts = [pipeline.codec.encode(p) for p in code_prompts(HELD_OUT + 4, words=20)[HELD_OUT:]]
+    ar = pipeline.autoregressive().local_engine
+    reference = [r.tokens for r in ar.generate(prompts, [GenerationConfig(block=AR, max_new_tokens=40)] * 4)]
+    assert all(len(tokens) == 40 for tokens in reference)
+    accepted = 0
+    for block_size in BLOCK_SIZES:
+        config = GenerationConfig(block=BlockChoice(block_size), max_new_tokens=40)
+        results = pipeline.local_engine.generate(prompts, [config] * len(prompts))
+        assert [r.tokens for r in results] == reference, f"B={block_size}"
+        accepted += sum(a * cycles for r in results for a, cycles in enumerate(r.stats.histogram))
+    assert accepted > 0  # drafts were accepted: the acceptance path ran, not only bonus tokens
+
+
+def test_int4_with_another_backend_is_refused_in_one_line(target_dir, trained_drafter_dir, tmp_path):
+    with pytest.raises(TrtspecError, match="--weights int4 is ONNX Runtime's MatMulNBits format"):
+        BuildConfig(backend="torch", weights="int4")
+    result = trtspec_in_process("build", "--target", target_dir, "--drafter", trained_drafter_dir, "--backend",
+                                "onnxruntime", "--weights", "int4", "--dtype", "float16", "-o", tmp_path / "engine")
+    assert_one_line_error(result, "--weights int4 builds an ONNX Runtime engine for the CPU in float32")
+    assert not (tmp_path / "engine").exists()
+
+
+def test_a_head_tied_to_the_embedding_table_is_quantized_too(tmp_path):
+    """A tied head is exported as MatMul(x, Transpose(table)) beside Gather(table, ids); the head gets
+    a 4-bit copy and the Gather keeps the float table."""
+    pytest.importorskip("onnxruntime", reason="--weights int4 needs the [onnx] extra")
+    import numpy as np
+    import onnx
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    from trtspec.engines.onnxruntime import quantize_weights
+
+    table = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["rows"]),
+         helper.make_node("Transpose", ["table"], ["head"], perm=[1, 0]),
+         helper.make_node("MatMul", ["rows", "head"], ["logits"])], "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, 96])],
+        [numpy_helper.from_array(table, "table")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), tmp_path / "float.onnx")
+    quantize_weights(tmp_path / "float.onnx", tmp_path / "int4.onnx")
+    assert _ops(tmp_path / "int4.onnx") == Counter({"Gather": 1, "MatMulNBits": 1})
+    ids = np.array([3, 50])
+    logits = onnxruntime.InferenceSession(tmp_path / "int4.onnx").run(None, {"ids": ids})[0]
+    exact = table[ids] @ table.T
+    assert np.abs(logits - exact).max() < 0.1 * np.abs(exact).max()  # rounded to 4 bits, not another matrix
+    assert (logits.argmax(-1) == ids).all()
