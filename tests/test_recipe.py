@@ -1,6 +1,6 @@
 """The shipped drafter's recipe (scripts/drafter/recipe.sh) end to end on the tiny pair: response
-shards, training in chunks saved as committed parts, the held-out curve, and a rerun that resumes
-instead of starting over."""
+shards, training in chunks saved as committed parts, the held-out curve, the shipped drafter with
+its BlockPilot policy, and a rerun that resumes instead of starting over."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_recipe(target_dir: Path, data: Path, work: Path, **overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TARGET": str(target_dir), "DATA": str(data), "WORK": str(work), "THREADS": "1",
            "SHARD_SIZE": "3", "MAX_NEW_TOKENS": "12", "STEPS": "6", "CHUNK_MINUTES": "5", "MASK": "3", "HELD_OUT": "3",
-           "SAMPLED_EVERY": "3", "NUM_FEATURES": "2", "DRAFT_VOCAB": "40",
+           "SAMPLED_EVERY": "2", "NUM_FEATURES": "2", "DRAFT_VOCAB": "40",
+           "POLICY_PROMPTS": "3", "POLICY_SIZES": "4", "POLICY_TOKENS": "8",
            "SHIP_TO": str(work.parent / "shipped"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **overrides}
     return subprocess.run(["bash", "scripts/drafter/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -40,12 +41,12 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     assert first.returncode == 0, first.stderr[-2000:]
 
     shards = sorted(p.name for p in (data / "responses").glob("shard-*.jsonl"))
-    assert shards == ["shard-0000.jsonl", "shard-0001.jsonl", "shard-0002.jsonl"]
+    assert shards == ["shard-0000.jsonl", "shard-0001.jsonl"]  # the last 3 prompts are the policy's
     manifest = json.loads((data / "responses" / "manifest.json").read_text())
-    assert sum(s["prompts"] for s in manifest["shards"].values()) == 9
-    assert [manifest["shards"][name]["temperature"] for name in shards] == [0.0, 0.0, 1.0]  # every 3rd sampled
+    assert sum(s["prompts"] for s in manifest["shards"].values()) == 6
+    assert [manifest["shards"][name]["temperature"] for name in shards] == [0.0, 1.0]  # every 2nd sampled
     trained = (work / "train.jsonl").read_text().splitlines()
-    assert len(trained) == 6  # shard-0000 is held out
+    assert len(trained) == 3  # shard-0000 is held out
     held_out = {json.loads(line)["prompt"] for line in (data / "responses" / "shard-0000.jsonl").read_text().splitlines()}
     assert not held_out & {json.loads(line)["prompt"] for line in trained}
 
@@ -58,7 +59,10 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     assert (shipped / "config.json").is_file() and (shipped / "draft_vocab" / "counts.safetensors").is_file()
     config = json.loads((shipped / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16" and config["trtspec_lineage"]["draft_vocab"]["size"] == 40
-    assert Pipeline(target_dir, shipped).draft_vocab_size == 40  # it drafts among the ids it was trained on
+    shipped_pair = Pipeline(target_dir, shipped)
+    assert shipped_pair.draft_vocab_size == 40  # it drafts among the ids it was trained on
+    labelled = [json.loads(line)["prompt"] for line in (work / "policy" / "prompts.jsonl").read_text().splitlines()]
+    assert labelled == texts[-3:] and shipped_pair.policy is not None  # auto decides with the shipped policy
 
     # A new machine: only the committed state (data/) is left. The rerun generates nothing, restores
     # the checkpoint from its parts and does not train again (the run had finished).

@@ -11,8 +11,11 @@ TARGET=${TARGET:-smollm2}
 DATA=${DATA:-data/smollm2}
 WORK=${WORK:-build/smollm2}
 THREADS=${THREADS:-2}
-SHARDS=${SHARDS:-}             # stop generating after this many shards exist (default: every prompt)
+POLICY_PROMPTS=${POLICY_PROMPTS:-64}  # the last N prompts label BlockPilot's policy (step 6): no shard holds them
+SHARDS=${SHARDS:-}             # stop generating after this many shards exist (default: every prompt but those)
 SHARD_SIZE=${SHARD_SIZE:-128}
+POLICY_SIZES=${POLICY_SIZES:-4,8,16}  # the policy's candidates besides AR
+POLICY_TOKENS=${POLICY_TOKENS:-64}    # new tokens per labelled decode
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 SAMPLED_EVERY=${SAMPLED_EVERY:-4}  # every N-th shard samples at T = 1, the rest are greedy
 STEPS=${STEPS:-800}            # the run's length (the cosine schedule's horizon)
@@ -30,10 +33,13 @@ mkdir -p "$WORK"
 # 1. Prompts: code and chat requests in the chat template, none from HumanEval (the script refuses).
 [ -f "$DATA/prompts.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" -o "$DATA/prompts.jsonl"
 
-# 2. The target's own responses, 128 prompts a shard; every 4th shard sampled at T = 1.
+# 2. The target's own responses, 128 prompts a shard; every 4th shard sampled at T = 1. Generation
+#    stops before the last POLICY_PROMPTS prompts: BlockPilot's labels (step 6) are decoded on those.
+PROMPTS=$(wc -l < "$DATA/prompts.jsonl")
+SHARDS=${SHARDS:-$(( (PROMPTS - POLICY_PROMPTS) / SHARD_SIZE ))}
 python scripts/drafter/generate.py --target "$TARGET" --prompts "$DATA/prompts.jsonl" -o "$DATA/responses" \
     --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" \
-    --sampled-every "$SAMPLED_EVERY" ${SHARDS:+--shards "$SHARDS"}
+    --sampled-every "$SAMPLED_EVERY" --shards "$SHARDS"
 
 # 3. The training file: every shard but shard-0000, whose prompts are held out for the curve.
 #    A run's data is fixed (the checkpoint records its digest), so TRAIN_SHARDS pins which shards
@@ -72,3 +78,14 @@ done
 
 # 5. The drafter and its draft vocabulary's counts into the package.
 python scripts/drafter/ship.py "$WORK/smollm2-b16" --counts "$WORK/draft_vocab" -o "$SHIP_TO"
+
+# 6. BlockPilot's policy for the pair, shipped inside the drafter (blockpilot/, which `auto` reads):
+#    each of the last POLICY_PROMPTS prompts decoded at AR and at every size of POLICY_SIZES through
+#    this backend and labelled with the fastest (label-blocks), then the policy trained on those labels.
+if [ "$POLICY_PROMPTS" -gt 0 ]; then
+    mkdir -p "$WORK/policy"
+    tail -n "$POLICY_PROMPTS" "$DATA/prompts.jsonl" > "$WORK/policy/prompts.jsonl"
+    trtspec --threads "$THREADS" label-blocks --target "$TARGET" --drafter "$SHIP_TO" --prompts "$WORK/policy/prompts.jsonl" \
+        --block-sizes "$POLICY_SIZES" --max-new-tokens "$POLICY_TOKENS" --seed 0 -o "$WORK/policy/labels-t0.jsonl"
+    trtspec --threads "$THREADS" train-policy "$WORK/policy/labels-t0.jsonl" --ar yes -o "$SHIP_TO/blockpilot"
+fi
