@@ -302,6 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", help="trtspec's and transformers' dtype (default: auto, "
                                                         "bfloat16 on a CPU with AMX).")
     parser.add_argument("--backend", default="eager", help="trtspec's backend, as trtspec bench's (default: eager).")
+    parser.add_argument("--engine", help="A built trtspec engine of the pair (e.g. trtspec build --weights int4) "
+                                         "instead of --backend.")
     parser.add_argument("--max-context", type=int, help="trtspec's context cap (default: the model's).")
     parser.add_argument("--target", help="A GGUF file or HF directory (default: SmolLM2-135M-Instruct's GGUF).")
     parser.add_argument("--drafter", help="trtspec's drafter (default: the bundled one of the default target).")
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         check_output_file(args.json)
     torch.set_num_threads(args.threads)
     name, texts = load_prompts("humaneval", args.limit)
-    pipeline = load_pipeline(args.target, args.drafter, args.dtype, "cpu", backend=args.backend,
+    pipeline = load_pipeline(args.target, args.drafter, args.dtype, "cpu", backend=args.backend, engine=args.engine,
                              block_sizes=(args.block_size,), max_context=args.max_context)
     if not pipeline.has_drafter:
         raise TrtspecError("trtspec-spec needs a drafter: give --drafter DIR with --target")
