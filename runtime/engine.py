@@ -153,21 +153,20 @@ class _Active:
     failed: bool = False    # its own error ended it (`LocalEngine._alone`): the rest of the iteration skips it
 
 
-def verify_calls(groups: dict[int, list["_Active"]]) -> list[tuple[int, list["_Active"]]]:
-    """An iteration's verify calls, as (width, requests), from its requests by block size: one call
-    over all of them at the widest size, shorter blocks padded, so a batch of several sizes reads
-    the weights once (on a CPU or a small batch the call's cost is mostly that read). Measured
-    with scripts/batch_mix.py (4 greedy B = 8 and 4 sampled AR requests, the default pair, eager
-    bfloat16, 1 thread): 0.70 of the same requests split by kind with a call per size, 0.82 with
-    one call; the rest is the AR rows' padding. A call per size instead when padding would more than double the positions computed
-    (e.g. many AR requests beside one B = 16), where a large batch's cost grows with them."""
-    if len(groups) <= 1:
-        return list(groups.items())
-    width = max(groups)
+def verify_calls(groups: dict[int, list["_Active"]]) -> list[tuple[int, dict[int, list["_Active"]]]]:
+    """An iteration's verify calls, as (width, its requests by block size), from all requests by
+    block size: one call over all of them at the widest size, shorter blocks padded, so a batch of
+    several sizes reads the weights once (on a CPU or a small batch the call's cost is mostly that
+    read). Measured with scripts/batch_mix.py (4 greedy B = 8 and 4 sampled AR requests, the
+    default pair, eager bfloat16, 1 thread): 0.70 of the same requests split by kind with a call
+    per size, 0.82 with one call; the rest is the AR rows' padding. A call per size instead when
+    padding would more than double the positions computed (e.g. many AR requests beside one
+    B = 16), where a large batch's cost grows with them."""
+    requests = sum(len(members) for members in groups.values())
     computed = sum(size * len(members) for size, members in groups.items())
-    if width * sum(len(members) for members in groups.values()) > 2 * computed:
-        return sorted(groups.items())
-    return [(width, [active for _, members in sorted(groups.items()) for active in members])]
+    if len(groups) > 1 and max(groups) * requests > 2 * computed:
+        return [(size, {size: members}) for size, members in sorted(groups.items())]
+    return [(max(groups), dict(sorted(groups.items())))] if groups else []
 
 
 class LocalEngine:
@@ -323,12 +322,12 @@ class LocalEngine:
             if active.controller is not None and active.controller.running:
                 groups.setdefault(active.controller.block_size, []).append(active)
         timed = self.chooser is not None
-        for width, members in verify_calls(groups):
+        for width, by_size in verify_calls(groups):
             began = time.perf_counter() if timed else 0.0
-            for size, drafting in sorted(groups.items()):  # a draft call per block size: each drafts its own block
-                drafting = [active for active in drafting if active in members]
-                if size > 1 and drafting:
+            for size, drafting in by_size.items():  # a draft call per block size: each drafts its own block
+                if size > 1:
                     self._draft(size, drafting)
+            members = [active for drafting in by_size.values() for active in drafting]
             self._verify(width, members)
             for active in members:
                 if not active.failed:
