@@ -322,18 +322,25 @@ class LocalEngine:
             if active.controller is not None and active.controller.running:
                 groups.setdefault(active.controller.block_size, []).append(active)
         timed = self.chooser is not None
-        for width, by_size in verify_calls(groups):
+        calls = verify_calls(groups)
+        # Every call drafts before any verifies: a request's drafter context is a view of the verify
+        # output it came from (no copy), which the next verify of that shape overwrites.
+        drafted = []
+        for _, by_size in calls:
             began = time.perf_counter() if timed else 0.0
             for size, drafting in by_size.items():  # a draft call per block size: each drafts its own block
                 if size > 1:
                     self._draft(size, drafting)
+            drafted.append(time.perf_counter() - began if timed else 0.0)
+        for (width, by_size), draft_s in zip(calls, drafted):
+            began = time.perf_counter() if timed else 0.0
             members = [active for drafting in by_size.values() for active in drafting]
             self._verify(width, members)
             for active in members:
                 if not active.failed:
                     self._emit(active)
             if timed:  # what a cycle of this shape costs here, host work included: load-aware BlockPilot's costs
-                self.chooser.observe_cycle(width, len(members), (time.perf_counter() - began) * 1e3)
+                self.chooser.observe_cycle(width, len(members), (time.perf_counter() - began + draft_s) * 1e3)
         for active in [a for a in self._active if a.controller is not None and not a.controller.running]:
             self._emit(active)  # any that finished without a cycle
 
@@ -465,7 +472,7 @@ class LocalEngine:
         """The group's proposals, into each controller's verify block (positions 1..B-1)."""
         drafts = self.runner.draft([a.slot for a in members], [a.context for a in members],
                                    [a.controller.draft_block[:size] for a in members],
-                                   [a.controller.start for a in members]).cpu().numpy()
+                                   [a.controller.start for a in members]).tolist()
         for row, active in enumerate(members):
             active.controller.verify_block[1:size] = drafts[row]
             active.context = None  # the drafter cache holds it now
@@ -500,8 +507,8 @@ class LocalEngine:
                 self._record_logprobs(active, *asked[row])
             active.calls += 1
             active.shared += len(members)
-            if sizes[row] > 1 and self.runner.mask_token_id is not None:  # a copy: the next verify of this shape overwrites the buffer
-                active.context = features[row, :active.controller.accepted + 1].clone()
+            if sizes[row] > 1 and self.runner.mask_token_id is not None:  # read by the next iteration's drafts
+                active.context = features[row, :active.controller.accepted + 1]
 
     @staticmethod
     def _process(active: _Active, rows: torch.Tensor, size: int) -> tuple[torch.Tensor, int] | None:

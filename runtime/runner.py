@@ -67,6 +67,8 @@ class BatchRunner:
         check_cache_fits(slots, cache_bytes(shapes.values(), dtype) // slots, max_context, self.device)
         self._caches = {graph: [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2)]
                         for graph, shape in shapes.items()}
+        # the caches as [slots, positions, ...] views: where a one-slot graph writes its new keys/values
+        self._by_slot = {graph: [cache.transpose(0, 1) for cache in caches] for graph, caches in self._caches.items()}
         self._outputs: dict[tuple, dict[str, torch.Tensor]] = {}
         self._staged: dict[tuple, tuple[torch.Tensor, np.ndarray | None]] = {}
         self._cpu = self.device.type == "cpu"
@@ -168,9 +170,9 @@ class BatchRunner:
         if self.slots == 1 and not replayed and keep is None:
             # One slot: the graph writes its new keys/values into the cache itself, no copy after (a
             # host cost that shows on a small model's batch-1 decode, where a graph takes ~0.25 ms).
-            count = outputs["new_k"].shape[1]
-            outputs = {**outputs, "new_k": cache_k[new_at[0]:new_at[0] + count].transpose(0, 1),
-                       "new_v": cache_v[new_at[0]:new_at[0] + count].transpose(0, 1)}
+            start, end = new_at[0], new_at[0] + outputs["new_k"].shape[1]
+            slot_k, slot_v = self._by_slot[graph]
+            outputs = {**outputs, "new_k": slot_k[:, start:end], "new_v": slot_v[:, start:end]}
             self.executor.run(graph, profile, inputs, outputs)
             return outputs
         self.executor.run(graph, profile, inputs, outputs)
