@@ -37,6 +37,9 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     texts = [f"def function_{i}(x):\n    return x + {i}" for i in range(9)]
     (data / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t, "prompt_ids": codec.encode(t)}) + "\n"
                                                 for t in texts))
+    stubs = [f'def function_{i}(x):\n    """Add {i}."""\n' for i in range(3)]
+    (data / "stubs.jsonl").write_text("".join(json.dumps({"prompt": t, "prompt_ids": codec.encode(t)}) + "\n"
+                                              for t in stubs))
     first = run_recipe(target_dir, data, work)
     assert first.returncode == 0, first.stderr[-2000:]
 
@@ -45,8 +48,10 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     manifest = json.loads((data / "responses" / "manifest.json").read_text())
     assert sum(s["prompts"] for s in manifest["shards"].values()) == 6
     assert [manifest["shards"][name]["temperature"] for name in shards] == [0.0, 1.0]  # every 2nd sampled
+    assert sorted(p.name for p in (data / "responses-stubs").glob("shard-*.jsonl")) == ["shard-0000.jsonl"]
     trained = (work / "train.jsonl").read_text().splitlines()
-    assert len(trained) == 3  # shard-0000 is held out
+    assert len(trained) == 3 + 3  # shard-0000 of the requests is held out; every stub shard trains
+    assert {json.loads(line)["prompt"] for line in trained[3:]} == set(stubs)
     held_out = {json.loads(line)["prompt"] for line in (data / "responses" / "shard-0000.jsonl").read_text().splitlines()}
     assert not held_out & {json.loads(line)["prompt"] for line in trained}
 
@@ -68,10 +73,10 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     # the checkpoint from its parts and does not train again (the run had finished).
     for path in sorted(work.rglob("*"), reverse=True):
         path.unlink() if path.is_file() else path.rmdir()
-    shard_times = {p.name: p.stat().st_mtime_ns for p in (data / "responses").glob("shard-*.jsonl")}
+    shard_times = {str(p.relative_to(data)): p.stat().st_mtime_ns for p in data.glob("responses*/shard-*.jsonl")}
     second = run_recipe(target_dir, data, work)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert {p.name: p.stat().st_mtime_ns for p in (data / "responses").glob("shard-*.jsonl")} == shard_times
+    assert {str(p.relative_to(data)): p.stat().st_mtime_ns for p in data.glob("responses*/shard-*.jsonl")} == shard_times
     assert "restored step 6" in second.stdout
     assert "| 1/6" in first.stderr and "| 1/6" not in second.stderr  # no training step was taken again
     assert [json.loads(line)["step"] for line in (data / "curve.jsonl").read_text().splitlines()] == [6, 6]

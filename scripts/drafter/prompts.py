@@ -7,6 +7,10 @@ form users send it). Two sources, both offline and deterministic:
   ("Write a Python function ..."), explained, tested or refactored;
 * chat: a fixed list of everyday and technical subjects crossed with instruction templates.
 
+`--form stubs` writes a second set: each such function as a bare stub (its `def` line and its
+docstring, no request around it), the form in which code assistants are handed a function to
+complete (and in which the benchmark's HumanEval prompts reach the model).
+
 HumanEval is the benchmark, so the script refuses to write a prompt that names a HumanEval entry
 point or holds a line of a HumanEval prompt (40+ characters). The order is a fixed shuffle, so
 any prefix of the file (the shards generated so far) is a mix of both kinds.
@@ -83,9 +87,22 @@ def _summary(obj) -> str | None:
     return first if first.endswith(".") else first + "."
 
 
-def code_requests() -> list[str]:
-    """One request per (public stdlib function, task), in a fixed order."""
-    requests = []
+STUB = 'def {name}{signature}:\n    """{doc}\n    """\n'
+STUB_DOC_CHARS = 600  # the docstring's first paragraphs, up to this many characters
+
+
+def _stub_doc(obj) -> str:
+    """The docstring's leading paragraphs that fit STUB_DOC_CHARS, indented as in a function body."""
+    kept: list[str] = []
+    for paragraph in inspect.getdoc(obj).strip().split("\n\n"):
+        if kept and sum(len(p) + 2 for p in kept) + len(paragraph) > STUB_DOC_CHARS:
+            break
+        kept.append(paragraph)
+    return "\n\n".join(kept)[:STUB_DOC_CHARS].replace("\n", "\n    ")
+
+
+def stdlib_functions():
+    """(module name, function name, function, summary) of every documented public stdlib function."""
     for module_name in sorted(sys.stdlib_module_names):
         if module_name.startswith("_") or module_name in ("antigravity", "this", "idlelib", "tkinter", "turtle"):
             continue
@@ -101,14 +118,32 @@ def code_requests() -> list[str]:
             summary = _summary(obj)
             if summary is None:
                 continue
-            try:
-                signature = str(inspect.signature(obj))
-            except (TypeError, ValueError):
-                continue
+            yield module_name, name, obj, summary
+
+
+def _signature(obj) -> str | None:
+    try:
+        return str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return None
+
+
+def code_requests() -> list[str]:
+    """One request per (public stdlib function, task), in a fixed order."""
+    requests = []
+    for module_name, name, obj, summary in stdlib_functions():
+        signature = _signature(obj)
+        if signature is not None:
             values = {"name": name, "signature": signature, "summary": summary, "module": module_name,
                       "summary_lower": summary[0].lower() + summary[1:]}
             requests += [task.format(**values) for task in CODE_TASKS]
     return requests
+
+
+def stub_requests() -> list[str]:
+    """One bare stub (def line and docstring) per public stdlib function, in a fixed order."""
+    return [STUB.format(name=name, signature=re.sub(r" at 0x[0-9a-f]+", "", signature), doc=_stub_doc(obj))
+            for _, name, obj, _ in stdlib_functions() if (signature := _signature(obj)) is not None]
 
 
 def chat_requests() -> list[str]:
@@ -129,25 +164,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2", help="Target whose chat template and tokenizer are used.")
     parser.add_argument("-o", "--output", required=True)
+    parser.add_argument("--form", default="requests", choices=("requests", "stubs"),
+                        help="requests: code and chat requests; stubs: bare function stubs to complete.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the fixed shuffle.")
     parser.add_argument("--max-prompt-tokens", type=int, default=192, help="Longer prompts are left out.")
     args = parser.parse_args()
     codec = TextCodec(resolve_target(args.target))
-    code, chat = code_requests(), chat_requests()
-    leaks = set(humaneval_leaks(code + chat))
-    requests = [r for r in code + chat if r not in leaks]
+    kinds = {"code": code_requests(), "chat": chat_requests()} if args.form == "requests" else {"stub": stub_requests()}
+    kind_of = {text: kind for kind, texts in kinds.items() for text in texts}
+    every = [text for texts in kinds.values() for text in texts]  # duplicates kept: the committed sets hold them
+    leaks = set(humaneval_leaks(every))
+    requests = [text for text in every if text not in leaks]
     random.Random(args.seed).shuffle(requests)
     records = []
     for text in requests:
         messages = [{"role": "user", "content": text}]
         ids = codec.encode_chat(messages)
         if len(ids) <= args.max_prompt_tokens:
-            records.append({"prompt": codec.apply_chat_template(messages), "prompt_ids": ids,
-                            "kind": "chat" if text in chat else "code"})
+            records.append({"prompt": codec.apply_chat_template(messages), "prompt_ids": ids, "kind": kind_of[text]})
     atomic_write_text(args.output, "".join(json.dumps(r) + "\n" for r in records))
-    kinds = {k: sum(r["kind"] == k for r in records) for k in ("code", "chat")}
-    print(f"{args.output}: {len(records)} prompts ({kinds['code']} code, {kinds['chat']} chat); "
-          f"{len(leaks)} dropped as HumanEval leaks")
+    counts = ", ".join(f"{sum(r['kind'] == kind for r in records)} {kind}" for kind in kinds)
+    print(f"{args.output}: {len(records)} prompts ({counts}); {len(leaks)} dropped as HumanEval leaks")
 
 
 if __name__ == "__main__":

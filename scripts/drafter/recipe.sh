@@ -16,6 +16,7 @@ SHARDS=${SHARDS:-}             # stop generating after this many shards exist (d
 SHARD_SIZE=${SHARD_SIZE:-128}
 POLICY_SIZES=${POLICY_SIZES:-4,8,16}  # the policy's candidates besides AR
 POLICY_TOKENS=${POLICY_TOKENS:-64}    # new tokens per labelled decode
+STUBS=${STUBS:-$DATA/stubs.jsonl}  # bare function stubs to complete (a second prompt set, all trained on)
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 SAMPLED_EVERY=${SAMPLED_EVERY:-4}  # every N-th shard samples at T = 1, the rest are greedy
 STEPS=${STEPS:-800}            # the run's length (the cosine schedule's horizon)
@@ -32,6 +33,8 @@ mkdir -p "$WORK"
 
 # 1. Prompts: code and chat requests in the chat template, none from HumanEval (the script refuses).
 [ -f "$DATA/prompts.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" -o "$DATA/prompts.jsonl"
+#    And the same functions as bare stubs (def line and docstring), the form a function to complete comes in.
+[ -f "$STUBS" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs --max-prompt-tokens 320 -o "$STUBS"
 
 # 2. The target's own responses, 128 prompts a shard; every 4th shard sampled at T = 1. Generation
 #    stops before the last POLICY_PROMPTS prompts: BlockPilot's labels (step 6) are decoded on those.
@@ -40,12 +43,17 @@ SHARDS=${SHARDS:-$(( (PROMPTS - POLICY_PROMPTS) / SHARD_SIZE ))}
 python scripts/drafter/generate.py --target "$TARGET" --prompts "$DATA/prompts.jsonl" -o "$DATA/responses" \
     --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" \
     --sampled-every "$SAMPLED_EVERY" --shards "$SHARDS"
+python scripts/drafter/generate.py --target "$TARGET" --prompts "$STUBS" -o "$DATA/responses-stubs" \
+    --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" --sampled-every "$SAMPLED_EVERY"
 
-# 3. The training file: every shard but shard-0000, whose prompts are held out for the curve.
-#    A run's data is fixed (the checkpoint records its digest), so TRAIN_SHARDS pins which shards
-#    a run trains on; a later run on more data starts from this one's drafter (--init-from).
+# 3. The training file: every shard but shard-0000, whose prompts are held out for the curve, and the
+#    stubs' shards. A run's data is fixed (the checkpoint records its digest), so TRAIN_SHARDS and
+#    TRAIN_STUB_SHARDS pin which shards a run trains on; a later run on more data starts from this
+#    one's drafter (--init-from).
 TRAIN_SHARDS=${TRAIN_SHARDS:-$(ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | wc -l)}
-ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | head -n "$TRAIN_SHARDS" | xargs cat > "$WORK/train.jsonl"
+TRAIN_STUB_SHARDS=${TRAIN_STUB_SHARDS:-$(ls "$DATA"/responses-stubs/shard-*.jsonl | wc -l)}
+{ ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | head -n "$TRAIN_SHARDS"
+  ls "$DATA"/responses-stubs/shard-*.jsonl | head -n "$TRAIN_STUB_SHARDS"; } | xargs cat > "$WORK/train.jsonl"
 
 # 3b. The draft vocabulary's counts over the training responses: the K ids the drafter learns to
 #     propose among are the K most frequent here (the curve and the shipped drafter use these counts).
@@ -58,7 +66,7 @@ if [ "$DRAFT_VOCAB" -gt 0 ]; then VOCAB=(--draft-vocab "$DRAFT_VOCAB"); else VOC
 #    The committed checkpoint is restored only into the run it belongs to (RUN names the data,
 #    start and options): a new run (other shards, INIT_FROM, STEPS...) starts afresh.
 if [ -n "$INIT_FROM" ]; then START=(--init-from "$INIT_FROM"); else START=(--layers-from-target); fi
-RUN="shards=$TRAIN_SHARDS init=${INIT_FROM:-target-layers} steps=$STEPS lr=$LR layers=$LAYERS vocab=$DRAFT_VOCAB"
+RUN="shards=$TRAIN_SHARDS stubs=$TRAIN_STUB_SHARDS init=${INIT_FROM:-target-layers} steps=$STEPS lr=$LR layers=$LAYERS vocab=$DRAFT_VOCAB"
 # A work directory another run left behind is cleared: its checkpoint would not resume this run.
 if [ "$(cat "$WORK/drafter-work/run" 2>/dev/null)" != "$RUN" ]; then rm -rf "$WORK/drafter-work"; fi
 mkdir -p "$WORK/drafter-work" && echo "$RUN" > "$WORK/drafter-work/run"
