@@ -162,11 +162,13 @@ def verify_calls(groups: dict[int, list["_Active"]]) -> list[tuple[int, dict[int
     per size, 0.82 with one call; the rest is the AR rows' padding. A call per size instead when
     padding would more than double the positions computed (e.g. many AR requests beside one
     B = 16), where a large batch's cost grows with them."""
+    if len(groups) <= 1:
+        return [(size, groups) for size in groups]
     requests = sum(len(members) for members in groups.values())
     computed = sum(size * len(members) for size, members in groups.items())
-    if len(groups) > 1 and max(groups) * requests > 2 * computed:
+    if max(groups) * requests > 2 * computed:
         return [(size, {size: members}) for size, members in sorted(groups.items())]
-    return [(max(groups), dict(sorted(groups.items())))] if groups else []
+    return [(max(groups), dict(sorted(groups.items())))]
 
 
 class LocalEngine:
@@ -491,7 +493,7 @@ class LocalEngine:
         # the sampled rows of a block size are drawn together (per row, a small model's batch is mostly
         # dispatch cost), each over its own positions: a request draws the same uniforms in any batch
         drawn = {}
-        for size in sorted(set(sizes)):
+        for size in sorted(set(sizes)) if any(members[row].stepper is None for row in live) else ():
             sampled = [row for row in live if sizes[row] == size and members[row].stepper is None]
             if not sampled:
                 continue

@@ -263,6 +263,8 @@ class BatchRunner:
         context [n_r, F] holds the features of the n_r positions before its start that its drafter
         cache lacks (a first cycle: the whole prompt); its block [B] is int64: the bonus, then MASK x (B-1)."""
         staged = self._long("draft_blocks", blocks)
+        if len(contexts) == 1:
+            return self._draft(slots, contexts, staged, starts)
         counts = [c.shape[0] for c in contexts]
         short = [r for r, n in enumerate(counts) if n <= SHORT_CONTEXT]
         # a long context (a prompt) is drafted alone rather than padding every row to it
