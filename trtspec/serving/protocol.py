@@ -7,6 +7,8 @@ server, no event loop. Every refusal is an `ApiError` in OpenAI's shape that nam
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from trtspec import limits
@@ -37,6 +39,18 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+@contextmanager
+def refused_as(param: str | None, wire: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Inside it, a check's TrtspecError is answered 400 with its message: a FieldError names its own
+    field (as `wire` spells it on this route), any other names `param`."""
+    try:
+        yield
+    except FieldError as exc:
+        raise bad_request(str(exc), (wire or {}).get(exc.field, exc.field)) from None
+    except TrtspecError as exc:
+        raise bad_request(str(exc), param) from None
 
 
 @dataclass
@@ -100,10 +114,8 @@ def _check_fields(body: dict, chat: bool) -> None:
 
 def _choices(body: dict) -> int:
     """`n`: how many choices, each its own engine request (OpenAI's own field: Triton has no choices)."""
-    try:
+    with refused_as("n"):
         return limits.CHOICES.check_field(_CHOICES.read(body.get("n")), "n")
-    except FieldError as exc:
-        raise bad_request(str(exc), "n") from None
 
 
 def _check_characters(characters: int, codec, max_context: int, param: str) -> None:
@@ -187,16 +199,11 @@ def _chat_ids(body: dict, codec, max_context: int) -> list[int]:
         size += len(content) + len(message["role"])
     _check_characters(size, codec, max_context, "messages")
     options = _template_options(body)
-    try:
+    with refused_as("messages"):
         text = codec.apply_chat_template(plain, label="chat", **options)
-    except TrtspecError as exc:
-        raise bad_request(str(exc), "messages") from None
     _check_characters(len(text), codec, max_context, "messages")
-    try:
-        ids = codec.encode_unlocked(text, add_special_tokens=False)  # encode_chat's ids, the GIL released
-    except TrtspecError as exc:
-        raise bad_request(str(exc), "messages") from None
-    return ids
+    with refused_as("messages"):
+        return codec.encode_unlocked(text, add_special_tokens=False)  # encode_chat's ids, the GIL released
 
 
 def _stops(body: dict, codec) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -210,10 +217,8 @@ def _stops(body: dict, codec) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if ids is not None and (not isinstance(ids, list)
                             or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
         raise bad_request(f"stop_token_ids must be a list of token ids, got {short_repr(ids)}", "stop_token_ids")
-    try:
+    with refused_as(None):
         return stops(texts, ids or [], codec)
-    except FieldError as exc:
-        raise bad_request(str(exc), exc.field) from None
 
 
 def _logprobs(body: dict, chat: bool) -> tuple[int | None, int | None]:
@@ -238,10 +243,8 @@ def _block_choice(body: dict, default: BlockChoice) -> BlockChoice:
                           f"got {short_repr(value)}", "block_size")
     if isinstance(value, str) and len(value) > 16:
         raise bad_request(f"block_size must be B, \"B:G\", \"auto\" or \"AR\", got {short_repr(value)}", "block_size")
-    try:
+    with refused_as("block_size"):
         return BlockChoice.parse(value, allow_ar=True, label="block_size")
-    except TrtspecError as exc:
-        raise bad_request(str(exc), "block_size") from None
 
 
 def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_context: int = limits.INT32_MAX,
@@ -271,23 +274,16 @@ def parse_request(body, codec, default_block: BlockChoice, chat: bool, max_conte
     vocab_size = vocab_size or codec.tokenizer.get_vocab_size(with_added_tokens=True)
     values = {**{spec.name: body.get(spec.name) for spec in REQUEST_FIELDS}, "max_tokens": body.get(limit_field),
               "logprobs": logprobs}  # OpenAI's two forms of it, as one count
-    try:
+    wire = {"max_tokens": limit_field, "logprobs": "top_logprobs" if chat else "logprobs", "prompt_logprobs": "logprobs"}
+    with refused_as("block_size", wire):  # what a FieldError leaves to refuse is the block's
         config = request_config(values, block, stop_ids, texts,
                                 logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
                                 grammar=response_format(body.get("response_format"), codec, vocab_size),
                                 prompt_logprobs=prompt_logprobs)
-    except FieldError as exc:
-        wire = {"max_tokens": limit_field, "logprobs": "top_logprobs" if chat else "logprobs",
-                "prompt_logprobs": "logprobs"}.get(exc.field, exc.field)
-        raise bad_request(str(exc), wire) from None
-    except TrtspecError as exc:  # what is left to refuse is the block's
-        raise bad_request(str(exc), "block_size") from None
     ids = _chat_ids(body, codec, max_context) if chat else _prompt_ids(body, codec, max_context)
     if body.get(limit_field) is not None:  # asked for: refused when it does not fit (else capped), as vLLM
-        try:
+        with refused_as(limit_field):
             check_room(len(ids), config.max_new_tokens, max_context, limit_field)
-        except TrtspecError as exc:
-            raise bad_request(str(exc), limit_field) from None
     options = options or {}
     echo = None
     if not chat and _flag(body, "echo", False):
