@@ -88,8 +88,11 @@ def take_turns(lock: Path) -> Iterator[None]:
 
 
 def file_sha256(path: Path) -> str:
-    with path.open("rb") as stream:
-        return hashlib.file_digest(stream, "sha256").hexdigest()
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:  # hashlib.file_digest would need Python 3.11
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _resolved(path: PathLike) -> Path:

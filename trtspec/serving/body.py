@@ -25,15 +25,19 @@ async def read_body(http, max_bytes: int, timeout_s: float) -> bytes:
                               "bytes (--max-body-bytes)", code="request_too_large")
     if declared.isdigit() and (len(declared) > 18 or int(declared) > max_bytes):
         raise too_large
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+
+    async def collect() -> None:
+        size = 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large
+            chunks.append(chunk)
+
     try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in http.stream():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise too_large
-                chunks.append(chunk)
-    except TimeoutError:
+        await asyncio.wait_for(collect(), timeout_s)  # asyncio.timeout would need Python 3.11
+    except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s (--read-timeout)",
                        code="request_timeout") from None
     return b"".join(chunks)
