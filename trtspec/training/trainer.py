@@ -123,7 +123,17 @@ class DrafterLoss(nn.Module):
         return (losses * weights).sum() / weights.sum().clamp_min(1e-6)
 
 
-FEATURE_BYTES = 4 << 30  # target features kept in memory across epochs, at most (beyond: computed again)
+def _feature_bytes() -> int:
+    """Target features kept in memory across epochs, at most (beyond: computed again every epoch): a
+    third of the machine's memory, up to 16 GiB (the default pair's 3,600 sequences take 3 GiB)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows)
+        memory = 12 << 30
+    return min(16 << 30, memory // 3)
+
+
+FEATURE_BYTES = _feature_bytes()
 
 
 class TargetFeatures:
