@@ -101,20 +101,32 @@ def _stub_doc(obj) -> str:
     return "\n\n".join(kept)[:STUB_DOC_CHARS].replace("\n", "\n    ")
 
 
-def stdlib_functions():
-    """(module name, function name, function, summary) of every documented public stdlib function."""
-    for module_name in sorted(sys.stdlib_module_names):
-        if module_name.startswith("_") or module_name in ("antigravity", "this", "idlelib", "tkinter", "turtle"):
-            continue
+STDLIB_SKIPPED = ("antigravity", "this", "idlelib", "tkinter", "turtle")
+
+
+def documented_functions(modules: list[str] | None = None):
+    """(module name, function name, function, summary) of every documented public function of
+    `modules` (the functions their packages define) or, by default, of the standard library's
+    top-level modules (the functions each defines itself)."""
+    stdlib = modules is None
+    names = [m for m in sorted(sys.stdlib_module_names) if not m.startswith("_") and m not in STDLIB_SKIPPED] \
+        if stdlib else modules
+    for module_name in names:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 module = importlib.import_module(module_name)
         except Exception:  # noqa: BLE001 - modules absent from this build (or needing a display) are skipped
             continue
+        package = module_name.split(".")[0]
+        seen = set()
         for name, obj in sorted(vars(module).items()):
-            if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != module_name:
+            if name.startswith("_") or not inspect.isfunction(obj) or (not stdlib and id(obj) in seen):
                 continue
+            defined_in = obj.__module__ or ""
+            if (defined_in != module_name) if stdlib else (defined_in.split(".")[0] != package):
+                continue
+            seen.add(id(obj))  # a package's alias is asked for once (the committed stdlib sets keep theirs)
             summary = _summary(obj)
             if summary is None:
                 continue
@@ -131,7 +143,7 @@ def _signature(obj) -> str | None:
 def code_requests() -> list[str]:
     """One request per (public stdlib function, task), in a fixed order."""
     requests = []
-    for module_name, name, obj, summary in stdlib_functions():
+    for module_name, name, obj, summary in documented_functions():
         signature = _signature(obj)
         if signature is not None:
             values = {"name": name, "signature": signature, "summary": summary, "module": module_name,
@@ -140,10 +152,11 @@ def code_requests() -> list[str]:
     return requests
 
 
-def stub_requests() -> list[str]:
-    """One bare stub (def line and docstring) per public stdlib function, in a fixed order."""
+def stub_requests(modules: list[str] | None = None) -> list[str]:
+    """One bare stub (def line and docstring) per documented public function (`documented_functions`),
+    in a fixed order."""
     return [STUB.format(name=name, signature=re.sub(r" at 0x[0-9a-f]+", "", signature), doc=_stub_doc(obj))
-            for _, name, obj, _ in stdlib_functions() if (signature := _signature(obj)) is not None]
+            for _, name, obj, _ in documented_functions(modules) if (signature := _signature(obj)) is not None]
 
 
 def chat_requests() -> list[str]:
@@ -166,11 +179,13 @@ def main() -> None:
     parser.add_argument("-o", "--output", required=True)
     parser.add_argument("--form", default="requests", choices=("requests", "stubs"),
                         help="requests: code and chat requests; stubs: bare function stubs to complete.")
+    parser.add_argument("--modules", default=None, metavar="A,B,...",
+                        help="Stubs of these packages' functions (e.g. networkx,sympy) instead of the standard library's.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the fixed shuffle.")
     parser.add_argument("--max-prompt-tokens", type=int, default=192, help="Longer prompts are left out.")
     args = parser.parse_args()
     codec = TextCodec(resolve_target(args.target))
-    kinds = {"code": code_requests(), "chat": chat_requests()} if args.form == "requests" else {"stub": stub_requests()}
+    kinds = {"code": code_requests(), "chat": chat_requests()} if args.form == "requests" else {"stub": stub_requests(args.modules.split(",") if args.modules else None)}
     kind_of = {text: kind for kind, texts in kinds.items() for text in texts}
     every = [text for texts in kinds.values() for text in texts]  # duplicates kept: the committed sets hold them
     leaks = set(humaneval_leaks(every))
