@@ -37,9 +37,11 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     texts = [f"def function_{i}(x):\n    return x + {i}" for i in range(9)]
     (data / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t, "prompt_ids": codec.encode(t)}) + "\n"
                                                 for t in texts))
-    stubs = [f'def function_{i}(x):\n    """Add {i}."""\n' for i in range(3)]
-    (data / "stubs.jsonl").write_text("".join(json.dumps({"prompt": t, "prompt_ids": codec.encode(t)}) + "\n"
-                                              for t in stubs))
+    stubs = {"stubs": [f'def function_{i}(x):\n    """Add {i}."""\n' for i in range(3)],
+             "stubs-packages": [f'def graph_{i}(g):\n    """Count {i}."""\n' for i in range(3)]}
+    for name, stub_texts in stubs.items():
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t, "prompt_ids": codec.encode(t)}) + "\n"
+                                                    for t in stub_texts))
     first = run_recipe(target_dir, data, work)
     assert first.returncode == 0, first.stderr[-2000:]
 
@@ -48,10 +50,12 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     manifest = json.loads((data / "responses" / "manifest.json").read_text())
     assert sum(s["prompts"] for s in manifest["shards"].values()) == 6
     assert [manifest["shards"][name]["temperature"] for name in shards] == [0.0, 1.0]  # every 2nd sampled
-    assert sorted(p.name for p in (data / "responses-stubs").glob("shard-*.jsonl")) == ["shard-0000.jsonl"]
+    for name in stubs:
+        assert sorted(p.name for p in (data / f"responses-{name}").glob("shard-*.jsonl")) == ["shard-0000.jsonl"]
     trained = (work / "train.jsonl").read_text().splitlines()
-    assert len(trained) == 3 + 3  # shard-0000 of the requests is held out; every stub shard trains
-    assert {json.loads(line)["prompt"] for line in trained[3:]} == set(stubs)
+    assert len(trained) == 3 + 3 + 3  # shard-0000 of the requests is held out; every stub shard trains
+    prompts = [json.loads(line)["prompt"] for line in trained]
+    assert set(prompts[3:6]) == set(stubs["stubs"]) and set(prompts[6:]) == set(stubs["stubs-packages"])  # in order
     held_out = {json.loads(line)["prompt"] for line in (data / "responses" / "shard-0000.jsonl").read_text().splitlines()}
     assert not held_out & {json.loads(line)["prompt"] for line in trained}
 

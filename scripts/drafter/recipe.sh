@@ -16,7 +16,9 @@ SHARDS=${SHARDS:-}             # stop generating after this many shards exist (d
 SHARD_SIZE=${SHARD_SIZE:-128}
 POLICY_SIZES=${POLICY_SIZES:-4,8,16}  # the policy's candidates besides AR
 POLICY_TOKENS=${POLICY_TOKENS:-64}    # new tokens per labelled decode
-STUBS=${STUBS:-$DATA/stubs.jsonl}  # bare function stubs to complete (a second prompt set, all trained on)
+# Bare function stubs to complete (def line and docstring), all trained on: the standard library's
+# (stubs.jsonl) and, unless STUB_MODULES is empty, those of the packages it names (stubs-packages.jsonl).
+STUB_MODULES=${STUB_MODULES-networkx,sympy,scipy.stats,scipy.special,scipy.signal,scipy.optimize,scipy.linalg,numpy,click}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 SAMPLED_EVERY=${SAMPLED_EVERY:-4}  # every N-th shard samples at T = 1, the rest are greedy
 STEPS=${STEPS:-800}            # the run's length (the cosine schedule's horizon)
@@ -33,8 +35,15 @@ mkdir -p "$WORK"
 
 # 1. Prompts: code and chat requests in the chat template, none from HumanEval (the script refuses).
 [ -f "$DATA/prompts.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" -o "$DATA/prompts.jsonl"
-#    And the same functions as bare stubs (def line and docstring), the form a function to complete comes in.
-[ -f "$STUBS" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs --max-prompt-tokens 320 -o "$STUBS"
+#    And functions as bare stubs (def line and docstring), the form a function to complete comes in.
+STUB_SETS=(stubs)
+[ -f "$DATA/stubs.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs --max-prompt-tokens 320 \
+    -o "$DATA/stubs.jsonl"
+if [ -n "$STUB_MODULES" ]; then
+    STUB_SETS+=(stubs-packages)
+    [ -f "$DATA/stubs-packages.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs \
+        --modules "$STUB_MODULES" --max-prompt-tokens 320 -o "$DATA/stubs-packages.jsonl"
+fi
 
 # 2. The target's own responses, 128 prompts a shard; every 4th shard sampled at T = 1. Generation
 #    stops before the last POLICY_PROMPTS prompts: BlockPilot's labels (step 6) are decoded on those.
@@ -43,17 +52,20 @@ SHARDS=${SHARDS:-$(( (PROMPTS - POLICY_PROMPTS) / SHARD_SIZE ))}
 python scripts/drafter/generate.py --target "$TARGET" --prompts "$DATA/prompts.jsonl" -o "$DATA/responses" \
     --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" \
     --sampled-every "$SAMPLED_EVERY" --shards "$SHARDS"
-python scripts/drafter/generate.py --target "$TARGET" --prompts "$STUBS" -o "$DATA/responses-stubs" \
-    --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" --sampled-every "$SAMPLED_EVERY"
+for set in "${STUB_SETS[@]}"; do
+    python scripts/drafter/generate.py --target "$TARGET" --prompts "$DATA/$set.jsonl" -o "$DATA/responses-$set" \
+        --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" --sampled-every "$SAMPLED_EVERY"
+done
 
 # 3. The training file: every shard but shard-0000, whose prompts are held out for the curve, and the
 #    stubs' shards. A run's data is fixed (the checkpoint records its digest), so TRAIN_SHARDS and
 #    TRAIN_STUB_SHARDS pin which shards a run trains on; a later run on more data starts from this
 #    one's drafter (--init-from).
 TRAIN_SHARDS=${TRAIN_SHARDS:-$(ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | wc -l)}
-TRAIN_STUB_SHARDS=${TRAIN_STUB_SHARDS:-$(ls "$DATA"/responses-stubs/shard-*.jsonl | wc -l)}
+stub_shards() { for set in "${STUB_SETS[@]}"; do ls "$DATA/responses-$set"/shard-*.jsonl; done; }  # the sets in order
+TRAIN_STUB_SHARDS=${TRAIN_STUB_SHARDS:-$(stub_shards | wc -l)}
 { ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | head -n "$TRAIN_SHARDS"
-  ls "$DATA"/responses-stubs/shard-*.jsonl | head -n "$TRAIN_STUB_SHARDS"; } | xargs cat > "$WORK/train.jsonl"
+  stub_shards | head -n "$TRAIN_STUB_SHARDS"; } | xargs cat > "$WORK/train.jsonl"
 
 # 3b. The draft vocabulary's counts over the training responses: the K ids the drafter learns to
 #     propose among are the K most frequent here (the curve and the shipped drafter use these counts).
@@ -95,5 +107,7 @@ if [ "$POLICY_PROMPTS" -gt 0 ]; then
     tail -n "$POLICY_PROMPTS" "$DATA/prompts.jsonl" > "$WORK/policy/prompts.jsonl"
     trtspec --threads "$THREADS" label-blocks --target "$TARGET" --drafter "$SHIP_TO" --prompts "$WORK/policy/prompts.jsonl" \
         --block-sizes "$POLICY_SIZES" --max-new-tokens "$POLICY_TOKENS" --seed 0 -o "$WORK/policy/labels-t0.jsonl"
-    trtspec --threads "$THREADS" train-policy "$WORK/policy/labels-t0.jsonl" --ar yes -o "$SHIP_TO/blockpilot"
+    trtspec --threads "$THREADS" train-policy "$WORK/policy/labels-t0.jsonl" --ar yes -o "$WORK/policy/blockpilot"
+    # train-policy writes nothing into the installed package (its guard); the shipped drafter takes a copy
+    rm -rf "$SHIP_TO/blockpilot" && mkdir "$SHIP_TO/blockpilot" && cp "$WORK"/policy/blockpilot/policy.* "$SHIP_TO/blockpilot/"
 fi
