@@ -121,12 +121,15 @@ def documented_functions(modules: list[str] | None = None):
         package = module_name.split(".")[0]
         seen = set()
         for name, obj in sorted(vars(module).items()):
-            if name.startswith("_") or not inspect.isfunction(obj) or (not stdlib and id(obj) in seen):
+            if name.startswith("_") or not inspect.isfunction(obj):
                 continue
             defined_in = obj.__module__ or ""
-            if (defined_in != module_name) if stdlib else (defined_in.split(".")[0] != package):
+            if stdlib and defined_in != module_name:
                 continue
-            seen.add(id(obj))  # a package's alias is asked for once (the committed stdlib sets keep theirs)
+            if not stdlib:  # a package's own functions, each alias once (the committed stdlib sets keep theirs)
+                if defined_in.split(".")[0] != package or id(obj) in seen:
+                    continue
+                seen.add(id(obj))
             summary = _summary(obj)
             if summary is None:
                 continue
@@ -185,7 +188,10 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=192, help="Longer prompts are left out.")
     args = parser.parse_args()
     codec = TextCodec(resolve_target(args.target))
-    kinds = {"code": code_requests(), "chat": chat_requests()} if args.form == "requests" else {"stub": stub_requests(args.modules.split(",") if args.modules else None)}
+    if args.form == "requests":
+        kinds = {"code": code_requests(), "chat": chat_requests()}
+    else:
+        kinds = {"stub": stub_requests(args.modules.split(",") if args.modules else None)}
     kind_of = {text: kind for kind, texts in kinds.items() for text in texts}
     every = [text for texts in kinds.values() for text in texts]  # duplicates kept: the committed sets hold them
     leaks = set(humaneval_leaks(every))
