@@ -299,6 +299,30 @@ def test_a_concurrency_whose_caches_cannot_fit_is_refused_before_allocating(tiny
         tiny.runner.max_context = runner_context
 
 
+def test_a_batch_has_caches_for_its_own_requests_not_the_models_whole_context(tiny, monkeypatch):
+    """generate_batch zeroed caches for the model's whole context at every call (3 GiB, seconds, for
+    the default pair at 8 slots): they hold its longest prompt and largest budget now, rounded up to
+    a power of two from 1,024, and a request reaching past the floor decodes as it does alone."""
+    from trtspec.api import batch_context
+
+    def budget(tokens):
+        return GenerationConfig(max_new_tokens=tokens)
+    assert batch_context([[1] * 10, [1] * 300], [budget(16), budget(256)], 8192) == 1024
+    assert batch_context([[1] * 1000], [budget(48)], 8192) == 2048
+    assert batch_context([[1] * 1000], [budget(48)], 1500) == 1500  # never past the model's
+    sized = []
+    made = Pipeline.stepped_engine
+    monkeypatch.setattr(Pipeline, "stepped_engine",
+                        lambda self, *args, **kw: sized.append(kw["max_context"]) or made(self, *args, **kw))
+    prompt = "def main():\n    return 1\n" * 62
+    config = GenerationConfig(block=BlockChoice(4), max_new_tokens=48)
+    ids = tiny.codec.encode(prompt)
+    assert 1024 - 48 < len(ids) <= 1024  # the prompt and its budget pass the floor
+    alone = tiny.generate(prompt, config)
+    batched = tiny.generate_batch([prompt, "def f(x):"], [config, config], max_running=2)
+    assert sized == [2048] and batched[0].tokens == alone.tokens and len(alone.tokens) == 48
+
+
 def _cycles(size: int, accepted: dict[int, int]) -> list[int]:
     """An acceptance histogram at block size `size`: {accepted drafts: cycles}."""
     return [accepted.get(a, 0) for a in range(size)]

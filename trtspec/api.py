@@ -40,6 +40,15 @@ class TextResult:
         return {"text": self.text, "tokens": self.tokens, "stats": self.generation.stats.to_dict()}
 
 
+def batch_context(ids: list[list[int]], configs: list[GenerationConfig], model_context: int) -> int:
+    """The cache positions a batch's requests can reach (the longest prompt and the largest token
+    budget), as a power of two of at least 1,024 (few distinct runner shapes, whose cycle costs are
+    measured once each), at most the model's context: zeroing caches for the model's whole context
+    at every batch (3 GiB for the default pair at 8 slots) costs seconds before the first token."""
+    needed = max((len(prompt) for prompt in ids), default=1) + max((c.max_new_tokens for c in configs), default=1)
+    return min(model_context, max(1024, 1 << (needed - 1).bit_length()))
+
+
 class Pipeline:
     """A loaded model pair: from checkpoint directories (eager PyTorch) or from a built engine
     directory (`engine=`; then `target`/`drafter`, when given, must be what it was built from).
@@ -130,12 +139,14 @@ class Pipeline:
         baseline.default_block, baseline.policy, baseline._local_engine = AR, None, None
         return baseline
 
-    def _runner(self, slots: int, drafter: bool = True) -> BatchRunner:
-        """A runner of this pair and backend with caches for `slots` requests (graphs loaded once)."""
+    def _runner(self, slots: int, drafter: bool = True, max_context: int | None = None) -> BatchRunner:
+        """A runner of this pair and backend with caches for `slots` requests of up to `max_context`
+        positions (default: the model's), graphs loaded once."""
+        max_context = max_context or self.runner.max_context
         if self.target is not None:  # eager: without the drafter, a target step that computes no features
             return BatchRunner.eager(self.target, self.drafter if drafter and self.has_drafter else None, slots,
-                                     self.cuda_graphs, self.runner.max_context)
-        return self.runner.with_slots(slots, drafter=drafter and self.has_drafter)
+                                     self.cuda_graphs, max_context)
+        return self.runner.with_slots(slots, max_context, drafter=drafter and self.has_drafter)
 
     @property
     def local_engine(self) -> LocalEngine:
@@ -155,9 +166,11 @@ class Pipeline:
         Close it when done."""
         return Engine(self.stepped_engine(config, load_aware))
 
-    def stepped_engine(self, config: EngineConfig = EngineConfig(), load_aware: bool = True) -> LocalEngine:
-        """`engine` without its thread, for a caller that steps it itself (LocalEngine.generate)."""
-        runner = self._runner(config.max_running)
+    def stepped_engine(self, config: EngineConfig = EngineConfig(), load_aware: bool = True,
+                       max_context: int | None = None) -> LocalEngine:
+        """`engine` without its thread, for a caller that steps it itself (LocalEngine.generate); its
+        requests fit in `max_context` positions each (default: the model's whole context)."""
+        runner = self._runner(config.max_running, max_context=max_context)
         chooser = None
         if self.policy is not None and load_aware:
             from trtspec.blockpilot.costs import cached_costs
@@ -194,9 +207,11 @@ class Pipeline:
         ended at its first stop string (its config's `stop`)."""
         if len(prompts) != len(configs):
             raise TrtspecError(f"{len(prompts)} prompts but {len(configs)} configs")
+        ids = [self.codec.encode(p, chat=chat) for p in prompts]
         engine = self.stepped_engine(EngineConfig(max_running=max_running),
-                                     load_aware=any(c.block.auto for c in configs))
-        generations = engine.generate([self.codec.encode(p, chat=chat) for p in prompts], configs)
+                                     load_aware=any(c.block.auto for c in configs), max_context=batch_context(
+                                         ids, configs, self.runner.max_context))
+        generations = engine.generate(ids, configs)
         return [TextResult(g.text, g) for g in generations]
 
     def generate(self, prompt: str, config: GenerationConfig, *, chat: bool = False,
