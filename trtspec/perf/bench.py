@@ -180,7 +180,7 @@ class BenchReport:
         for run in self.runs:
             stats = run.stats
             runs.append({
-                "block_size": run.name if run.choice.auto or run.choice.grow_to else run.block_size,
+                "block_size": run.name,  # as every output spells it: "AR", "8", "4:8", "auto"
                 "grow_to": run.choice.grow_to,
                 "grown_cycle_fraction": run.grown_fraction,
                 "chosen_block_sizes": run.chosen_block_sizes,
