@@ -125,6 +125,9 @@ class OnnxRuntimeExecutor:
         # (controller, torch ops) needs those cores, and spinning threads take them (how much:
         # docs/benchmarks.md, "A new user's bench").
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # Errors only: the float graphs are exported unfolded (export_onnx), and the CPU provider's
+        # constant folding says, per node, which CastLike it leaves to run time.
+        options.log_severity_level = 3
         if device.type == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise TrtspecError("CUDA device requested but this onnxruntime has no CUDA execution provider "

@@ -37,11 +37,11 @@ SOURCES = ("export", "models")  # trtspec subpackages whose code decides what a 
 
 
 def graph_key(name: str, suffix: str, spec: GraphSpec, *, sources: dict[str, object], max_context: int,
-              dtype: torch.dtype, device: torch.device) -> str:
+              dtype: torch.dtype, device: torch.device, **options: object) -> str:
     """The cache entry's name; `sources`: content hashes of what the graph is made of (checkpoints,
-    draft vocabulary, the target layers that feed the drafter)."""
+    draft vocabulary, the target layers that feed the drafter); `options`: how it was exported."""
     key = {"graph": name, "format": suffix, "spec": spec.to_dict(), "sources": sources, "max_context": max_context,
-           "dtype": str(dtype), "device": device.type, "trtspec": __version__, "code": code_sha256(),
+           "dtype": str(dtype), "device": device.type, "options": options, "trtspec": __version__, "code": code_sha256(),
            "versions": {package: _version(package) for package in ("torch", "onnx", "onnxscript")}}
     return key_digest(key) + suffix
 

@@ -79,8 +79,11 @@ def export_program(module: torch.nn.Module, spec: GraphSpec, max_context: int,
 
 
 def export_onnx(module: torch.nn.Module, spec: GraphSpec, max_context: int, dtype: torch.dtype,
-                device: torch.device, path: Path) -> None:
-    """Write `path` (ONNX, weights inline) and check it with onnx.checker."""
+                device: torch.device, path: Path, optimize: bool = True) -> None:
+    """Write `path` (ONNX, weights inline) and check it with onnx.checker. `optimize`: the exporter's
+    own graph optimizer (constant folding), which takes about as long as the export itself on the
+    default pair (~30 s) and which ONNX Runtime's optimizer, run when a session opens, makes
+    redundant (the same speed either way); TensorRT's parser and the 4-bit quantizer get folded graphs."""
     import onnx
 
     # The exporter reports every step and optional-package gaps (torchvision) on the console;
@@ -91,7 +94,7 @@ def export_onnx(module: torch.nn.Module, spec: GraphSpec, max_context: int, dtyp
         program = torch.onnx.export(
             module, _example(spec, dtype, device), dynamic_shapes=_dynamic_shapes(spec, max_context),
             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
-            dynamo=True, verbose=False)
+            dynamo=True, optimize=optimize, verbose=False)
     program.save(str(path))
     onnx.checker.check_model(str(path), full_check=True)
 

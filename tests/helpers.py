@@ -250,9 +250,9 @@ def exported_graphs(monkeypatch, stand_in: bytes | None = None) -> list[str]:
 
     real, exported = trtspec.build.export_onnx, []
 
-    def export(*args):
+    def export(*args, **options):
         exported.append(args[-1].name)
-        return real(*args) if stand_in is None else args[-1].write_bytes(stand_in)
+        return real(*args, **options) if stand_in is None else args[-1].write_bytes(stand_in)
     monkeypatch.setattr(trtspec.build, "export_onnx", export)
     return exported
 

@@ -126,8 +126,10 @@ def test_default_pair_speculative_equals_autoregressive_on_humaneval(default_pai
 
 @needs_drafter
 def test_the_quick_start_writes_a_working_fibonacci_identical_to_ar(smollm2_file):
-    """README's first command (float32, eager; 80 tokens, not 256): the default pair continues the example with a
-    function that returns fib(10) = 55, and prints the speed-up over AR with the same tokens."""
+    """README's first command (float32; 80 tokens, not 256): the default pair continues the example with a
+    function that returns fib(10) = 55, and prints the speed-up over AR with the same tokens. Eager here:
+    the README's command first builds an ONNX Runtime engine (a minute the suite does not spend twice;
+    engines decode as eager does in test_engines)."""
     result = trtspec_in_process("--threads", 1, "run", EXAMPLE, "--compare-ar", "--dtype", "float32",
                                 "--backend", "eager", "--json", "--max-new-tokens", 80)  # the function ends by ~70
     assert result.returncode == 0, result.stderr.decode()

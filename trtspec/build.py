@@ -145,10 +145,11 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             if stage == "export":  # from the graph cache when an earlier build exported the same graph
                 suffix = ".pt2" if backend in ("torch", "inductor") else ".onnx"
                 files[name] = f"{name}.export.pt2" if backend == "inductor" else f"{name}{suffix}"
+                optimize = suffix == ".onnx" and (backend == "tensorrt" or name in quantized)  # export_onnx says why
                 key = graph_key(name, suffix, specs[name], sources=graph_sources[name], max_context=max_context,
-                                dtype=target.dtype, device=export_device)
+                                dtype=target.dtype, device=export_device, optimize=optimize)
                 export_cached(staging / files[name], key, functools.partial(
-                    _export, modules[name], specs[name], max_context, target.dtype, export_device))
+                    _export, modules[name], specs[name], max_context, target.dtype, export_device, optimize=optimize))
             elif stage == "quantize":  # 4-bit MatMul weights, cached like the float graph they come from
                 graph = f"{name}.int4.onnx"
                 key = graph_key(name, ".int4.onnx", specs[name], max_context=max_context, dtype=target.dtype,
@@ -205,12 +206,12 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
 
 
 def _export(module: torch.nn.Module, spec, max_context: int, dtype: torch.dtype, device: torch.device,
-            path: Path) -> None:
+            path: Path, optimize: bool = False) -> None:
     """ONNX, or a torch.export program (torch and inductor backends), by the file's suffix."""
     if path.suffix == ".pt2":
         torch.export.save(export_program(module, spec, max_context, dtype, device), str(path))
     else:
-        export_onnx(module, spec, max_context, dtype, device, path)
+        export_onnx(module, spec, max_context, dtype, device, path, optimize=optimize)
 
 
 def _copy_tokenizer(source: Path, destination: Path) -> None:
