@@ -186,6 +186,9 @@ def main() -> None:
                         help="Stubs of these packages' functions (e.g. networkx,sympy) instead of the standard library's.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the fixed shuffle.")
     parser.add_argument("--max-prompt-tokens", type=int, default=192, help="Longer prompts are left out.")
+    parser.add_argument("--exclude", action="append", default=[], metavar="FILE",
+                        help="Leave out the prompts of this set (repeatable), and each repeat within this one: "
+                             "a set of further packages adds only functions no earlier set holds.")
     args = parser.parse_args()
     codec = TextCodec(resolve_target(args.target))
     if args.form == "requests":
@@ -198,11 +201,16 @@ def main() -> None:
     requests = [text for text in every if text not in leaks]
     random.Random(args.seed).shuffle(requests)
     records = []
+    seen = {json.loads(line)["prompt"] for path in args.exclude for line in open(path, encoding="utf-8") if line.strip()}
     for text in requests:
         messages = [{"role": "user", "content": text}]
+        prompt = codec.apply_chat_template(messages)
+        if args.exclude and prompt in seen:
+            continue
+        seen.add(prompt)
         ids = codec.encode_chat(messages)
         if len(ids) <= args.max_prompt_tokens:
-            records.append({"prompt": codec.apply_chat_template(messages), "prompt_ids": ids, "kind": kind_of[text]})
+            records.append({"prompt": prompt, "prompt_ids": ids, "kind": kind_of[text]})
     atomic_write_text(args.output, "".join(json.dumps(r) + "\n" for r in records))
     counts = ", ".join(f"{sum(r['kind'] == kind for r in records)} {kind}" for kind in kinds)
     print(f"{args.output}: {len(records)} prompts ({counts}); {len(leaks)} dropped as HumanEval leaks")
