@@ -275,7 +275,7 @@ def test_an_engine_built_with_a_policy_decodes_auto_by_default(trained, target_d
                                "--max-new-tokens", 12, "--json", tmp_path / "bench.json")
     assert bench.returncode == 0, bench.stderr.decode()
     runs = json.loads((tmp_path / "bench.json").read_text())["runs"]
-    assert [r["block_size"] for r in runs] == [1, 4, "4:8", "auto"]
+    assert [r["block_size"] for r in runs] == ["AR", "4", "4:8", "auto"]
     assert runs[1]["grown_cycle_fraction"] == 0 and runs[2]["grow_to"] == 8
     assert sum(runs[3]["chosen_block_sizes"].values()) == len(PROMPTS)
     lines = bench.stdout.decode().splitlines()
