@@ -19,6 +19,9 @@ POLICY_TOKENS=${POLICY_TOKENS:-64}    # new tokens per labelled decode
 # Bare function stubs to complete (def line and docstring), all trained on: the standard library's
 # (stubs.jsonl) and, unless STUB_MODULES is empty, those of the packages it names (stubs-packages.jsonl).
 STUB_MODULES=${STUB_MODULES-networkx,sympy,scipy.stats,scipy.special,scipy.signal,scipy.optimize,scipy.linalg,numpy,click}
+# A third set (stubs-more.jsonl), unless MORE_STUB_MODULES is empty: the functions of further modules that
+# neither set above holds (prompts.py --exclude).
+MORE_STUB_MODULES=${MORE_STUB_MODULES-scipy.ndimage,scipy.interpolate,scipy.integrate,scipy.sparse,scipy.sparse.linalg,scipy.fft,scipy.cluster.hierarchy,scipy.spatial.distance,scipy.io,numpy.ma,numpy.lib,numpy.polynomial.polynomial,torch.nn.functional,torch.nn.init,torch.functional,onnx.helper,onnx.numpy_helper,sympy.ntheory,sympy.combinatorics,sympy.geometry,sympy.matrices,sympy.solvers,sympy.polys,mpmath,networkx.generators,networkx.algorithms,matplotlib.pyplot,hypothesis.strategies,pyparsing,PIL.Image,jinja2,tqdm}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 SAMPLED_EVERY=${SAMPLED_EVERY:-4}  # every N-th shard samples at T = 1, the rest are greedy
 STEPS=${STEPS:-800}            # the run's length (the cosine schedule's horizon)
@@ -43,6 +46,12 @@ if [ -n "$STUB_MODULES" ]; then
     STUB_SETS+=(stubs-packages)
     [ -f "$DATA/stubs-packages.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs \
         --modules "$STUB_MODULES" --max-prompt-tokens 320 -o "$DATA/stubs-packages.jsonl"
+fi
+if [ -n "$MORE_STUB_MODULES" ]; then
+    EARLIER=(); for set in "${STUB_SETS[@]}"; do EARLIER+=(--exclude "$DATA/$set.jsonl"); done
+    STUB_SETS+=(stubs-more)
+    [ -f "$DATA/stubs-more.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs \
+        --modules "$MORE_STUB_MODULES" --max-prompt-tokens 320 "${EARLIER[@]}" -o "$DATA/stubs-more.jsonl"
 fi
 
 # 2. The target's own responses, 128 prompts a shard; every 4th shard sampled at T = 1. Generation
