@@ -206,7 +206,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
 
 
 def _export(module: torch.nn.Module, spec, max_context: int, dtype: torch.dtype, device: torch.device,
-            path: Path, optimize: bool = False) -> None:
+            path: Path, *, optimize: bool) -> None:
     """ONNX, or a torch.export program (torch and inductor backends), by the file's suffix."""
     if path.suffix == ".pt2":
         torch.export.save(export_program(module, spec, max_context, dtype, device), str(path))

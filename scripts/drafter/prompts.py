@@ -205,9 +205,10 @@ def main() -> None:
     for text in requests:
         messages = [{"role": "user", "content": text}]
         prompt = codec.apply_chat_template(messages)
-        if args.exclude and prompt in seen:
-            continue
-        seen.add(prompt)
+        if args.exclude:
+            if prompt in seen:
+                continue
+            seen.add(prompt)
         ids = codec.encode_chat(messages)
         if len(ids) <= args.max_prompt_tokens:
             records.append({"prompt": prompt, "prompt_ids": ids, "kind": kind_of[text]})
