@@ -29,6 +29,9 @@ EXAMPLE_SIZES = {"tokens": 5, "past": 7, "context": 3, "block": 4, "batch": 2, "
 # a two-token block (one proposal) is no use for a block drafter anyway.
 MIN_COMPILED_BLOCK_SIZE = 3
 
+# Unoptimized ONNX graphs still get constants up to this many elements folded (export_onnx).
+SMALL_CONSTANT = 1024
+
 
 def dim_ranges(max_context: int) -> dict[str, tuple[int, int]]:
     """(min, max) of every dynamic axis for an engine holding `max_context` positions."""
@@ -81,10 +84,13 @@ def export_program(module: torch.nn.Module, spec: GraphSpec, max_context: int,
 def export_onnx(module: torch.nn.Module, spec: GraphSpec, max_context: int, dtype: torch.dtype,
                 device: torch.device, path: Path, optimize: bool = True) -> None:
     """Write `path` (ONNX, weights inline) and check it with onnx.checker. `optimize`: the exporter's
-    own graph optimizer (constant folding), which takes about as long as the export itself on the
-    default pair (~30 s) and which ONNX Runtime's optimizer, run when a session opens, makes
-    redundant (the same speed either way); TensorRT's parser and the 4-bit quantizer get folded graphs."""
+    own graph optimizer, which takes about as long as the export itself on the default pair (~30 s)
+    and which ONNX Runtime's optimizer, run when a session opens, makes nearly redundant;
+    TensorRT's parser and the 4-bit quantizer get fully optimized graphs. Unoptimized graphs still
+    get their small constants folded (~1 s): ONNX Runtime cannot fold the exporter's `CastLike`
+    nodes itself, and on a small model each node left costs a dispatch per step."""
     import onnx
+    import onnxscript.optimizer
 
     # The exporter reports every step and optional-package gaps (torchvision) on the console;
     # a build shows its own progress bar instead.
@@ -95,6 +101,9 @@ def export_onnx(module: torch.nn.Module, spec: GraphSpec, max_context: int, dtyp
             module, _example(spec, dtype, device), dynamic_shapes=_dynamic_shapes(spec, max_context),
             input_names=[t.name for t in spec.inputs], output_names=[t.name for t in spec.outputs],
             dynamo=True, optimize=optimize, verbose=False)
+        if not optimize:
+            onnxscript.optimizer.fold_constants(program.model, onnx_shape_inference=False,
+                                                input_size_limit=SMALL_CONSTANT, output_size_limit=SMALL_CONSTANT)
     program.save(str(path))
     onnx.checker.check_model(str(path), full_check=True)
 

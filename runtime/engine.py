@@ -271,14 +271,14 @@ class LocalEngine:
 
     # ---- the stepping thread -------------------------------------------------------------------
 
-    def step(self) -> None:
-        """One iteration: schedule -> run -> step -> emit. A fault of the runtime (not of one
-        request) fails the requests it touched, and the engine goes on."""
+    def step(self) -> bool:
+        """One iteration: schedule -> run -> step -> emit; True when a request ended in it. A fault
+        of the runtime (not of one request) fails the requests it touched, and the engine goes on."""
         with self.lock:
             self._schedule()
             self._average_load()
         if not self._active:
-            return
+            return False
         running = len(self._active)
         try:
             if torch.is_inference_mode_enabled():  # generate() enters it once for all its steps
@@ -289,8 +289,7 @@ class LocalEngine:
         except Exception as error:
             for active in list(self._active):
                 self._retire(active, error)
-        if len(self._active) < running:  # let the clients of finished requests resubmit before the next
-            time.sleep(0)  # cycle (a closed loop's next request would otherwise leave its slot empty for one)
+        return len(self._active) < running
 
     def _schedule(self) -> None:
         """Drop cancelled requests; admit queued ones into free slots (under the lock)."""
@@ -679,4 +678,5 @@ class Engine:
                         return
                     local.lock.wait(0.05)
                     continue
-            local.step()
+            if local.step():  # let the clients of finished requests resubmit before the next cycle (a
+                time.sleep(0)  # closed loop's next request would otherwise leave its slot empty for one)
