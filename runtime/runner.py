@@ -283,13 +283,13 @@ class BatchRunner:
         counts = [c.shape[0] for c in contexts]
         width = context_bucket(max(counts)) if self.static else max(counts)
         keep = None  # the rows' positions to store: not their left padding, when they are padded to the width
-        padded = self._staged_context(batch, width, contexts[0])
-        if len(contexts) == 1 and counts[0] == width:
-            padded[0].copy_(contexts[0])  # a third of stack's cost, on the batch-1 path
+        if len(contexts) == 1 and counts[0] == width and contexts[0].is_contiguous():
+            padded = contexts[0][None]  # as it is (a view of the verify's features): no copy on the batch-1 path
         elif all(n == width for n in counts):
+            padded = self._staged_context(batch, width, contexts[0])
             torch.stack(contexts, out=padded)
         else:
-            padded.zero_()
+            padded = self._staged_context(batch, width, contexts[0]).zero_()
             for row, context in enumerate(contexts):
                 padded[row, width - len(context):] = context
             keep = torch.arange(width, device=self.device)[None, :] >= (width - self._long("counts", counts))[:, None]
