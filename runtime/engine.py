@@ -452,7 +452,8 @@ class LocalEngine:
         context = torch.cat(active.features) if len(active.features) > 1 else (active.features or [None])[0]
         choice = config.block
         if choice.auto:
-            ask_policy = functools.partial(self.policy.choose, context, tail)  # the chooser may not need it
+            ask_policy = functools.partial(self.policy.choose, context, tail,  # the chooser may not need it
+                                           not config.sampling.greedy)
             choice = ask_policy() if self.chooser is None else \
                 self.chooser.choose(ask_policy, self.load(), not config.sampling.greedy)
             check_built_sizes(self.runner, choice)

@@ -148,6 +148,39 @@ def test_eval_policy_reports_every_strategy_against_the_oracle(trained):
     assert "BlockPilot chose" in result.stdout.decode()
 
 
+def test_a_policy_trained_on_greedy_and_sampled_labels_chooses_by_the_requests_temperature(
+        trained, target_dir, drafter_dir, tmp_path):
+    """The same prompts labelled greedy (B=8 fastest) and at T=1 (B=4 fastest): train-policy on both
+    adds the "sampled" input, and `auto` at run time gives a sampled request the smaller block."""
+    from trtspec.api import Pipeline
+    from trtspec.runtime.sampling import SamplingConfig
+
+    work, _, labels = trained
+    lines = labels.read_text().splitlines()
+    for temperature, fast, slow in ((0.0, "8", "4"), (1.0, "4", "8")):
+        header, records = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+        header["temperature"] = temperature
+        for record in records:
+            runs = record["runs"]
+            runs[fast]["tau"], runs[slow]["tau"], runs["4:8"]["tau"] = 3.0, 1.0, 1.0
+        path = tmp_path / f"labels-t{temperature:g}.jsonl"
+        path.write_text("\n".join(json.dumps(x) for x in [header, *records]) + "\n")
+        (tmp_path / f"labels-t{temperature:g}.features.safetensors").write_bytes(
+            labels.with_name("labels.features.safetensors").read_bytes())
+    result = trtspec_in_process("train-policy", tmp_path / "labels-t0.jsonl", tmp_path / "labels-t1.jsonl",
+                                "--features", "length", "--steps", 300, "-o", tmp_path / "policy")
+    assert result.returncode == 0, result.stderr.decode()
+    assert "features length,sampled, trained on 12 labelled runs" in result.stdout.decode()
+    pipeline = Pipeline(target_dir, drafter_dir, policy=tmp_path / "policy")
+    greedy = pipeline.generate(PROMPTS[0], GenerationConfig(block=AUTO, max_new_tokens=8))
+    sampled = pipeline.generate(PROMPTS[0], GenerationConfig(block=AUTO, max_new_tokens=8,
+                                                             sampling=SamplingConfig(temperature=1.0, seed=0)))
+    assert (greedy.generation.stats.schedule, sampled.generation.stats.schedule) == ("8", "4")
+    ablation = trtspec_in_process("train-policy", tmp_path / "labels-t0.jsonl", tmp_path / "labels-t1.jsonl",
+                                  "--ablation", "-o", tmp_path / "other")
+    assert_one_line_error(ablation, "--ablation compares feature sets on one label set")
+
+
 @pytest.fixture(scope="module")
 def auto_runs(trained, target_dir, drafter_dir):
     """Each prompt decoded under `auto` by a pipeline with the trained policy, and by AR."""

@@ -73,6 +73,8 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     assert shipped_pair.draft_vocab_size == 40  # it drafts among the ids it was trained on
     labelled = [json.loads(line)["prompt"] for line in (work / "policy" / "prompts.jsonl").read_text().splitlines()]
     assert labelled == texts[-3:] and shipped_pair.policy is not None  # auto decides with the shipped policy
+    # labelled greedy and sampled, so the policy tells a sampled request from a greedy one
+    assert shipped_pair.policy.kinds[-1] == "sampled" and "(T=0), " in shipped_pair.policy.info["labels"]
 
     # A new machine: only the committed state (data/) is left. The rerun generates nothing, restores
     # the checkpoint from its parts and does not train again (the run had finished).

@@ -110,13 +110,18 @@ python scripts/drafter/ship.py "$WORK/smollm2-b16" --counts "$WORK/draft_vocab" 
 
 # 6. BlockPilot's policy for the pair, shipped inside the drafter (blockpilot/, which `auto` reads):
 #    each of the last POLICY_PROMPTS prompts decoded at AR and at every size of POLICY_SIZES through
-#    this backend and labelled with the fastest (label-blocks), then the policy trained on those labels.
+#    this backend, greedy and at T = 1 (sampled requests accept less), and labelled with the fastest
+#    (label-blocks); then the policy trained on both label sets (it reads whether a request samples).
 if [ "$POLICY_PROMPTS" -gt 0 ]; then
     mkdir -p "$WORK/policy"
     tail -n "$POLICY_PROMPTS" "$DATA/prompts.jsonl" > "$WORK/policy/prompts.jsonl"
-    trtspec --threads "$THREADS" label-blocks --target "$TARGET" --drafter "$SHIP_TO" --prompts "$WORK/policy/prompts.jsonl" \
-        --block-sizes "$POLICY_SIZES" --max-new-tokens "$POLICY_TOKENS" --seed 0 -o "$WORK/policy/labels-t0.jsonl"
-    trtspec --threads "$THREADS" train-policy "$WORK/policy/labels-t0.jsonl" --ar yes -o "$WORK/policy/blockpilot"
+    for T in 0 1; do
+        trtspec --threads "$THREADS" label-blocks --target "$TARGET" --drafter "$SHIP_TO" --prompts "$WORK/policy/prompts.jsonl" \
+            --block-sizes "$POLICY_SIZES" --max-new-tokens "$POLICY_TOKENS" --temperature "$T" --seed 0 \
+            -o "$WORK/policy/labels-t$T.jsonl"
+    done
+    trtspec --threads "$THREADS" train-policy "$WORK/policy/labels-t0.jsonl" "$WORK/policy/labels-t1.jsonl" --ar yes \
+        -o "$WORK/policy/blockpilot"
     # train-policy writes nothing into the installed package (its guard); the shipped drafter takes a copy
     rm -rf "$SHIP_TO/blockpilot" && mkdir "$SHIP_TO/blockpilot" && cp "$WORK"/policy/blockpilot/policy.* "$SHIP_TO/blockpilot/"
 fi

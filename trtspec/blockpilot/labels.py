@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from trtspec.errors import TrtspecError
 from trtspec.fileio import check_output_file, staged_file
-from trtspec.blockpilot.policy import FEATURE_KINDS
+from trtspec.blockpilot.policy import PREFILL_KINDS
 from trtspec.runtime.schedule import BlockChoice
 from trtspec.validate import (NON_NEGATIVE, POSITIVE, POSITIVE_INT, Fields, InputError, jsonl_records,
                               load_tensors)
@@ -112,12 +112,14 @@ class LabelSet:
 
 
 def read_labels(path: str | Path) -> LabelSet:
-    """A label set and its features, checked field by field as they are read (below)."""
+    """A label set and its features, checked field by field as they are read (below); the "sampled"
+    feature is the set's own temperature (every prompt of a set is decoded at one)."""
     path = Path(path)
     header, records = check_label_set(path, jsonl_records(path))
     if not features_path(path).is_file():
         raise TrtspecError(f"{path}: its features file {features_path(path).name} is missing")
     features = check_label_features(features_path(path), len(records))
+    features["sampled"] = torch.full((len(records), 1), float(header["temperature"] > 0))
     return LabelSet(header, records, features)
 
 
@@ -164,7 +166,7 @@ def check_label_set(path: Path, rows: list[tuple[str, dict]]) -> tuple[dict, lis
 def check_label_features(path: Path, count: int) -> dict:
     """A label set's prefill summaries: one finite float tensor [count, D] per feature kind."""
     tensors = load_tensors(path, "label features")
-    for kind in FEATURE_KINDS:
+    for kind in PREFILL_KINDS:
         tensor = tensors.get(kind)
         if tensor is None:
             raise InputError(f"{path}: has no tensor {kind!r}")

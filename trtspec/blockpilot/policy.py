@@ -9,8 +9,9 @@ The prefill already produced the target's tapped-layer features of every prompt 
 drafter's context) and its next-token logits over the prompt's last positions; BlockPilot reads a
 summary of them (the last position's features, their mean over the prompt, the prompt length, and
 the target's confidence over the prompt's tail: how predictable the text is to the target, which
-is what acceptance measures), and a small MLP scores each candidate block size. It runs once per
-request, in the runtime, on tensors that are already there.
+is what acceptance measures), and whether the request samples (a sampled request accepts less than
+a greedy one on the same prompt, so its best block size is smaller); a small MLP scores each
+candidate block size. It runs once per request, in the runtime, on tensors that are already there.
 
 Labels come from running every prompt at every candidate block size (`trtspec label-blocks`): a
 request's speed at B is modelled as tau_B / cycle_cost_B, with the per-cycle cost of each block
@@ -36,7 +37,8 @@ from trtspec.runtime.schedule import BlockChoice
 from trtspec.timing import Timer
 from trtspec.validate import POSITIVE_INT, Fields, load_tensors, read_json_object
 
-FEATURE_KINDS = ("last", "mean", "length", "confidence")
+PREFILL_KINDS = ("last", "mean", "length", "confidence")  # summaries of what prefill computed
+FEATURE_KINDS = PREFILL_KINDS + ("sampled",)  # ... and the request's own: 1 when it samples (T > 0)
 POLICY_CONFIG, POLICY_WEIGHTS = "policy.json", "policy.safetensors"
 DRAFTER_POLICY_DIR = "blockpilot"  # a drafter directory may ship its policy here
 
@@ -49,10 +51,10 @@ def drafter_policy(drafter_dir: str | Path | None) -> Path | None:
     return path if (path / POLICY_CONFIG).is_file() else None
 
 
-def summarize_prefill(features: torch.Tensor, logits: torch.Tensor,
-                      kinds: tuple[str, ...] = FEATURE_KINDS) -> torch.Tensor:
-    """The policy's input from prefill's features [P, F] and tail logits [T, V]: the chosen
-    summaries, concatenated (float32)."""
+def summarize_prefill(features: torch.Tensor, logits: torch.Tensor, kinds: tuple[str, ...] = PREFILL_KINDS,
+                      sampled: bool = False) -> torch.Tensor:
+    """The policy's input from prefill's features [P, F] and tail logits [T, V] of a request that
+    samples or not: the chosen summaries, concatenated (float32)."""
     features = features.float()
     parts = []
     for kind in kinds:
@@ -64,6 +66,8 @@ def summarize_prefill(features: torch.Tensor, logits: torch.Tensor,
             parts.append(torch.tensor([math.log(features.shape[0])], device=features.device))
         elif kind == "confidence":
             parts.append(prompt_confidence(logits).to(features.device))
+        elif kind == "sampled":
+            parts.append(torch.tensor([float(sampled)], device=features.device))
         else:
             raise TrtspecError(f"unknown BlockPilot feature {kind!r} (known: {', '.join(FEATURE_KINDS)})")
     return torch.cat(parts)
@@ -109,9 +113,9 @@ class BlockPilot:
         """Every block size the policy's choices run (what the engine must have; AR needs none)."""
         return tuple(sorted({size for choice in self.choices for size in choice.sizes if size > 1}))
 
-    def choose(self, features: torch.Tensor, logits: torch.Tensor) -> BlockChoice:
+    def choose(self, features: torch.Tensor, logits: torch.Tensor, sampled: bool = False) -> BlockChoice:
         """The schedule for a request whose prefill produced `features` [P, F] and tail `logits` [T, V]."""
-        x = summarize_prefill(features, logits, self.kinds).to(self.net.mean.device)
+        x = summarize_prefill(features, logits, self.kinds, sampled).to(self.net.mean.device)
         with torch.inference_mode():
             return self.choices[int(self.net(x).argmax())]
 

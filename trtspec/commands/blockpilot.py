@@ -65,14 +65,16 @@ def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_siz
 @click.command("train-policy", epilog="""\b
 Examples:
   trtspec train-policy build/labels-train.jsonl -o build/policy
+  trtspec train-policy build/labels-t0.jsonl build/labels-t1.jsonl -o build/policy   # greedy and sampled requests
   trtspec train-policy build/labels-train.jsonl -o build/policy --ablation   # compare feature sets first
   trtspec train-policy build/labels-train.jsonl -o build/policy --ablation --ar auto   # ... and AR as a candidate
 """)
-@click.argument("labels_path", metavar="LABELS.jsonl")
+@click.argument("labels_paths", metavar="LABELS.jsonl...", nargs=-1, required=True)
 @output_option("-o", "--output", required=True, metavar="DIR", help="Policy directory to write.")
 @click.option("--features", default="last,mean,length", show_default=True,
               help="Prefill summaries to use: last (last position's features), mean (over the prompt), length, "
-                   "confidence (the target's entropy and top-1 probability over the prompt's tail).")
+                   "confidence (the target's entropy and top-1 probability over the prompt's tail); sampled "
+                   "(whether the request samples) is added when the label sets hold both greedy and sampled runs.")
 @click.option("--hidden", type=Ranged(limits.COUNT), default=64, show_default=True)
 @click.option("--steps", type=Ranged(limits.COUNT), default=600, show_default=True)
 @click.option("--ar", "with_ar", type=click.Choice(["no", "yes", "auto"]), default="no", show_default=True,
@@ -80,19 +82,31 @@ Examples:
                    "decided with the features by --ablation.")
 @click.option("--ablation", is_flag=True,
               help="Before training, compare feature sets (and, with --ar auto, AR as a candidate or not) by "
-                   "5-fold cross-validation on these labels and train on the fastest.")
-def train_policy(labels_path, output, features, hidden, steps, with_ar, ablation) -> None:
-    """Train a BlockPilot policy (a small MLP, expected-regret loss) on label-blocks output."""
+                   "5-fold cross-validation on these labels (one label set) and train on the fastest.")
+def train_policy(labels_paths, output, features, hidden, steps, with_ar, ablation) -> None:
+    """Train a BlockPilot policy (a small MLP, expected-regret loss) on label-blocks output: one
+    label set, or several (e.g. the same prompts labelled greedy and at T = 1) with the same
+    candidates."""
+    import torch
     from trtspec.fileio import POLICY, check_output_dir
     from trtspec.blockpilot.evaluation import best_fixed_block_size
     from trtspec.blockpilot.labels import features_path, read_labels
     from trtspec.blockpilot.training import feature_ablation, train_policy as fit
 
-    check_output_dir(output, POLICY, (labels_path, features_path(Path(labels_path))))
+    check_output_dir(output, POLICY, [p for path in labels_paths for p in (path, features_path(Path(path)))])
     if with_ar == "auto" and not ablation:
         raise TrtspecError("--ar auto is decided by cross-validation; add --ablation (or choose --ar yes or no)")
-    labels = read_labels(labels_path)
+    if ablation and len(labels_paths) > 1:
+        raise TrtspecError("--ablation compares feature sets on one label set; pass one LABELS.jsonl")
+    sets = [read_labels(path) for path in labels_paths]
+    labels = sets[0]
+    if any(other.choices != labels.choices for other in sets[1:]):
+        raise TrtspecError("the label sets were labelled at different block sizes ("
+                           + "; ".join(f"{path}: {','.join(c.name for c in s.choices)}"
+                                       for path, s in zip(labels_paths, sets)) + "): label them alike")
     kinds, ar = _feature_kinds(features), with_ar == "yes"
+    if len({s.header["temperature"] > 0 for s in sets}) > 1 and "sampled" not in kinds:
+        kinds += ("sampled",)  # greedy and sampled runs of a prompt differ: the policy must tell them apart
     info = {}
     if ablation:
         table = feature_ablation(labels, hidden, steps, ar_options=(False, True) if with_ar == "auto" else (ar,))
@@ -103,13 +117,16 @@ def train_policy(labels_path, output, features, hidden, steps, with_ar, ablation
         kinds = _feature_kinds(name)
         info["ablation"] = [{"features": n, "ar": a, **row} for (n, a), row in table.items()]
     candidates = labels.candidates(ar)
-    policy = fit(labels.inputs(kinds), labels.speeds(candidates), candidates, kinds, hidden=hidden, steps=steps)
+    # each set's speeds come from its own cycle costs; the loss compares a row's candidates only
+    policy = fit(torch.cat([s.inputs(kinds) for s in sets]), torch.cat([s.speeds(candidates) for s in sets]),
+                 candidates, kinds, hidden=hidden, steps=steps)
     policy.info.update(info, best_fixed_block_size=best_fixed_block_size(labels),
-                       labels=labels.header["prompts"], backend=labels.header["backend"])
+                       labels=", ".join(f"{s.header['prompts']} (T={s.header['temperature']:g})" for s in sets),
+                       backend=labels.header["backend"])
     policy.save(output)
     click.echo(f"wrote {output}: BlockPilot over B={','.join(c.name for c in candidates)}, features "
-               f"{','.join(kinds)}, trained on {len(labels.records)} prompts (best fixed B there: "
-               f"{policy.info['best_fixed_block_size']})")
+               f"{','.join(kinds)}, trained on {sum(len(s.records) for s in sets)} labelled runs (best fixed B on "
+               f"{labels_paths[0]}: {policy.info['best_fixed_block_size']})")
 
 
 @click.command("eval-policy", epilog="""\b

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trtspec.blockpilot.labels import LABELS_VERSION, LabelSet, run_key
-from trtspec.blockpilot.policy import FEATURE_KINDS, summarize_prefill
+from trtspec.blockpilot.policy import PREFILL_KINDS, summarize_prefill
 from trtspec.errors import TrtspecError
 from trtspec.perf.sweep import Sweep, pipeline_requests, run_sweep
 from trtspec.runtime.sampling import SamplingConfig
@@ -37,12 +37,12 @@ def label_blocks(pipeline, prompts: list[str], config: LabelConfig, *, prompts_n
     if not pipeline.has_drafter:
         raise TrtspecError("labelling block sizes needs a drafter")
     seed = config.sampling.seed if config.sampling.seed is not None else 0
-    summaries, lengths = {k: [] for k in FEATURE_KINDS}, []
+    summaries, lengths = {k: [] for k in PREFILL_KINDS}, []
     for prompt in prompts:  # the policy's inputs: a summary of each prompt's prefill
         ids = pipeline.codec.encode(prompt)
         lengths.append(len(ids))
         prompt_logits, prefill_features = pipeline.prefill(ids)
-        for kind in FEATURE_KINDS:
+        for kind in PREFILL_KINDS:
             summaries[kind].append(summarize_prefill(prefill_features, prompt_logits, (kind,)).cpu())
     sweep = Sweep(config.choices, config.max_new_tokens, config.sampling)
     done = run_sweep([pipeline_requests(pipeline)], prompts, sweep, desc="label-blocks", progress=progress)
