@@ -21,9 +21,11 @@ any prefix of the file (the shards generated so far) is a mix of both kinds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import json
+import pkgutil
 import random
 import re
 import sys
@@ -102,20 +104,47 @@ def _stub_doc(obj) -> str:
 
 
 STDLIB_SKIPPED = ("antigravity", "this", "idlelib", "tkinter", "turtle")
+NOT_API = ("tests", "test", "testing", "conftest", "benchmarks", "sandbox")  # submodules `pkg.*` leaves out
+
+
+def with_submodules(modules: list[str]) -> list[str]:
+    """`modules` with each `pkg.*` spelled out: the package and its public submodules, in
+    pkgutil's order (tests, private and unimportable ones left out)."""
+    names = []
+    for name in modules:
+        if not name.endswith(".*"):
+            names.append(name)
+            continue
+        package = name[:-2]
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+                warnings.simplefilter("ignore")
+                path = importlib.import_module(package).__path__
+        except Exception:  # noqa: BLE001 - a package absent here (or a module, which has no submodules)
+            names.append(package)
+            continue
+        names.append(package)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+            warnings.simplefilter("ignore")
+            for info in pkgutil.walk_packages(path, package + ".", onerror=lambda _: None):
+                if not any(part.startswith("_") or part in NOT_API for part in info.name.split(".")[1:]):
+                    names.append(info.name)
+    return names
 
 
 def documented_functions(modules: list[str] | None = None):
     """(module name, function name, function, summary) of every documented public function of
-    `modules` (the functions their packages define) or, by default, of the standard library's
-    top-level modules (the functions each defines itself)."""
+    `modules` (the functions their packages define; `pkg.*`: the package and its submodules) or, by
+    default, of the standard library's top-level modules (the functions each defines itself)."""
     stdlib = modules is None
     names = [m for m in sorted(sys.stdlib_module_names) if not m.startswith("_") and m not in STDLIB_SKIPPED] \
-        if stdlib else modules
+        if stdlib else with_submodules(modules)
     for module_name in names:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                module = importlib.import_module(module_name)
+                with contextlib.redirect_stdout(sys.stderr):  # a module that prints on import
+                    module = importlib.import_module(module_name)
         except Exception:  # noqa: BLE001 - modules absent from this build (or needing a display) are skipped
             continue
         package = module_name.split(".")[0]
@@ -157,9 +186,12 @@ def code_requests() -> list[str]:
 
 def stub_requests(modules: list[str] | None = None) -> list[str]:
     """One bare stub (def line and docstring) per documented public function (`documented_functions`),
-    in a fixed order."""
+    in a fixed order; object addresses left out of signatures, and a function whose default is this
+    run's command line (`args=sys.argv`) left out, so the set is the same on every run."""
+    argv = repr(sys.argv)
     return [STUB.format(name=name, signature=re.sub(r" at 0x[0-9a-f]+", "", signature), doc=_stub_doc(obj))
-            for _, name, obj, _ in documented_functions(modules) if (signature := _signature(obj)) is not None]
+            for _, name, obj, _ in documented_functions(modules)
+            if (signature := _signature(obj)) is not None and argv not in signature]
 
 
 def chat_requests() -> list[str]:
