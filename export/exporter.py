@@ -84,11 +84,11 @@ def export_program(module: torch.nn.Module, spec: GraphSpec, max_context: int,
 def export_onnx(module: torch.nn.Module, spec: GraphSpec, max_context: int, dtype: torch.dtype,
                 device: torch.device, path: Path, optimize: bool = True) -> None:
     """Write `path` (ONNX, weights inline) and check it with onnx.checker. `optimize`: the exporter's
-    own graph optimizer, which takes about as long as the export itself on the default pair (~30 s)
-    and which ONNX Runtime's optimizer, run when a session opens, makes nearly redundant;
-    TensorRT's parser and the 4-bit quantizer get fully optimized graphs. Unoptimized graphs still
-    get their small constants folded (~1 s): ONNX Runtime cannot fold the exporter's `CastLike`
-    nodes itself, and on a small model each node left costs a dispatch per step."""
+    own graph optimizer, which takes about as long as the export itself and which ONNX Runtime's
+    optimizer, run when a session opens, makes nearly redundant; TensorRT's parser and the 4-bit
+    quantizer get fully optimized graphs. Unoptimized graphs still get their small constants folded
+    (a small part of the export's time): ONNX Runtime cannot fold the exporter's `CastLike` nodes
+    itself, and on a small model each node left costs a dispatch per step (docs/benchmarks.md)."""
     import onnx
     import onnxscript.optimizer
 

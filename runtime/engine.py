@@ -157,11 +157,9 @@ def verify_calls(groups: dict[int, list["_Active"]]) -> list[tuple[int, dict[int
     """An iteration's verify calls, as (width, its requests by block size), from all requests by
     block size: one call over all of them at the widest size, shorter blocks padded, so a batch of
     several sizes reads the weights once (on a CPU or a small batch the call's cost is mostly that
-    read). Measured with scripts/batch_mix.py (4 greedy B = 8 and 4 sampled AR requests, the
-    default pair, eager bfloat16, 1 thread): 0.70 of the same requests split by kind with a call
-    per size, 0.82 with one call; the rest is the AR rows' padding. A call per size instead when
-    padding would more than double the positions computed (e.g. many AR requests beside one
-    B = 16), where a large batch's cost grows with them."""
+    read; scripts/batch_mix.py measures it, docs/serving.md has the figures). A call per size
+    instead when padding would more than double the positions computed (e.g. many AR requests
+    beside one B = 16), where a large batch's cost grows with them."""
     if len(groups) <= 1:
         return [(size, groups) for size in groups]
     requests = sum(len(members) for members in groups.values())
