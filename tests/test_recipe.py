@@ -39,7 +39,8 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
                                                 for t in texts))
     stubs = {"stubs": [f'def function_{i}(x):\n    """Add {i}."""\n' for i in range(3)],
              "stubs-packages": [f'def graph_{i}(g):\n    """Count {i}."""\n' for i in range(3)],
-             "stubs-more": [f'def mask_{i}(a):\n    """Mask {i}."""\n' for i in range(3)]}
+             "stubs-more": [f'def mask_{i}(a):\n    """Mask {i}."""\n' for i in range(3)],
+             "stubs-submodules": [f'def parse_{i}(s):\n    """Parse {i}."""\n' for i in range(3)]}
     for name, stub_texts in stubs.items():
         (data / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t, "prompt_ids": codec.encode(t)}) + "\n"
                                                     for t in stub_texts))
@@ -54,9 +55,9 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     for name in stubs:
         assert sorted(p.name for p in (data / f"responses-{name}").glob("shard-*.jsonl")) == ["shard-0000.jsonl"]
     trained = (work / "train.jsonl").read_text().splitlines()
-    assert len(trained) == 3 + 3 + 3 + 3  # shard-0000 of the requests is held out; every stub shard trains
+    assert len(trained) == 3 + 3 + 3 + 3 + 3  # shard-0000 of the requests is held out; every stub shard trains
     prompts = [json.loads(line)["prompt"] for line in trained]
-    assert [set(prompts[i:i + 3]) for i in (3, 6, 9)] == [set(stubs[name]) for name in stubs]  # the sets in order
+    assert [set(prompts[i:i + 3]) for i in (3, 6, 9, 12)] == [set(stubs[name]) for name in stubs]  # the sets in order
     held_out = {json.loads(line)["prompt"] for line in (data / "responses" / "shard-0000.jsonl").read_text().splitlines()}
     assert not held_out & {json.loads(line)["prompt"] for line in trained}
 

@@ -21,6 +21,9 @@ POLICY_TOKENS=${POLICY_TOKENS:-64}    # new tokens per labelled decode
 STUB_MODULES=${STUB_MODULES-networkx,sympy,scipy.stats,scipy.special,scipy.signal,scipy.optimize,scipy.linalg,numpy,click}
 # A third set (stubs-more.jsonl), unless MORE_STUB_MODULES is empty: the functions of further modules that
 # neither set above holds (prompts.py --exclude).
+# A fourth (stubs-submodules.jsonl), unless SUBMODULE_STUB_PACKAGES is empty: every public submodule of these
+# packages (prompts.py --modules pkg.*), again only functions no earlier set holds.
+SUBMODULE_STUB_PACKAGES=${SUBMODULE_STUB_PACKAGES-sympy,networkx,scipy,matplotlib,mpmath,PIL,pygments,rich,jinja2,click,dateutil,packaging,attr,jsonschema,yaml,fsspec,tomlkit,sortedcontainers,huggingface_hub,onnx,hypothesis,pyparsing,markdown_it,starlette,requests,urllib3,aiohttp,tqdm}
 MORE_STUB_MODULES=${MORE_STUB_MODULES-scipy.ndimage,scipy.interpolate,scipy.integrate,scipy.sparse,scipy.sparse.linalg,scipy.fft,scipy.cluster.hierarchy,scipy.spatial.distance,scipy.io,numpy.ma,numpy.lib,numpy.polynomial.polynomial,torch.nn.functional,torch.nn.init,torch.functional,onnx.helper,onnx.numpy_helper,sympy.ntheory,sympy.combinatorics,sympy.geometry,sympy.matrices,sympy.solvers,sympy.polys,mpmath,networkx.generators,networkx.algorithms,matplotlib.pyplot,hypothesis.strategies,pyparsing,PIL.Image,jinja2,tqdm}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 SAMPLED_EVERY=${SAMPLED_EVERY:-4}  # every N-th shard samples at T = 1, the rest are greedy
@@ -52,6 +55,13 @@ if [ -n "$MORE_STUB_MODULES" ]; then
     STUB_SETS+=(stubs-more)
     [ -f "$DATA/stubs-more.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs \
         --modules "$MORE_STUB_MODULES" --max-prompt-tokens 320 "${EARLIER[@]}" -o "$DATA/stubs-more.jsonl"
+fi
+if [ -n "$SUBMODULE_STUB_PACKAGES" ]; then
+    EARLIER=(); for set in "${STUB_SETS[@]}"; do EARLIER+=(--exclude "$DATA/$set.jsonl"); done
+    STUB_SETS+=(stubs-submodules)
+    [ -f "$DATA/stubs-submodules.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs \
+        --modules "$(echo "$SUBMODULE_STUB_PACKAGES" | sed 's/\([^,]*\)/\1.*/g')" --max-prompt-tokens 320 "${EARLIER[@]}" \
+        -o "$DATA/stubs-submodules.jsonl"
 fi
 
 # 2. The target's own responses, 128 prompts a shard; every 4th shard sampled at T = 1. Generation
