@@ -21,10 +21,10 @@ POLICY_TOKENS=${POLICY_TOKENS:-64}    # new tokens per labelled decode
 STUB_MODULES=${STUB_MODULES-networkx,sympy,scipy.stats,scipy.special,scipy.signal,scipy.optimize,scipy.linalg,numpy,click}
 # A third set (stubs-more.jsonl), unless MORE_STUB_MODULES is empty: the functions of further modules that
 # neither set above holds (prompts.py --exclude).
+MORE_STUB_MODULES=${MORE_STUB_MODULES-scipy.ndimage,scipy.interpolate,scipy.integrate,scipy.sparse,scipy.sparse.linalg,scipy.fft,scipy.cluster.hierarchy,scipy.spatial.distance,scipy.io,numpy.ma,numpy.lib,numpy.polynomial.polynomial,torch.nn.functional,torch.nn.init,torch.functional,onnx.helper,onnx.numpy_helper,sympy.ntheory,sympy.combinatorics,sympy.geometry,sympy.matrices,sympy.solvers,sympy.polys,mpmath,networkx.generators,networkx.algorithms,matplotlib.pyplot,hypothesis.strategies,pyparsing,PIL.Image,jinja2,tqdm}
 # A fourth (stubs-submodules.jsonl), unless SUBMODULE_STUB_PACKAGES is empty: every public submodule of these
 # packages (prompts.py --modules pkg.*), again only functions no earlier set holds.
 SUBMODULE_STUB_PACKAGES=${SUBMODULE_STUB_PACKAGES-sympy,networkx,scipy,matplotlib,mpmath,PIL,pygments,rich,jinja2,click,dateutil,packaging,attr,jsonschema,yaml,fsspec,tomlkit,sortedcontainers,huggingface_hub,onnx,hypothesis,pyparsing,markdown_it,starlette,requests,urllib3,aiohttp,tqdm}
-MORE_STUB_MODULES=${MORE_STUB_MODULES-scipy.ndimage,scipy.interpolate,scipy.integrate,scipy.sparse,scipy.sparse.linalg,scipy.fft,scipy.cluster.hierarchy,scipy.spatial.distance,scipy.io,numpy.ma,numpy.lib,numpy.polynomial.polynomial,torch.nn.functional,torch.nn.init,torch.functional,onnx.helper,onnx.numpy_helper,sympy.ntheory,sympy.combinatorics,sympy.geometry,sympy.matrices,sympy.solvers,sympy.polys,mpmath,networkx.generators,networkx.algorithms,matplotlib.pyplot,hypothesis.strategies,pyparsing,PIL.Image,jinja2,tqdm}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 SAMPLED_EVERY=${SAMPLED_EVERY:-4}  # every N-th shard samples at T = 1, the rest are greedy
 STEPS=${STEPS:-800}            # the run's length (the cosine schedule's horizon)
