@@ -116,16 +116,13 @@ def with_submodules(modules: list[str]) -> list[str]:
             names.append(name)
             continue
         package = name[:-2]
-        try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
-                warnings.simplefilter("ignore")
-                path = importlib.import_module(package).__path__
-        except Exception:  # noqa: BLE001 - a package absent here (or a module, which has no submodules)
-            names.append(package)
-            continue
         names.append(package)
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):  # modules that print on import
             warnings.simplefilter("ignore")
+            try:
+                path = importlib.import_module(package).__path__
+            except Exception:  # noqa: BLE001 - a package absent here (or a module, which has no submodules)
+                continue
             for info in pkgutil.walk_packages(path, package + ".", onerror=lambda _: None):
                 if not any(part.startswith("_") or part in NOT_API for part in info.name.split(".")[1:]):
                     names.append(info.name)
