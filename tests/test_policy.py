@@ -8,7 +8,7 @@ from helpers import TRAINED_PROMPTS, assert_one_line_error, code_prompts, genera
 
 from trtspec.errors import TrtspecError
 from trtspec.blockpilot.policy import load_policy, summarize_prefill
-from trtspec.blockpilot.training import expected_regret, train_policy
+from trtspec.blockpilot.training import expected_regret, simplest_within_one_error, train_policy
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.schedule import AR, AUTO, BlockChoice
 
@@ -54,6 +54,19 @@ def test_policy_learns_a_feature_dependent_choice(toy):
     picks = policy.net(fresh).argmax(dim=1)
     assert (picks == (fresh[:, 0] > 0).long()).float().mean() > 0.95
     assert expected_regret(policy.net(inputs), speeds) < 0.05
+
+
+def test_the_ablation_keeps_the_baseline_unless_a_summary_beats_it_by_more_than_its_error():
+    def row(speedup: float, error: float) -> dict:
+        return {"modelled_speedup": speedup, "standard_error": error, "mean_regret": 0.0}
+
+    close = {("sampled", False): row(1.425, 0.018), ("last", False): row(1.406, 0.02),
+             ("length", False): row(1.430, 0.018), ("length", True): row(1.431, 0.01)}
+    assert simplest_within_one_error(close) == ("sampled", False)  # 1.425 >= 1.431 - 0.01
+    clear = {**close, ("last", True): row(1.50, 0.02)}
+    assert simplest_within_one_error(clear) == ("last", True)  # nothing else within 1.50 - 0.02
+    tied = {("sampled", False): row(1.30, 0.0), ("length", False): row(1.35, 0.06), ("mean", False): row(1.36, 0.05)}
+    assert simplest_within_one_error(tied) == ("length", False)  # the first within the best's error, not the best
 
 
 def test_a_saved_policy_loads_as_it_was(toy):
@@ -176,9 +189,16 @@ def test_a_policy_trained_on_greedy_and_sampled_labels_chooses_by_the_requests_t
     sampled = pipeline.generate(PROMPTS[0], GenerationConfig(block=AUTO, max_new_tokens=8,
                                                              sampling=SamplingConfig(temperature=1.0, seed=0)))
     assert (greedy.generation.stats.schedule, sampled.generation.stats.schedule) == ("8", "4")
+    # cross-validated over both sets, no prefill summary beats knowing the temperature: the baseline wins
     ablation = trtspec_in_process("train-policy", tmp_path / "labels-t0.jsonl", tmp_path / "labels-t1.jsonl",
-                                  "--ablation", "-o", tmp_path / "other")
-    assert_one_line_error(ablation, "--ablation compares feature sets on one label set")
+                                  "--ablation", "--steps", 200, "-o", tmp_path / "ablated")
+    assert ablation.returncode == 0, ablation.stderr.decode()
+    assert "features sampled, trained on" in ablation.stdout.decode()
+    assert "features                           sampled: cross-validated modelled speed-up" in ablation.stderr.decode()
+    ablated = Pipeline(target_dir, drafter_dir, policy=tmp_path / "ablated")
+    assert [ablated.generate(PROMPTS[1], GenerationConfig(block=AUTO, max_new_tokens=8, sampling=sampling))
+            .generation.stats.schedule for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=1))] \
+        == ["8", "4"]
 
 
 @pytest.fixture(scope="module")

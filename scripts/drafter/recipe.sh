@@ -11,11 +11,13 @@ TARGET=${TARGET:-smollm2}
 DATA=${DATA:-data/smollm2}
 WORK=${WORK:-build/smollm2}
 THREADS=${THREADS:-2}
-POLICY_PROMPTS=${POLICY_PROMPTS:-64}  # the last N prompts label BlockPilot's policy (step 6): no shard holds them
+POLICY_PROMPTS=${POLICY_PROMPTS:-64}  # the last N prompts (and stubs) label BlockPilot's policy (step 6): no shard holds them
 SHARDS=${SHARDS:-}             # stop generating after this many shards exist (default: every prompt but those)
 SHARD_SIZE=${SHARD_SIZE:-128}
 POLICY_SIZES=${POLICY_SIZES:-4,8,16}  # the policy's candidates besides AR
 POLICY_TOKENS=${POLICY_TOKENS:-64}    # new tokens per labelled decode
+POLICY_STEPS=${POLICY_STEPS:-600}     # the policy's training steps (each of the cross-validation's fits too)
+SHIP_POLICY=${SHIP_POLICY:-1}         # 0: ship the drafter without a BlockPilot policy (step 6 skipped)
 # Bare function stubs to complete (def line and docstring), all trained on: the standard library's
 # (stubs.jsonl) and, unless STUB_MODULES is empty, those of the packages it names (stubs-packages.jsonl).
 STUB_MODULES=${STUB_MODULES-networkx,sympy,scipy.stats,scipy.special,scipy.signal,scipy.optimize,scipy.linalg,numpy,click}
@@ -71,9 +73,14 @@ SHARDS=${SHARDS:-$(( (PROMPTS - POLICY_PROMPTS) / SHARD_SIZE ))}
 python scripts/drafter/generate.py --target "$TARGET" --prompts "$DATA/prompts.jsonl" -o "$DATA/responses" \
     --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" \
     --sampled-every "$SAMPLED_EVERY" --shards "$SHARDS"
+#    The last stub set likewise stops before its last POLICY_PROMPTS stubs: the policy's stubs.
+POLICY_STUBS=${STUB_SETS[-1]}
 for set in "${STUB_SETS[@]}"; do
+    LIMIT=()
+    [ "$set" != "$POLICY_STUBS" ] || LIMIT=(--shards $(( ($(wc -l < "$DATA/$set.jsonl") - POLICY_PROMPTS) / SHARD_SIZE )))
     python scripts/drafter/generate.py --target "$TARGET" --prompts "$DATA/$set.jsonl" -o "$DATA/responses-$set" \
-        --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" --sampled-every "$SAMPLED_EVERY"
+        --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" --sampled-every "$SAMPLED_EVERY" \
+        "${LIMIT[@]}"
 done
 
 # 3. The training file: every shard but shard-0000, whose prompts are held out for the curve, and the
@@ -119,18 +126,25 @@ done
 python scripts/drafter/ship.py "$WORK/smollm2-b16" --counts "$WORK/draft_vocab" -o "$SHIP_TO"
 
 # 6. BlockPilot's policy for the pair, shipped inside the drafter (blockpilot/, which `auto` reads):
-#    each of the last POLICY_PROMPTS prompts decoded at AR and at every size of POLICY_SIZES through
-#    this backend, greedy and at T = 1 (sampled requests accept less), and labelled with the fastest
-#    (label-blocks); then the policy trained on both label sets (it reads whether a request samples).
-if [ "$POLICY_PROMPTS" -gt 0 ]; then
+#    the last POLICY_PROMPTS requests and the policy's stubs decoded at AR and at every size of
+#    POLICY_SIZES through this backend, greedy and at T = 1 (sampled requests accept less), and
+#    labelled with the fastest (label-blocks); then the policy trained on the four label sets, its
+#    inputs (and whether AR is a candidate) chosen by cross-validation against knowing only whether
+#    a request samples (--ablation): a summary that does not pay on unseen prompts is not shipped.
+if [ "$POLICY_PROMPTS" -gt 0 ] && [ "$SHIP_POLICY" = 1 ]; then
     mkdir -p "$WORK/policy"
     tail -n "$POLICY_PROMPTS" "$DATA/prompts.jsonl" > "$WORK/policy/prompts.jsonl"
-    for T in 0 1; do
-        trtspec --threads "$THREADS" label-blocks --target "$TARGET" --drafter "$SHIP_TO" --prompts "$WORK/policy/prompts.jsonl" \
-            --block-sizes "$POLICY_SIZES" --max-new-tokens "$POLICY_TOKENS" --temperature "$T" --seed 0 \
-            -o "$WORK/policy/labels-t$T.jsonl"
+    tail -n "$POLICY_PROMPTS" "$DATA/$POLICY_STUBS.jsonl" > "$WORK/policy/stubs.jsonl"
+    LABELS=()
+    for kind in prompts stubs; do
+        for T in 0 1; do
+            trtspec --threads "$THREADS" label-blocks --target "$TARGET" --drafter "$SHIP_TO" --prompts "$WORK/policy/$kind.jsonl" \
+                --block-sizes "$POLICY_SIZES" --max-new-tokens "$POLICY_TOKENS" --temperature "$T" --seed 0 \
+                -o "$WORK/policy/labels-$kind-t$T.jsonl"
+            LABELS+=("$WORK/policy/labels-$kind-t$T.jsonl")
+        done
     done
-    trtspec --threads "$THREADS" train-policy "$WORK/policy/labels-t0.jsonl" "$WORK/policy/labels-t1.jsonl" --ar yes \
+    trtspec --threads "$THREADS" train-policy "${LABELS[@]}" --ablation --ar auto --steps "$POLICY_STEPS" \
         -o "$WORK/policy/blockpilot"
     # train-policy writes nothing into the installed package (its guard); the shipped drafter takes a copy
     rm -rf "$SHIP_TO/blockpilot" && mkdir "$SHIP_TO/blockpilot" && cp "$WORK"/policy/blockpilot/policy.* "$SHIP_TO/blockpilot/"

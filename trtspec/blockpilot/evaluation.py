@@ -15,10 +15,12 @@ from trtspec.runtime.schedule import BlockChoice
 from trtspec.runtime.stats import decode_tokens
 
 
-def best_fixed_block_size(labels: LabelSet) -> int:
-    """The single fixed block size with the highest modelled decode speed over the whole set."""
-    every = len(labels.records)
-    return max(labels.fixed, key=lambda c: strategy_metrics(labels, [c] * every)["modelled_speedup"]).size
+def best_fixed_block_size(sets: list[LabelSet]) -> int:
+    """The single fixed block size with the highest modelled speed-up, averaged over the sets (each
+    a kind of request: greedy, sampled, ...)."""
+    def speedup(choice: BlockChoice) -> float:
+        return sum(strategy_metrics(s, [choice] * len(s.records))["modelled_speedup"] for s in sets)
+    return max(sets[0].fixed, key=speedup).size
 
 
 def strategy_metrics(labels: LabelSet, choices: list[BlockChoice]) -> dict:

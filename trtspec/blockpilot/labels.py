@@ -96,6 +96,10 @@ class LabelSet:
         choices = self.choices if choices is None else choices
         return [choices[i] for i in self.speeds(choices).argmax(dim=1).tolist()]
 
+    def subset(self, rows: list[int]) -> "LabelSet":
+        """These prompts only (cross-validation's folds)."""
+        return LabelSet(self.header, [self.records[r] for r in rows], {k: v[rows] for k, v in self.features.items()})
+
     def inputs(self, kinds: tuple[str, ...]) -> torch.Tensor:
         return torch.cat([self.features[k] for k in kinds], dim=1)
 

@@ -1,5 +1,5 @@
 """BlockPilot's training: fit the policy's MLP on modelled speeds (expected regret), and compare
-feature sets (and AR as a candidate) by cross-validation on a label set."""
+feature sets (and AR as a candidate) by cross-validation on label sets."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import torch
 from trtspec.blockpilot.evaluation import strategy_metrics
 from trtspec.blockpilot.labels import LabelSet
 from trtspec.blockpilot.policy import BlockPilot, PolicyNet
+from trtspec.errors import TrtspecError
 from trtspec.runtime.schedule import BlockChoice
 
-FEATURE_SETS = ("last", "mean", "length", "confidence", "confidence,length", "mean,confidence",
+# "sampled" alone: no prefill summary (a policy that knows only whether the request samples)
+FEATURE_SETS = ("sampled", "last", "mean", "length", "confidence", "confidence,length", "mean,confidence",
                 "last,mean,length", "last,mean,length,confidence")
 
 
@@ -40,26 +42,65 @@ def train_policy(inputs: torch.Tensor, speeds: torch.Tensor, choices: tuple[Bloc
                                                            "train_regret": float(loss.detach())})
 
 
-def feature_ablation(labels: LabelSet, hidden: int, steps: int, folds: int = 5,
+def with_regime(kinds: tuple[str, ...], sets: list[LabelSet]) -> tuple[str, ...]:
+    """`kinds`, and "sampled" where the sets hold greedy and sampled runs: a prompt's best block size
+    differs between them, so the policy must tell them apart."""
+    mixed = len({s.header["temperature"] > 0 for s in sets}) > 1
+    return kinds + ("sampled",) if mixed and "sampled" not in kinds else kinds
+
+
+def fold_rows(count: int, folds: int) -> list[list[int]]:
+    """Rows 0..count-1 dealt into `folds` held-out folds, the same for every set of `count` rows: a
+    prompt labelled greedy and sampled (two sets, one prompt file) is held out of both at once."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(0)).tolist()
+    return [sorted(order[fold::folds]) for fold in range(folds)]
+
+
+def feature_ablation(sets: list[LabelSet], hidden: int, steps: int, folds: int = 5,
                      ar_options: tuple[bool, ...] = (False,)) -> dict[tuple[str, bool], dict]:
-    """Cross-validated modelled speed-up and regret of a policy per (feature set, AR a candidate or not)."""
-    n = len(labels.records)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    """Cross-validated modelled speed-up (the mean over the sets: each is a kind of request), its
+    standard error over the folds, and mean regret (over every labelled run) of a policy per
+    (feature set, AR a candidate or not). "sampled" alone reads no prefill summary: it is the best
+    fixed size per regime, the baseline a summary must beat on prompts it was not trained on."""
+    folds = min(folds, *(len(s.records) for s in sets))  # a small set: one prompt a fold
+    if folds < 2:
+        raise TrtspecError("cross-validation needs at least 2 labelled prompts in every label set")
     table = {}
+    held_out = [fold_rows(len(s.records), folds) for s in sets]
     for ar in ar_options:
-        candidates = labels.candidates(ar)
-        speeds = labels.speeds(candidates)
+        candidates = sets[0].candidates(ar)
         for name in FEATURE_SETS:
-            kinds = tuple(name.split(","))
-            choices = [candidates[0]] * n
+            kinds = with_regime(tuple(name.split(",")), sets)
+            choices = [[candidates[0]] * len(s.records) for s in sets]
+            fold_speedups = []
             for fold in range(folds):
-                held = sorted(order[fold::folds])
-                train = sorted(set(range(n)) - set(held))
-                policy = train_policy(labels.inputs(kinds)[train], speeds[train], candidates, kinds, hidden=hidden, steps=steps)
-                with torch.inference_mode():
-                    picks = policy.net(labels.inputs(kinds)[held]).argmax(dim=1).tolist()
-                for i, pick in zip(held, picks):
-                    choices[i] = candidates[pick]
-            metrics = strategy_metrics(labels, choices)
-            table[(name, ar)] = {"mean_regret": metrics["mean_regret"], "modelled_speedup": metrics["modelled_speedup"]}
+                train = [s.subset(sorted(set(range(len(s.records))) - set(held[fold]))) for s, held in zip(sets, held_out)]
+                policy = train_policy(torch.cat([t.inputs(kinds) for t in train]),
+                                      torch.cat([t.speeds(candidates) for t in train]),
+                                      candidates, kinds, hidden=hidden, steps=steps)
+                speedups = []
+                for s, held, chosen in zip(sets, held_out, choices):
+                    rows = s.subset(held[fold])
+                    with torch.inference_mode():
+                        picks = [candidates[i] for i in policy.net(rows.inputs(kinds)).argmax(dim=1).tolist()]
+                    for row, pick in zip(held[fold], picks):
+                        chosen[row] = pick
+                    speedups.append(strategy_metrics(rows, picks)["modelled_speedup"])
+                fold_speedups.append(sum(speedups) / len(speedups))
+            metrics = [strategy_metrics(s, chosen) for s, chosen in zip(sets, choices)]
+            rows = [len(s.records) for s in sets]
+            table[(name, ar)] = {
+                "modelled_speedup": sum(m["modelled_speedup"] for m in metrics) / len(sets),
+                "standard_error": float(torch.tensor(fold_speedups).std() / folds ** 0.5),
+                "mean_regret": sum(m["mean_regret"] * n for m, n in zip(metrics, rows)) / sum(rows)}
     return table
+
+
+def simplest_within_one_error(table: dict[tuple[str, bool], dict]) -> tuple[str, bool]:
+    """The ablation's pick by the one-standard-error rule: the first entry (FEATURE_SETS' order,
+    the baseline first; without AR before with it) whose speed-up is within one standard error of
+    the best's. Near-ties on a few hundred labelled runs are noise, and a policy that reads more of
+    the prompt than it must fits its label prompts, not the requests it will meet."""
+    best = max(table.values(), key=lambda row: row["modelled_speedup"])
+    floor = best["modelled_speedup"] - best["standard_error"]
+    return next(key for key, row in table.items() if row["modelled_speedup"] >= floor)

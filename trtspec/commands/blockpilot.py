@@ -82,7 +82,8 @@ Examples:
                    "decided with the features by --ablation.")
 @click.option("--ablation", is_flag=True,
               help="Before training, compare feature sets (and, with --ar auto, AR as a candidate or not) by "
-                   "5-fold cross-validation on these labels (one label set) and train on the fastest.")
+                   "5-fold cross-validation on these labels and train on the simplest within one standard error of the "
+                   "fastest; `sampled` alone (no prefill summary: the best fixed size per regime) comes first.")
 def train_policy(labels_paths, output, features, hidden, steps, with_ar, ablation) -> None:
     """Train a BlockPilot policy (a small MLP, expected-regret loss) on label-blocks output: one
     label set, or several (e.g. the same prompts labelled greedy and at T = 1) with the same
@@ -91,13 +92,12 @@ def train_policy(labels_paths, output, features, hidden, steps, with_ar, ablatio
     from trtspec.fileio import POLICY, check_output_dir
     from trtspec.blockpilot.evaluation import best_fixed_block_size
     from trtspec.blockpilot.labels import features_path, read_labels
-    from trtspec.blockpilot.training import feature_ablation, train_policy as fit
+    from trtspec.blockpilot.training import (feature_ablation, simplest_within_one_error, train_policy as fit,
+                                             with_regime)
 
     check_output_dir(output, POLICY, [p for path in labels_paths for p in (path, features_path(Path(path)))])
     if with_ar == "auto" and not ablation:
         raise TrtspecError("--ar auto is decided by cross-validation; add --ablation (or choose --ar yes or no)")
-    if ablation and len(labels_paths) > 1:
-        raise TrtspecError("--ablation compares feature sets on one label set; pass one LABELS.jsonl")
     sets = [read_labels(path) for path in labels_paths]
     labels = sets[0]
     if any(other.choices != labels.choices for other in sets[1:]):
@@ -105,28 +105,28 @@ def train_policy(labels_paths, output, features, hidden, steps, with_ar, ablatio
                            + "; ".join(f"{path}: {','.join(c.name for c in s.choices)}"
                                        for path, s in zip(labels_paths, sets)) + "): label them alike")
     kinds, ar = _feature_kinds(features), with_ar == "yes"
-    if len({s.header["temperature"] > 0 for s in sets}) > 1 and "sampled" not in kinds:
-        kinds += ("sampled",)  # greedy and sampled runs of a prompt differ: the policy must tell them apart
     info = {}
     if ablation:
-        table = feature_ablation(labels, hidden, steps, ar_options=(False, True) if with_ar == "auto" else (ar,))
+        table = feature_ablation(sets, hidden, steps, ar_options=(False, True) if with_ar == "auto" else (ar,))
         for (name, ar_option), row in table.items():
             click.echo(f"features {name + (' + AR' if ar_option else ''):>33}: cross-validated modelled speed-up "
-                       f"{row['modelled_speedup']:.3f}x, mean regret {row['mean_regret']:.2%}", err=True)
-        name, ar = max(table, key=lambda key: table[key]["modelled_speedup"])
+                       f"{row['modelled_speedup']:.3f}x (+-{row['standard_error']:.3f}), mean regret "
+                       f"{row['mean_regret']:.2%}", err=True)
+        name, ar = simplest_within_one_error(table)
         kinds = _feature_kinds(name)
         info["ablation"] = [{"features": n, "ar": a, **row} for (n, a), row in table.items()]
+    kinds = with_regime(kinds, sets)
     candidates = labels.candidates(ar)
     # each set's speeds come from its own cycle costs; the loss compares a row's candidates only
     policy = fit(torch.cat([s.inputs(kinds) for s in sets]), torch.cat([s.speeds(candidates) for s in sets]),
                  candidates, kinds, hidden=hidden, steps=steps)
-    policy.info.update(info, best_fixed_block_size=best_fixed_block_size(labels),
+    policy.info.update(info, best_fixed_block_size=best_fixed_block_size(sets),
                        labels=", ".join(f"{s.header['prompts']} (T={s.header['temperature']:g})" for s in sets),
                        backend=labels.header["backend"])
     policy.save(output)
     click.echo(f"wrote {output}: BlockPilot over B={','.join(c.name for c in candidates)}, features "
-               f"{','.join(kinds)}, trained on {sum(len(s.records) for s in sets)} labelled runs (best fixed B on "
-               f"{labels_paths[0]}: {policy.info['best_fixed_block_size']})")
+               f"{','.join(kinds)}, trained on {sum(len(s.records) for s in sets)} labelled runs (best fixed B over "
+               f"{'the sets' if len(sets) > 1 else 'them'}: {policy.info['best_fixed_block_size']})")
 
 
 @click.command("eval-policy", epilog="""\b

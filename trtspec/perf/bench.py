@@ -2,8 +2,9 @@
 
 Speed-up is AR decode time per token over speculative decode time per token, both measured
 through the same backend and decode loop after prefill. Machines drift (clocks, caches, other
-jobs), so every repeat runs AR and then each block size over the whole prompt set, each repeat
-yields its own ratio, and the median ratio is reported; the raw per-repeat figures are kept.
+jobs), so every repeat runs AR and each block size in turn at every prompt (trtspec.perf.sweep),
+each repeat yields its own ratio, and the median ratio is reported; the raw per-repeat figures
+are kept.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """The one sweep behind every measurement: prompts x block-size choices x repeats.
 
-bench, label-blocks, host profiling, preflight and the GPU check all run it. Each repeat runs
-autoregressive decoding first (when asked), then each choice, over every prompt; at each prompt
-every variant (another backend, another controller) takes its turn, so a machine's drift reaches
-them alike. Request i of repeat r gets the seed base + r * n_prompts + i (base: the sampling
-seed, default 0; runtime.sampling.derive_seed), the same for AR, every choice and every variant, so T > 0 reproduces and
-compares like for like.
+bench, label-blocks, host profiling, preflight and the GPU check all run it. Each repeat goes
+through the prompts, and at each prompt every choice (autoregressive decoding first, when asked)
+takes its turn, and at each choice every variant (another backend, another controller): a
+machine's drift over a run (clocks, other jobs) reaches them all alike, where one choice over the
+whole set after another would hand it to whichever ran last (docs/benchmarks.md). Request i of
+repeat r gets the seed base + r * n_prompts + i (base: the sampling seed, default 0;
+runtime.sampling.derive_seed), the same for AR, every choice and every variant, so T > 0
+reproduces and compares like for like.
 """
 
 from __future__ import annotations
@@ -73,11 +75,12 @@ def run_sweep(variants: Sequence[Request], prompts: Sequence, sweep: Sweep, *, d
     total = sweep.repeats * len(schedule) * n * len(variants)
     with tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True) as bar:
         for repeat in range(sweep.repeats):
-            for c, choice in enumerate(schedule):
-                bar.set_postfix_str(f"repeat {repeat + 1}/{sweep.repeats}, B={choice.name}")
-                for per_variant in results:
-                    per_variant[c].append([])
-                for index, prompt in enumerate(prompts):
+            bar.set_postfix_str(f"repeat {repeat + 1}/{sweep.repeats}")
+            for per_choice in results:
+                for per_repeat in per_choice:
+                    per_repeat.append([])
+            for index, prompt in enumerate(prompts):
+                for c, choice in enumerate(schedule):
                     config = sweep.config(choice, sweep.seed(repeat, index, n))
                     for v, variant in enumerate(variants):
                         results[v][c][repeat].append(variant(choice, prompt, config))
