@@ -80,12 +80,12 @@ def feature_ablation(sets: list[LabelSet], hidden: int, steps: int, folds: int =
                                       candidates, kinds, hidden=hidden, steps=steps)
                 speedups = []
                 for s, held, chosen in zip(sets, held_out, choices):
-                    rows = s.subset(held[fold])
+                    unseen = s.subset(held[fold])
                     with torch.inference_mode():
-                        picks = [candidates[i] for i in policy.net(rows.inputs(kinds)).argmax(dim=1).tolist()]
+                        picks = [candidates[i] for i in policy.net(unseen.inputs(kinds)).argmax(dim=1).tolist()]
                     for row, pick in zip(held[fold], picks):
                         chosen[row] = pick
-                    speedups.append(strategy_metrics(rows, picks)["modelled_speedup"])
+                    speedups.append(strategy_metrics(unseen, picks)["modelled_speedup"])
                 fold_speedups.append(sum(speedups) / len(speedups))
             metrics = [strategy_metrics(s, chosen) for s, chosen in zip(sets, choices)]
             rows = [len(s.records) for s in sets]

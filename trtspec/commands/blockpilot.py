@@ -82,7 +82,7 @@ Examples:
                    "decided with the features by --ablation.")
 @click.option("--ablation", is_flag=True,
               help="Before training, compare feature sets (and, with --ar auto, AR as a candidate or not) by "
-                   "5-fold cross-validation on these labels and train on the simplest within one standard error of the "
+                   "5-fold cross-validation (fewer folds on fewer prompts) on these labels and train on the simplest within one standard error of the "
                    "fastest; `sampled` alone (no prefill summary: the best fixed size per regime) comes first.")
 def train_policy(labels_paths, output, features, hidden, steps, with_ar, ablation) -> None:
     """Train a BlockPilot policy (a small MLP, expected-regret loss) on label-blocks output: one
