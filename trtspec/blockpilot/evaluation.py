@@ -16,11 +16,14 @@ from trtspec.runtime.stats import decode_tokens
 
 
 def best_fixed_block_size(sets: list[LabelSet]) -> int:
-    """The single fixed block size with the highest modelled speed-up, averaged over the sets (each
-    a kind of request: greedy, sampled, ...)."""
-    def speedup(choice: BlockChoice) -> float:
-        return sum(strategy_metrics(s, [choice] * len(s.records))["modelled_speedup"] for s in sets)
-    return max(sets[0].fixed, key=speedup).size
+    """The single fixed block size with the highest modelled speed-up over the sets."""
+    return max(sets[0].fixed, key=lambda c: mean_speedup(sets, [[c] * len(s.records) for s in sets])).size
+
+
+def mean_speedup(sets: list[LabelSet], choices: list[list[BlockChoice]]) -> float:
+    """The modelled speed-up when set i's prompts run choices[i], averaged over the sets (each a kind
+    of request: greedy, sampled, ...), so no kind counts more for having more prompts."""
+    return sum(strategy_metrics(s, c)["modelled_speedup"] for s, c in zip(sets, choices)) / len(sets)
 
 
 def strategy_metrics(labels: LabelSet, choices: list[BlockChoice]) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from trtspec.blockpilot.evaluation import strategy_metrics
+from trtspec.blockpilot.evaluation import mean_speedup, strategy_metrics
 from trtspec.blockpilot.labels import LabelSet
 from trtspec.blockpilot.policy import BlockPilot, PolicyNet
 from trtspec.errors import TrtspecError
@@ -78,21 +78,18 @@ def feature_ablation(sets: list[LabelSet], hidden: int, steps: int, folds: int =
                 policy = train_policy(torch.cat([t.inputs(kinds) for t in train]),
                                       torch.cat([t.speeds(candidates) for t in train]),
                                       candidates, kinds, hidden=hidden, steps=steps)
-                speedups = []
-                for s, held, chosen in zip(sets, held_out, choices):
-                    unseen = s.subset(held[fold])
-                    with torch.inference_mode():
-                        picks = [candidates[i] for i in policy.net(unseen.inputs(kinds)).argmax(dim=1).tolist()]
-                    for row, pick in zip(held[fold], picks):
+                unseen = [s.subset(held[fold]) for s, held in zip(sets, held_out)]
+                with torch.inference_mode():
+                    picks = [[candidates[i] for i in policy.net(u.inputs(kinds)).argmax(dim=1).tolist()] for u in unseen]
+                for held, chosen, picked in zip(held_out, choices, picks):
+                    for row, pick in zip(held[fold], picked):
                         chosen[row] = pick
-                    speedups.append(strategy_metrics(unseen, picks)["modelled_speedup"])
-                fold_speedups.append(sum(speedups) / len(speedups))
-            metrics = [strategy_metrics(s, chosen) for s, chosen in zip(sets, choices)]
-            rows = [len(s.records) for s in sets]
+                fold_speedups.append(mean_speedup(unseen, picks))
+            regrets = [strategy_metrics(s, chosen)["mean_regret"] * len(s.records) for s, chosen in zip(sets, choices)]
             table[(name, ar)] = {
-                "modelled_speedup": sum(m["modelled_speedup"] for m in metrics) / len(sets),
+                "modelled_speedup": mean_speedup(sets, choices),
                 "standard_error": float(torch.tensor(fold_speedups).std() / folds ** 0.5),
-                "mean_regret": sum(m["mean_regret"] * n for m, n in zip(metrics, rows)) / sum(rows)}
+                "mean_regret": sum(regrets) / sum(len(s.records) for s in sets)}
     return table
 
 
