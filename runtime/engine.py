@@ -496,7 +496,9 @@ class LocalEngine:
             if not sampled:
                 continue
             rows = logits if len(sampled) == len(members) and size == width else logits[sampled, :size]
-            drawn.update(zip(sampled, sample_requests([members[row].sampler for row in sampled], rows).cpu()))
+            drafts = torch.from_numpy(np.stack([members[row].controller.verify_block[1:size] for row in sampled]))
+            drawn.update(zip(sampled, sample_requests([members[row].sampler for row in sampled], rows,
+                                                      drafts.to(rows.device)).cpu()))
         for row in live:
             active = members[row]
             if row in drawn:

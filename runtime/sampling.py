@@ -112,23 +112,46 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def sample_requests(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
+def sample_requests(samplers: list[Sampler], logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
     """Each request's rows of `logits` [R, N, V] sampled by its sampler (none greedy) -> [R, N].
 
     Requests whose distributions are configured alike are processed in one computation (the per-row
     work of a small model's batch is mostly launch and dispatch cost); each request still draws its
     uniforms from its own generator, in the same order, so a seeded request draws the same tokens
-    as it would alone."""
+    as it would alone.
+
+    With `drafts` [R, N-1] (the proposals the rows verify), column c is drawn only for the requests
+    whose columns before it matched their drafts: the controller accepts up to the first mismatch and
+    never reads a later token, which is left -1. The uniforms are drawn as without drafts, so every
+    token that is read is the same (at T > 0 most blocks part at the first column or two, and each
+    row's distribution costs as much as a small model's whole sampling step)."""
     tokens = torch.empty(logits.shape[:2], dtype=torch.long, device=logits.device)
     groups: dict[tuple, list[int]] = {}
     for index, sampler in enumerate(samplers):
         groups.setdefault(sampler.config.distribution, []).append(index)
     rows, vocab = logits.shape[1], logits.shape[2]
+    like = torch.empty(0, device=logits.device)  # float32, as the probabilities
     for members in groups.values():
         chosen = logits[members] if len(members) < len(samplers) else logits
-        probs = samplers[members[0]].probabilities(chosen.reshape(-1, vocab))
-        uniform = torch.cat([samplers[i].uniforms(rows, probs) for i in members])
-        tokens[members] = _inverse_cdf(probs, uniform).view(len(members), rows)
+        sampler = samplers[members[0]]
+        uniform = torch.cat([samplers[i].uniforms(rows, like) for i in members])
+        if drafts is None or rows == 1:
+            probs = sampler.probabilities(chosen.reshape(-1, vocab))
+            tokens[members] = _inverse_cdf(probs, uniform).view(len(members), rows)
+            continue
+        tokens[members] = -1
+        uniform = uniform.view(len(members), rows, 1)
+        live = list(range(len(members)))  # positions in `members` still matching their drafts
+        for column in range(rows):
+            drawn = _inverse_cdf(sampler.probabilities(chosen[live, column]), uniform[live, column])
+            at = [members[i] for i in live]
+            tokens[at, column] = drawn
+            if column == rows - 1:
+                break
+            matched = (drawn == drafts[at, column]).tolist()
+            live = [i for i, same in zip(live, matched) if same]
+            if not live:
+                break
     return tokens
 
 

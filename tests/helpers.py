@@ -432,6 +432,16 @@ def exact_three_token_distribution(target) -> np.ndarray:
     return exact_distribution(target, 3)
 
 
+def break_acceptance_rule(monkeypatch, rule) -> None:
+    """Give the Python controller (the oracle) a broken acceptance `rule`. A broken rule may read
+    posterior tokens past the first mismatch, which the engine leaves undrawn: it draws them all."""
+    from trtspec.runtime import engine, reference, sampling
+
+    monkeypatch.setattr(reference, "accepted_length", rule)
+    monkeypatch.setattr(engine, "sample_requests",
+                        lambda samplers, logits, drafts=None: sampling.sample_requests(samplers, logits))
+
+
 def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
                         tokens: int = 3, batched: bool = True, min_p: float = 0.0, **config) -> np.ndarray:
     """First `tokens` tokens of `count` seeded requests, through the native controller or `controller`:

@@ -12,11 +12,10 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import SAMPLED_PROMPT as PROMPT, code_prompts, exact_three_token_distribution, predictable_pair, pvalues
+from helpers import SAMPLED_PROMPT as PROMPT, break_acceptance_rule, code_prompts, exact_three_token_distribution, predictable_pair, pvalues
 
 from trtspec.api import Pipeline
 from trtspec.errors import Cancelled, TrtspecError
-from trtspec.runtime import reference as oracle
 from trtspec.runtime.processing import Processing
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.engine import Busy, Engine, EngineConfig, LocalEngine
@@ -184,8 +183,7 @@ def test_sampling_inside_a_static_padded_batch_follows_the_target(predictable):
 
 
 def test_a_broken_acceptance_rule_is_caught_inside_a_batch(predictable, monkeypatch):
-    monkeypatch.setattr(oracle, "accepted_length",
-                        lambda drafts, posterior: (drafts == posterior[1:]).long().cumprod(-1).sum(-1))
+    break_acceptance_rule(monkeypatch, lambda drafts, posterior: (drafts == posterior[1:]).long().cumprod(-1).sum(-1))
     joint = exact_three_token_distribution(predictable[0])
     results = pvalues(_sample_in_batches(predictable, 1_500, controller=PythonController), joint)
     assert min(results.values()) < 1e-3, results

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from trtspec.runtime import processing as processing_module
-from trtspec.runtime import reference as oracle
-from helpers import ALPHA, SAMPLED_PROMPT as PROMPT, SAMPLED_VOCAB as VOCAB, exact_distribution, fit_pvalue, \
-    exact_three_token_distribution, generate, predictable_pair, processed_logits, pvalues, sample_three_tokens, single
+from helpers import ALPHA, SAMPLED_PROMPT as PROMPT, SAMPLED_VOCAB as VOCAB, break_acceptance_rule, exact_distribution, \
+    exact_three_token_distribution, fit_pvalue, generate, predictable_pair, processed_logits, pvalues, sample_three_tokens, \
+    single
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.reference import PythonController, accepted_length
 from trtspec.runtime.processing import Processing
@@ -146,14 +146,13 @@ def test_a_one_percent_break_of_the_acceptance_rule_is_detected(pair, monkeypatc
             return accepted + 1
         return accepted
 
-    monkeypatch.setattr(oracle, "accepted_length", sloppy_accepted_length)
+    break_acceptance_rule(monkeypatch, sloppy_accepted_length)
     results = pvalues(sample_three_tokens(pair, SAMPLES, controller=PythonController), joint)
     assert min(results.values()) < ALPHA, results
 
 
 def test_an_off_by_one_acceptance_rule_is_detected(pair, monkeypatch):
-    monkeypatch.setattr(oracle, "accepted_length",
-                        lambda drafts, posterior: (drafts == posterior[1:]).long().cumprod(-1).sum(-1))
+    break_acceptance_rule(monkeypatch, lambda drafts, posterior: (drafts == posterior[1:]).long().cumprod(-1).sum(-1))
     joint = exact_three_token_distribution(pair[0])
     # decoded 64 at a time (it ran one request at a time before issue 39: the rule is the same code)
     results = pvalues(sample_three_tokens(pair, 3_000, controller=PythonController), joint)
@@ -169,7 +168,7 @@ def test_an_off_by_one_rule_in_grown_cycles_only_is_detected(pair, monkeypatch):
             return (drafts == posterior[1:]).long().cumprod(-1).sum(-1)
         return accepted_length(drafts, posterior)
 
-    monkeypatch.setattr(oracle, "accepted_length", grown_off_by_one)
+    break_acceptance_rule(monkeypatch, grown_off_by_one)
     joint = exact_distribution(pair[0], 4)
     samples = sample_three_tokens(pair, 8_000, block_size=2, grow_to=4, tokens=4, controller=PythonController)
     results = four_token_pvalues(samples, joint)
@@ -217,6 +216,30 @@ def test_requests_sampled_together_draw_what_each_draws_alone():
     for _ in range(3):  # the generators advance alike, cycle after cycle
         assert torch.equal(sample_requests(together, logits), torch.stack([s.sample(r) for s, r in zip(alone, logits)]))
 
+
+
+def test_drawing_only_up_to_the_first_mismatch_gives_the_tokens_the_controller_reads():
+    """With the drafts, a request's columns after its first mismatch are not drawn (-1); every column
+    up to and including it is the token the full draw gives, and the generators stay in step."""
+    configs = [SamplingConfig(temperature=1.0, seed=1), SamplingConfig(temperature=1.0, seed=2),
+               SamplingConfig(temperature=0.7, top_k=5, seed=3), SamplingConfig(temperature=1.0, seed=4)]
+    logits = torch.randn(len(configs), 6, 8, generator=torch.Generator().manual_seed(0)) * 2
+    column, full = [Sampler(c) for c in configs], [Sampler(c) for c in configs]
+    partial = 0
+    for _ in range(20):
+        expected = sample_requests(full, logits)
+        drafts = expected[:, :-1].clone()
+        drafts[0, 0] += 1       # parts at column 0
+        drafts[1, 2] += 1       # at column 2
+        drafts[2] = (drafts[2] + torch.randint(0, 2, (5,))) % 8  # wherever it happens to part
+        got = sample_requests(column, logits, drafts)
+        for row in range(len(configs)):
+            parts = (drafts[row] != expected[row, :-1]).nonzero()
+            read = int(parts[0]) + 1 if len(parts) else 6  # the columns the controller reads
+            assert torch.equal(got[row, :read], expected[row, :read])
+            assert (got[row, read:] == -1).all()
+            partial += read < 6
+    assert partial >= 40  # rows 0 and 1 every time: the test skipped columns
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1e-50, seed=3),
                                       SamplingConfig(temperature=1.0, top_p=1e-300, seed=3),
