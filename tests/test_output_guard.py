@@ -93,6 +93,10 @@ def _cases(t):
                                             "is inside the output"),
         # --work naming a file: one line, not a traceback
         "training work that is a file": ((*train, "-o", t / "out", "--work", t / "a-file"), "is not a directory"),
+        "a feature cache that is a file": ((*train, "-o", t / "out", "--feature-cache", t / "a-file"),
+                                           "is not a directory"),
+        "a feature cache inside the target": ((*train, "-o", t / "out", "--feature-cache", t / "tgt" / "features"),
+                                              "inside the input"),
         "expansion work that is a file": ((*expand, "-o", t / "out", "--work", t / "a-file"), "is not a directory"),
     }
 

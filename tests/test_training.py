@@ -195,6 +195,25 @@ def test_a_trained_drafter_beats_an_untrained_one(tiny_data, tmp_path):
     assert trained_tau > 1.5 and trained_tau > untrained_tau + 0.4, (trained_tau, untrained_tau)
 
 
+def test_a_feature_store_spares_a_later_run_the_target_and_changes_no_weight(tiny_data, tmp_path, monkeypatch):
+    pipeline, sequences, _ = tiny_data
+    config = TrainConfig(block_size=4, num_features=2, mask_token_id=1, steps=6, batch_size=4, anchors_per_sequence=4)
+    plain = train_drafter(pipeline.target, sequences, config, tmp_path / "plain", progress=False)
+    store = tmp_path / "features"
+    first = train_drafter(pipeline.target, sequences, config, tmp_path / "first", progress=False, feature_store=store)
+    stored = list(store.glob("*/*"))
+    assert len(stored) == min(len(sequences), 24) and all(p.suffix == ".safetensors" for p in stored)  # 6 steps x 4
+
+    real_forward, calls = pipeline.target.forward, []
+    monkeypatch.setattr(pipeline.target, "forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k))
+    again = train_drafter(pipeline.target, sequences, config, tmp_path / "again", progress=False, feature_store=store)
+    assert not calls  # every sequence's features read back
+    for path in (first, again):
+        for (name, x), (_, y) in zip(load_drafter(plain, pipeline.target).state_dict().items(),
+                                     load_drafter(path, pipeline.target).state_dict().items()):
+            assert torch.equal(x, y), name
+
+
 def test_interrupted_training_resumes_to_the_same_weights(tiny_data, target_dir, tmp_path, monkeypatch):
     pipeline, sequences, _ = tiny_data
     config = TrainConfig(block_size=4, num_features=2, mask_token_id=1, steps=12, batch_size=4,

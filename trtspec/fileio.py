@@ -238,15 +238,16 @@ def check_output_file(path: PathLike, inputs: Iterable[PathLike | None] = (), su
     return target
 
 
-def check_work_dir(path: PathLike, inputs: Iterable[PathLike | None] = ()) -> Path:
-    """Refuse, before any work, a work directory (the checkpoints a restarted run resumes from)
-    that is not a directory or breaks the rule for outputs; it is never replaced, so it may exist
-    and may hold inputs. Returns the resolved path."""
-    check_named(path, "the work directory path")
+def check_work_dir(path: PathLike, inputs: Iterable[PathLike | None] = (), what: str = "the work directory",
+                   option: str = "--work") -> Path:
+    """Refuse, before any work, a work directory (the checkpoints a restarted run resumes from, or
+    another directory a run keeps for later ones) that is not a directory or breaks the rule for
+    outputs; it is never replaced, so it may exist and may hold inputs. Returns the resolved path."""
+    check_named(path, f"{what} path")
     target = _resolved(path)
     if os.path.lexists(target) and not target.is_dir():
-        raise TrtspecError(f"cannot use {path} as the work directory: it exists and is not a directory; "
-                           "give a directory (--work DIR)")
+        raise TrtspecError(f"cannot use {path} as {what}: it exists and is not a directory; "
+                           f"give a directory ({option} DIR)")
     _check_common(path, target, inputs, replaced=False)
     return target
 

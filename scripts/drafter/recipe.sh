@@ -100,7 +100,9 @@ if [ "$DRAFT_VOCAB" -gt 0 ]; then VOCAB=(--draft-vocab "$DRAFT_VOCAB"); else VOC
 
 # 4. DFlash training at B = 16: two drafter layers over three target taps, started as copies of the
 #    target's last two layers (from random weights the first 250 steps reached tau 1.23 only), bfloat16 autocast where
-#    the CPU has AMX; resumed from the committed checkpoint, saved back after every chunk.
+#    the CPU has AMX; resumed from the committed checkpoint, saved back after every chunk. The target's
+#    features of each sequence are kept in $WORK/features (local, ~3.5 KB a token): a later run, or a
+#    restarted chunk, reads them instead of running the target over the sequence again.
 #    The committed checkpoint is restored only into the run it belongs to (RUN names the data,
 #    start and options): a new run (other shards, INIT_FROM, STEPS...) starts afresh.
 if [ -n "$INIT_FROM" ]; then START=(--init-from "$INIT_FROM"); else START=(--layers-from-target); fi
@@ -113,7 +115,7 @@ while true; do
     status=0
     timeout "${CHUNK_MINUTES}m" trtspec --threads "$THREADS" train-drafter --target "$TARGET" --data "$WORK/train.jsonl" \
         --block-size 16 --layers "$LAYERS" --num-features "$NUM_FEATURES" --mask-token-id "$MASK" --steps "$STEPS" --batch-size 8 \
-        --anchors 32 --max-length 512 --lr "$LR" "${START[@]}" "${VOCAB[@]}" --checkpoint-every 25 --work "$WORK/drafter-work" -o "$WORK/smollm2-b16" \
+        --anchors 32 --max-length 512 --lr "$LR" "${START[@]}" "${VOCAB[@]}" --checkpoint-every 25 --work "$WORK/drafter-work" --feature-cache "$WORK/features" -o "$WORK/smollm2-b16" \
         || status=$?
     [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || exit "$status"  # 124: the chunk's time is up
     python scripts/drafter/checkpoint.py save "$WORK/drafter-work" "$DATA/checkpoint" --run "$RUN"

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +22,7 @@ from tqdm import tqdm
 
 from trtspec import validate
 from trtspec.errors import TrtspecError
-from trtspec.fileio import staged_file
+from trtspec.fileio import key_digest, staged_file
 from trtspec.limits import SEED, check_block_size
 from trtspec.models import DFlashConfig, DFlashDrafter, Qwen3Target, default_target_layer_ids, save_drafter
 from trtspec.models.config import check_target_layer_ids
@@ -139,23 +140,45 @@ FEATURE_BYTES = _feature_bytes()
 class TargetFeatures:
     """The frozen target's features of each training sequence, computed alone (so a sequence's
     features never depend on its batch, and a resumed run sees the same numbers) at its first batch
-    and kept within FEATURE_BYTES: after the first epoch a step runs no target forward pass."""
+    and kept within FEATURE_BYTES: after the first epoch a step runs no target forward pass.
 
-    def __init__(self, target: Qwen3Target, layer_ids: tuple[int, ...], sequences: list, autocast: bool):
+    With a `store` directory they are also written there, a safetensors file per sequence (named by
+    its token ids) in a folder named by the target's weights, taps and dtype: a later run over the
+    same sequences (the next run of a recipe, on more shards) reads them instead of running the
+    target (most of a first epoch's time), and a data set beyond FEATURE_BYTES is read back rather
+    than computed again every epoch."""
+
+    def __init__(self, target: Qwen3Target, layer_ids: tuple[int, ...], sequences: list, autocast: bool,
+                 store: str | Path | None = None):
         self.target, self.layer_ids, self.sequences, self.autocast = target, tuple(layer_ids), sequences, autocast
         self.kept: dict[int, torch.Tensor] = {}
         self.kept_bytes = 0
+        self.store = None
+        if store is not None:
+            key = {"target": target_fingerprint(target), "layers": list(self.layer_ids), "autocast": autocast,
+                   "torch": torch.__version__}
+            self.store = Path(store) / key_digest(key, 16)
+            self.store.mkdir(parents=True, exist_ok=True)
 
     def of(self, index: int) -> torch.Tensor:
         """[length, F] for sequence `index`."""
         features = self.kept.get(index)
-        if features is None:
-            ids = torch.tensor([self.sequences[index][0]], device=self.target.device)
+        if features is not None:
+            return features
+        ids = self.sequences[index][0]
+        stored = self.store / f"{_fingerprint(json.dumps(ids).encode())[:32]}.safetensors" if self.store else None
+        if stored is not None and stored.is_file():
+            features = safetensors.torch.load_file(stored, device=str(self.target.device))["features"]
+        else:
             with torch.no_grad(), torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                features = self.target(ids, 0, None, self.layer_ids)[1][0]
-            size = features.numel() * features.element_size()
-            if self.kept_bytes + size <= FEATURE_BYTES:
-                self.kept[index], self.kept_bytes = features, self.kept_bytes + size
+                features = self.target(torch.tensor([ids], device=self.target.device), 0, None, self.layer_ids)[1][0]
+            if stored is not None:  # written beside, then renamed: a run cut off leaves no half file
+                partial = stored.with_name(f".{stored.name}.{os.getpid()}")
+                safetensors.torch.save_file({"features": features.contiguous().cpu()}, partial)
+                os.replace(partial, stored)
+        size = features.numel() * features.element_size()
+        if self.kept_bytes + size <= FEATURE_BYTES:
+            self.kept[index], self.kept_bytes = features, self.kept_bytes + size
         return features
 
     def batch(self, indices: list[int], length: int) -> torch.Tensor:
@@ -316,11 +339,12 @@ def _atomic_save(state: dict, path: Path) -> None:
 def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], config: TrainConfig,
                   output: str | Path, work_dir: str | Path | None = None,
                   drafter: DFlashDrafter | None = None, teacher: DFlashDrafter | None = None,
-                  progress: bool = True) -> Path:
+                  progress: bool = True, feature_store: str | Path | None = None) -> Path:
     """Train (or continue training `drafter`) and write it in the z-lab layout to `output`.
 
     `sequences` are (token ids, prompt length) pairs; anchors are drawn among response tokens.
     `teacher` (frozen) is what positions below `config.distill_below` are kept close to.
+    `feature_store`: where the target's features of each sequence are kept for later runs (TargetFeatures).
     """
     if config.mask_token_id < 0 and drafter is None:
         raise TrtspecError("no mask token id: the tokenizer has no <|mask|> token; pass --mask-token-id")
@@ -362,7 +386,8 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
     work.mkdir(parents=True, exist_ok=True)
 
     my_sequences = sequences[rank::world]
-    kept = TargetFeatures(target, drafter.config.target_layer_ids, my_sequences, config.bfloat16_autocast)
+    kept = TargetFeatures(target, drafter.config.target_layer_ids, my_sequences, config.bfloat16_autocast,
+                          feature_store)
     bar = tqdm(total=config.steps, initial=step, disable=not progress or rank != 0, unit="step",
                dynamic_ncols=True, desc="train-drafter")
     while step < config.steps:
