@@ -305,6 +305,26 @@ def test_a_bad_prompt_set_is_refused_before_anything_is_written(line, message, t
     assert not out.exists()
 
 
+def test_a_gzip_prompt_set_reads_like_its_plain_text_and_a_cut_one_is_one_line(tmp_path):
+    """Shards are committed as .jsonl.gz (the drafter recipe): every JSONL input reads them."""
+    import gzip
+
+    from trtspec.training.data import read_prompt_set
+
+    lines = "".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(50))
+    plain, packed = tmp_path / "p.jsonl", tmp_path / "p.jsonl.gz"
+    plain.write_text(lines)
+    packed.write_bytes(gzip.compress(lines.encode()))
+    assert read_prompt_set(packed) == read_prompt_set(plain)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:-12])
+    out = tmp_path / "data.jsonl"
+    for damaged, message in ((cut, "cut.jsonl.gz is not a whole gzip file"), (plain.rename(tmp_path / "x.jsonl.gz"),
+                                                                             "x.jsonl.gz is not a whole gzip file")):
+        assert_one_line_error(trtspec("generate-data", "--prompts", damaged, "-o", out, "--max-new-tokens", 4), message)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("command", ["generate-data", "run --batch", "bench", "train-drafter"])
 def test_lone_surrogates_in_jsonl_text_are_refused_at_the_door(command, target_dir, drafter_dir, tmp_path):
     """Before: a "\\ud800" escape in a prompt or response gave a Python stack (UnicodeEncodeError in

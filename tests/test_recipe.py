@@ -14,6 +14,7 @@ import pytest
 
 from trtspec.api import Pipeline
 from trtspec.tokenizer import TextCodec
+from trtspec.training.data import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,18 +47,18 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     first = run_recipe(target_dir, data, work)
     assert first.returncode == 0, first.stderr[-2000:]
 
-    shards = sorted(p.name for p in (data / "responses").glob("shard-*.jsonl"))
-    assert shards == ["shard-0000.jsonl", "shard-0001.jsonl"]  # the last 3 prompts are the policy's
+    shards = sorted(p.name for p in (data / "responses").glob("shard-*"))
+    assert shards == ["shard-0000.jsonl.gz", "shard-0001.jsonl.gz"]  # the last 3 prompts are the policy's
     manifest = json.loads((data / "responses" / "manifest.json").read_text())
     assert sum(s["prompts"] for s in manifest["shards"].values()) == 6
     assert [manifest["shards"][name]["temperature"] for name in shards] == [0.0, 1.0]  # every 2nd sampled
     for name in stubs:
-        assert sorted(p.name for p in (data / f"responses-{name}").glob("shard-*.jsonl")) == ["shard-0000.jsonl"]
+        assert sorted(p.name for p in (data / f"responses-{name}").glob("shard-*")) == ["shard-0000.jsonl.gz"]
     trained = (work / "train.jsonl").read_text().splitlines()
     assert len(trained) == 3 + 3 + 3  # shard-0000 of the requests is held out; every stub shard trains
     prompts = [json.loads(line)["prompt"] for line in trained]
     assert [set(prompts[i:i + 3]) for i in (3, 6)] == [set(stubs[name][:3]) for name in stubs]  # the sets in order
-    held_out = {json.loads(line)["prompt"] for line in (data / "responses" / "shard-0000.jsonl").read_text().splitlines()}
+    held_out = {record["prompt"] for record in read_jsonl(data / "responses" / "shard-0000.jsonl.gz", ("prompt",))}
     assert not held_out & {json.loads(line)["prompt"] for line in trained}
 
     index = json.loads((data / "checkpoint" / "index.json").read_text())
@@ -84,10 +85,10 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     # the checkpoint from its parts and does not train again (the run had finished).
     for path in sorted(work.rglob("*"), reverse=True):
         path.unlink() if path.is_file() else path.rmdir()
-    shard_times = {str(p.relative_to(data)): p.stat().st_mtime_ns for p in data.glob("responses*/shard-*.jsonl")}
+    shard_times = {str(p.relative_to(data)): p.stat().st_mtime_ns for p in data.glob("responses*/shard-*")}
     second = run_recipe(target_dir, data, work, SHIP_POLICY="0")  # the policy's steps ran above
     assert second.returncode == 0, second.stderr[-2000:]
-    assert {str(p.relative_to(data)): p.stat().st_mtime_ns for p in data.glob("responses*/shard-*.jsonl")} == shard_times
+    assert {str(p.relative_to(data)): p.stat().st_mtime_ns for p in data.glob("responses*/shard-*")} == shard_times
     assert "restored step 6" in second.stdout
     assert "| 1/6" in first.stderr and "| 1/6" not in second.stderr  # no training step was taken again
     assert [json.loads(line)["step"] for line in (data / "curve.jsonl").read_text().splitlines()] == [6, 6]

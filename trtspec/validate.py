@@ -12,8 +12,10 @@ and `trtspec.blockpilot.policy`.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import zlib
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -178,13 +180,15 @@ def safetensors_index(path: Path, what: str, error: type[TrtspecError] = InputEr
 
 
 def jsonl_records(path: str | Path, required: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
-    """(`path:line`, record) per non-empty line of a JSONL file, each an object holding `required`."""
+    """(`path:line`, record) per non-empty line of a JSONL file (gzip-compressed where its name ends
+    in .gz), each an object holding `required`."""
     source = Path(path)
     if not source.is_file():
         raise InputError(f"file not found: {source}" if not source.exists() else f"not a file: {source}")
     records = []
     try:
-        with source.open(encoding="utf-8") as lines:
+        opened = gzip.open(source, "rt", encoding="utf-8") if source.suffix == ".gz" else source.open(encoding="utf-8")
+        with opened as lines:
             for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
@@ -197,6 +201,8 @@ def jsonl_records(path: str | Path, required: tuple[str, ...] = ()) -> list[tupl
                 records.append((f"{source}:{number}", record))
     except UnicodeDecodeError:
         raise InputError(f"{source} is not valid UTF-8") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise InputError(f"{source} is not a whole gzip file ({exc or 'cut short'})") from None
     except OSError as exc:
         raise InputError(f"cannot read {source} ({exc.strerror})") from None
     if not records:

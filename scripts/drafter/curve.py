@@ -5,7 +5,7 @@ decodes the held-out prompts greedily at the trained block size with the target 
 appends {step, sequences seen, tau, histogram} to the curve file. The recipe holds out the first
 shard of responses (its prompts are never trained on).
 
-    python scripts/drafter/curve.py build/smollm2/drafter-work --held-out data/smollm2/responses/shard-0000.jsonl \
+    python scripts/drafter/curve.py build/smollm2/drafter-work --held-out data/smollm2/responses/shard-0000.jsonl.gz \
         --curve data/smollm2/curve.jsonl
 """
 

@@ -1,7 +1,8 @@
 """Step 2 of the drafter recipe: the target's own responses to the prompts, in resumable shards.
 
 Each shard is `--shard-size` consecutive prompts, written atomically as
-`OUT/shard-NNNN.jsonl` (the `trtspec generate-data` record format) once all of them are decoded,
+`OUT/shard-NNNN.jsonl.gz` (the `trtspec generate-data` record format, gzip-compressed: every command
+that reads JSONL reads it) once all of them are decoded,
 so a run cut off at any moment loses at most the shard in progress, and a rerun skips the shards
 that exist. Every `--sampled-every`-th shard samples at T = 1 (seeded by the shard's number), the
 rest are greedy: the drafter serves both. `OUT/manifest.json` keeps what the shards were made
@@ -13,7 +14,9 @@ with and the running totals (tokens, seconds), rewritten after every shard.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -64,7 +67,9 @@ def main() -> None:
     total = -(-len(prompts) // args.shard_size)
     for number in range(total if args.shards is None else min(total, args.shards)):
         path = out / f"shard-{number:04d}.jsonl"
-        if path.exists():
+        if path.exists():  # decoded, then cut off before its compression
+            compress(path)
+        if path.with_suffix(".jsonl.gz").exists():
             continue
         chunk = prompts[number * args.shard_size:(number + 1) * args.shard_size]
         config = shard_config(number, args.max_new_tokens, args.sampled_every)
@@ -72,12 +77,24 @@ def main() -> None:
         generate_data(pipeline, chunk, config, path, args.batch_size, progress=False)
         seconds = time.perf_counter() - began
         tokens = sum(len(json.loads(line)["response_ids"]) for line in path.read_text().splitlines())
-        manifest["shards"][path.name] = {"prompts": len(chunk), "tokens": tokens, "seconds": round(seconds, 1),
-                                         "temperature": config.sampling.temperature}
+        shard = compress(path)
+        manifest["shards"][shard.name] = {"prompts": len(chunk), "tokens": tokens, "seconds": round(seconds, 1),
+                                          "temperature": config.sampling.temperature}
         atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
         done = manifest["shards"].values()
-        print(f"{path.name}: {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s); "
+        print(f"{shard.name}: {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s); "
               f"{sum(s['tokens'] for s in done)} tokens in {len(done)} shards", flush=True)
+
+
+def compress(path: Path) -> Path:
+    """`path` as PATH.gz (written beside, then renamed; no timestamp inside, so the same shard
+    compresses to the same bytes), the plain file removed: shards take a sixth of the space."""
+    shard, partial = path.with_suffix(".jsonl.gz"), path.with_suffix(".jsonl.gz.partial")
+    with open(partial, "wb") as raw, gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=raw, mtime=0) as out:
+        out.write(path.read_bytes())
+    os.replace(partial, shard)
+    path.unlink()
+    return shard
 
 
 if __name__ == "__main__":

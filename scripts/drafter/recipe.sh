@@ -87,11 +87,13 @@ done
 #    stubs' shards. A run's data is fixed (the checkpoint records its digest), so TRAIN_SHARDS and
 #    TRAIN_STUB_SHARDS pin which shards a run trains on; a later run on more data starts from this
 #    one's drafter (--init-from).
-TRAIN_SHARDS=${TRAIN_SHARDS:-$(ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | wc -l)}
-stub_shards() { for set in "${STUB_SETS[@]}"; do ls "$DATA/responses-$set"/shard-*.jsonl; done; }  # the sets in order
+#    Shards are gzip-compressed JSONL (shard-NNNN.jsonl.gz); the training file is plain.
+HELD_OUT_SHARD="$DATA/responses/shard-0000.jsonl.gz"
+TRAIN_SHARDS=${TRAIN_SHARDS:-$(ls "$DATA"/responses/shard-*.jsonl.gz | tail -n +2 | wc -l)}
+stub_shards() { for set in "${STUB_SETS[@]}"; do ls "$DATA/responses-$set"/shard-*.jsonl.gz; done; }  # the sets in order
 TRAIN_STUB_SHARDS=${TRAIN_STUB_SHARDS:-$(stub_shards | wc -l)}
-{ ls "$DATA"/responses/shard-*.jsonl | tail -n +2 | head -n "$TRAIN_SHARDS"
-  stub_shards | head -n "$TRAIN_STUB_SHARDS"; } | xargs cat > "$WORK/train.jsonl"
+{ ls "$DATA"/responses/shard-*.jsonl.gz | tail -n +2 | head -n "$TRAIN_SHARDS"
+  stub_shards | head -n "$TRAIN_STUB_SHARDS"; } | xargs zcat > "$WORK/train.jsonl"
 
 # 3b. The draft vocabulary's counts over the training responses: the K ids the drafter learns to
 #     propose among are the K most frequent here (the curve and the shipped drafter use these counts).
@@ -119,7 +121,7 @@ while true; do
         || status=$?
     [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || exit "$status"  # 124: the chunk's time is up
     python scripts/drafter/checkpoint.py save "$WORK/drafter-work" "$DATA/checkpoint" --run "$RUN"
-    python scripts/drafter/curve.py "$WORK/drafter-work" --held-out "$DATA/responses/shard-0000.jsonl" \
+    python scripts/drafter/curve.py "$WORK/drafter-work" --held-out "$HELD_OUT_SHARD" \
         --target "$TARGET" --prompts "$HELD_OUT" --draft-counts "$WORK/draft_vocab" --curve "$DATA/curve.jsonl" --run "$RUN"
     [ "$status" -eq 124 ] || break
 done
