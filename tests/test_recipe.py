@@ -4,6 +4,7 @@ its BlockPilot policy, and a rerun that resumes instead of starting over."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -85,10 +86,19 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     # the checkpoint from its parts and does not train again (the run had finished).
     for path in sorted(work.rglob("*"), reverse=True):
         path.unlink() if path.is_file() else path.rmdir()
-    shard_times = {str(p.relative_to(data)): p.stat().st_mtime_ns for p in data.glob("responses*/shard-*")}
+    # and one shard decoded but cut off before its compression: the rerun compresses it, to the same bytes
+    packed = data / "responses" / "shard-0001.jsonl.gz"
+    original = packed.read_bytes()
+    packed.with_suffix("").write_bytes(gzip.decompress(original))
+    packed.unlink()
+    shard_times = {str(p.relative_to(data)): p.stat().st_mtime_ns for p in data.glob("responses*/shard-*")
+                   if p.name != "shard-0001.jsonl" or p.parent.name != "responses"}
     second = run_recipe(target_dir, data, work, SHIP_POLICY="0")  # the policy's steps ran above
     assert second.returncode == 0, second.stderr[-2000:]
-    assert {str(p.relative_to(data)): p.stat().st_mtime_ns for p in data.glob("responses*/shard-*")} == shard_times
+    assert packed.read_bytes() == original and not packed.with_suffix("").exists()
+    assert "shard-0001.jsonl.gz:" in first.stdout and "shard-0001.jsonl.gz:" not in second.stdout  # not decoded again
+    assert {str(p.relative_to(data)): p.stat().st_mtime_ns for p in data.glob("responses*/shard-*")
+            if p != packed} == shard_times
     assert "restored step 6" in second.stdout
     assert "| 1/6" in first.stderr and "| 1/6" not in second.stderr  # no training step was taken again
     assert [json.loads(line)["step"] for line in (data / "curve.jsonl").read_text().splitlines()] == [6, 6]
