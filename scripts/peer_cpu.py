@@ -43,6 +43,7 @@ import torch
 
 from trtspec.assets import target_source
 from trtspec.commands.options import load_pipeline
+from trtspec.device import cpu_flags
 from trtspec.errors import TrtspecError
 from trtspec.fileio import atomic_write_text, check_output_file
 from trtspec.models.gguf import is_gguf
@@ -58,7 +59,9 @@ WARMUP_TOKENS = 8
 LLAMA_CPP_FLAGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
                    "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
                    "-DGGML_AMX_BF16=OFF")
-INSTALL = {"llama_cpp": f"CMAKE_ARGS=\"{LLAMA_CPP_FLAGS}\" pip install 'llama-cpp-python>=0.3'",
+# The flags only where the CPU has AMX (whose kernels GCC 12 miscompiles); elsewhere the native build is right.
+INSTALL = {"llama_cpp": (f"CMAKE_ARGS=\"{LLAMA_CPP_FLAGS}\" " if "amx_tile" in cpu_flags() else "")
+                        + "pip install 'llama-cpp-python>=0.3'",
            "transformers": "pip install 'transformers>=4.56'"}
 
 
@@ -355,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info(pipeline)
     header = (f"{name}: {len(prompts)} prompts x {args.repeats} repeats, greedy, max {args.max_new_tokens} new "
               f"tokens, {args.threads} thread(s) | trtspec {machine['backend']} {machine['dtype']} | "
-              f"{machine['processor']}, {machine['cpu_count']} cores")
+              f"{machine['cpu']}, {machine['cpu_count']} cores")
     print(format_table(header, systems, rows, agreements))
     if args.json:
         report = {"settings": vars(args), "prompts": name, "n_prompts": len(prompts), "machine": machine,

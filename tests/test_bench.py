@@ -139,8 +139,8 @@ def test_cli_end_to_end(target_dir, drafter_dir, prompts_file, tmp_path):
     data = json.loads(out.read_text())
     assert {"runs", "machine", "prompts", "n_prompts"} <= set(data)
     assert data["prompts"] == str(prompts_file) and data["n_prompts"] == 2
-    assert {"platform", "processor", "cpu_count", "torch", "torch_threads", "device", "dtype", "python",
-            "trtspec"} <= set(data["machine"])
+    assert {"platform", "processor", "cpu", "cpu_features", "cpu_count", "torch", "torch_threads", "device", "dtype",
+            "python", "trtspec"} <= set(data["machine"])
     runs = data["runs"]
     assert [r["block_size"] for r in runs] == ["AR", "4", "8"]  # as `run --json` spells them
     for run in runs:

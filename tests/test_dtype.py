@@ -1,6 +1,7 @@
 """What `--dtype auto` means: bfloat16 where its matrix products are fast (for eager PyTorch),
 float32 for CPU engines and on CPUs without bfloat16 units, and what TRTSPEC_DTYPE says where set."""
 
+import platform
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,8 @@ def test_this_cpus_flags_are_read():
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
     assert device_module.fast_bfloat16(CPU) == ("amx_bf16" in flags or "avx512_bf16" in flags)
+    lines = flags.splitlines()
+    listed = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    assert device_module.cpu_flags() == set(listed)
+    named = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    assert device_module.cpu_model() == (named or platform.machine())

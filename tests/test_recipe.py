@@ -24,7 +24,7 @@ def run_recipe(target_dir: Path, data: Path, work: Path, **overrides: str) -> su
     env = {**os.environ, "TARGET": str(target_dir), "DATA": str(data), "WORK": str(work), "THREADS": "1",
            "SHARD_SIZE": "3", "MAX_NEW_TOKENS": "12", "STEPS": "6", "CHUNK_MINUTES": "5", "MASK": "3", "HELD_OUT": "3",
            "SAMPLED_EVERY": "2", "NUM_FEATURES": "2", "DRAFT_VOCAB": "40",
-           "STUB_MODULES": "", "MORE_STUB_MODULES": "",  # two stub sets of four: each set's steps are alike
+           "STUB_MODULES": "", "MORE_STUB_MODULES": "",  # three stub sets of five: each set's steps are alike
            "POLICY_PROMPTS": "3", "POLICY_SIZES": "4", "POLICY_TOKENS": "8", "POLICY_STEPS": "20",
            "SHIP_TO": str(work.parent / "shipped"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **overrides}
@@ -41,7 +41,8 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     (data / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t, "prompt_ids": codec.encode(t)}) + "\n"
                                                 for t in texts))
     stubs = {"stubs": [f'def function_{i}(x):\n    """Add {i}."""\n' for i in range(3)],
-             "stubs-submodules": [f'def parse_{i}(s):\n    """Parse {i}."""\n' for i in range(6)]}  # 3 the policy's
+             "stubs-submodules": [f'def parse_{i}(s):\n    """Parse {i}."""\n' for i in range(6)],  # 3 the policy's
+             "stubs-libraries": [f'def format_{i}(s):\n    """Format {i}."""\n' for i in range(3)]}  # all trained
     for name, stub_texts in stubs.items():
         (data / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t, "prompt_ids": codec.encode(t)}) + "\n"
                                                     for t in stub_texts))
@@ -56,9 +57,9 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     for name in stubs:
         assert sorted(p.name for p in (data / f"responses-{name}").glob("shard-*")) == ["shard-0000.jsonl.gz"]
     trained = (work / "train.jsonl").read_text().splitlines()
-    assert len(trained) == 3 + 3 + 3  # shard-0000 of the requests is held out; every stub shard trains
+    assert len(trained) == 3 + 3 + 3 + 3  # shard-0000 of the requests is held out; every stub shard trains
     prompts = [json.loads(line)["prompt"] for line in trained]
-    assert [set(prompts[i:i + 3]) for i in (3, 6)] == [set(stubs[name][:3]) for name in stubs]  # the sets in order
+    assert [set(prompts[i:i + 3]) for i in (3, 6, 9)] == [set(stubs[name][:3]) for name in stubs]  # the sets in order
     held_out = {record["prompt"] for record in read_jsonl(data / "responses" / "shard-0000.jsonl.gz", ("prompt",))}
     assert not held_out & {json.loads(line)["prompt"] for line in trained}
 
@@ -76,7 +77,7 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     labelled = [json.loads(line)["prompt"] for line in (work / "policy" / "prompts.jsonl").read_text().splitlines()]
     assert labelled == texts[-3:] and shipped_pair.policy is not None  # auto decides with the shipped policy
     labelled = [json.loads(line)["prompt"] for line in (work / "policy" / "stubs.jsonl").read_text().splitlines()]
-    assert labelled == stubs["stubs-submodules"][-3:]  # held out of the last stub set's shards
+    assert labelled == stubs["stubs-submodules"][-3:]  # held out of the fourth set's shards, though a set follows it
     # requests and stubs labelled greedy and sampled, so the policy tells a sampled request from a greedy one;
     # its inputs chosen by cross-validation
     policy = shipped_pair.policy

@@ -51,12 +51,27 @@ def fast_bfloat16(device: torch.device) -> bool:
     emulated and slower than float32)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
+    flags = cpu_flags()
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def _cpuinfo_field(name: str) -> str:
+    """The first `name : value` line of /proc/cpuinfo ('' where there is none, as off Linux)."""
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.is_file():
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text(errors="replace").splitlines()
-                  if line.startswith("flags")), [])
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text(errors="replace").splitlines()
+                 if line.split(":", 1)[0].strip() == name), "")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (avx2, avx512f, amx_bf16, ...): they decide which kernels run."""
+    return set(_cpuinfo_field("flags").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name, or the machine's architecture where the system does not say."""
+    return _cpuinfo_field("model name") or platform.machine()
 
 
 def describe_device(device: torch.device) -> str:

@@ -49,7 +49,8 @@ def main() -> None:
     parser.add_argument("--sampled-every", type=int, default=4, help="Every N-th shard samples at T = 1 (0: none).")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-context", type=int, default=512)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto: bfloat16 where the CPU multiplies it fast (AMX), else float32; each shard records its own.")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -58,9 +59,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     prompts = read_prompt_set(args.prompts)
     pipeline = Pipeline(resolve_target(args.target), None, dtype=args.dtype, device="cpu", max_context=args.max_context)
+    dtype = str(pipeline.dtype).removeprefix("torch.")  # hosts differ: a set's shards may too
     manifest_path = out / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
-        "target": Path(args.target).name, "prompts": Path(args.prompts).name, "shard_size": args.shard_size, "dtype": args.dtype,
+        "target": Path(args.target).name, "prompts": Path(args.prompts).name, "shard_size": args.shard_size,
         "max_new_tokens": args.max_new_tokens, "sampled_every": args.sampled_every, "shards": {}}
     if manifest["shard_size"] != args.shard_size:
         raise SystemExit(f"{out} was made with --shard-size {manifest['shard_size']}")
@@ -79,7 +81,7 @@ def main() -> None:
         tokens = sum(len(json.loads(line)["response_ids"]) for line in path.read_text().splitlines())
         shard = compress(path)
         manifest["shards"][shard.name] = {"prompts": len(chunk), "tokens": tokens, "seconds": round(seconds, 1),
-                                          "temperature": config.sampling.temperature}
+                                          "temperature": config.sampling.temperature, "dtype": dtype}
         atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
         done = manifest["shards"].values()
         print(f"{shard.name}: {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s); "

@@ -27,6 +27,9 @@ MORE_STUB_MODULES=${MORE_STUB_MODULES-scipy.ndimage,scipy.interpolate,scipy.inte
 # A fourth (stubs-submodules.jsonl), unless SUBMODULE_STUB_PACKAGES is empty: every public submodule of these
 # packages (prompts.py --modules pkg.*), again only functions no earlier set holds.
 SUBMODULE_STUB_PACKAGES=${SUBMODULE_STUB_PACKAGES-sympy,networkx,scipy,matplotlib,mpmath,PIL,pygments,rich,jinja2,click,dateutil,packaging,attr,jsonschema,yaml,fsspec,tomlkit,sortedcontainers,huggingface_hub,onnx,hypothesis,pyparsing,markdown_it,starlette,requests,urllib3,aiohttp,tqdm}
+# A fifth (stubs-libraries.jsonl), unless LIBRARY_STUB_PACKAGES is empty: every public submodule of further
+# installed libraries (the test extra's), again only functions no earlier set holds.
+LIBRARY_STUB_PACKAGES=${LIBRARY_STUB_PACKAGES-torch,pydantic,fastapi,cryptography,psutil,typer,uvicorn,websockets,accelerate,yarl,anyio,gguf,onnxscript,onnx_ir,prometheus_client,_pytest,virtualenv,distlib,platformdirs,filelock,smart_open,fontTools,contourpy,wrapt,google.protobuf,zmq,gevent,tritonclient,fire,multidict,charset_normalizer,idna,dotenv,watchfiles,termcolor,shellingham,safetensors,tokenizers,openai,httpx,aiohttp,huggingface_hub,transformers.utils,transformers.generation,ray.util,ray.data,ml_dtypes,opentelemetry,google.auth,sh,colorful}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256}
 SAMPLED_EVERY=${SAMPLED_EVERY:-4}  # every N-th shard samples at T = 1, the rest are greedy
 STEPS=${STEPS:-800}            # the run's length (the cosine schedule's horizon)
@@ -65,6 +68,13 @@ if [ -n "$SUBMODULE_STUB_PACKAGES" ]; then
         --modules "$(echo "$SUBMODULE_STUB_PACKAGES" | sed 's/\([^,]*\)/\1.*/g')" --max-prompt-tokens 320 "${EARLIER[@]}" \
         -o "$DATA/stubs-submodules.jsonl"
 fi
+if [ -n "$LIBRARY_STUB_PACKAGES" ]; then
+    EARLIER=(); for set in "${STUB_SETS[@]}"; do EARLIER+=(--exclude "$DATA/$set.jsonl"); done
+    STUB_SETS+=(stubs-libraries)
+    [ -f "$DATA/stubs-libraries.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs \
+        --modules "$(echo "$LIBRARY_STUB_PACKAGES" | sed 's/\([^,]*\)/\1.*/g')" --max-prompt-tokens 320 "${EARLIER[@]}" \
+        -o "$DATA/stubs-libraries.jsonl"
+fi
 
 # 2. The target's own responses, 128 prompts a shard; every 4th shard sampled at T = 1. Generation
 #    stops before the last POLICY_PROMPTS prompts: BlockPilot's labels (step 6) are decoded on those.
@@ -73,8 +83,10 @@ SHARDS=${SHARDS:-$(( (PROMPTS - POLICY_PROMPTS) / SHARD_SIZE ))}
 python scripts/drafter/generate.py --target "$TARGET" --prompts "$DATA/prompts.jsonl" -o "$DATA/responses" \
     --threads "$THREADS" --shard-size "$SHARD_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" \
     --sampled-every "$SAMPLED_EVERY" --shards "$SHARDS"
-#    The last stub set likewise stops before its last POLICY_PROMPTS stubs: the policy's stubs.
-POLICY_STUBS=${STUB_SETS[-1]}
+#    The fourth stub set likewise stops before its last POLICY_PROMPTS stubs: the policy's stubs (the
+#    same ones whatever sets come after it; the last set where it is left out).
+POLICY_STUBS=stubs-submodules
+[[ " ${STUB_SETS[*]} " == *" $POLICY_STUBS "* ]] || POLICY_STUBS=${STUB_SETS[-1]}
 for set in "${STUB_SETS[@]}"; do
     LIMIT=()
     [ "$set" != "$POLICY_STUBS" ] || LIMIT=(--shards $(( ($(wc -l < "$DATA/$set.jsonl") - POLICY_PROMPTS) / SHARD_SIZE )))

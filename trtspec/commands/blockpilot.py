@@ -7,9 +7,9 @@ from pathlib import Path
 import click
 
 from trtspec import limits
-from trtspec.commands.options import (BlockSizeType, BlockSizesType, Ranged, limit_option, load_pipeline,
-                                      max_new_tokens_option, model_options, output_option, sampling_config,
-                                      sampling_options)
+from trtspec.commands.options import (BlockSizeType, BlockSizesType, Ranged, backend_option, engine_sizes,
+                                      limit_option, load_pipeline, max_new_tokens_option, model_options,
+                                      output_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
 
@@ -28,6 +28,7 @@ Example:
   trtspec label-blocks --engine build/engine --prompts policy-prompts.jsonl -o build/labels-train.jsonl
 """)
 @model_options
+@backend_option
 @click.option("--prompts", "prompts_spec", required=True, metavar="humaneval|FILE",
               help='"humaneval" or a JSONL file of {"prompt": ...} lines.')
 @click.option("--block-sizes", type=BlockSizesType(), default="12,16,20,24", show_default=True, metavar="B,B:G,...",
@@ -38,12 +39,14 @@ Example:
 @limit_option
 @output_option("-o", "--output", required=True, metavar="OUT.jsonl",
               help="Labels (JSONL) to write; prefill summaries go to OUT.features.safetensors.")
-def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_sizes, temperature, top_k, top_p, seed,
+def label_blocks(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, temperature, top_k, top_p, seed,
                  max_new_tokens, limit, output) -> None:
     """Run every prompt at every candidate block size and label it with the fastest one.
 
     The label is the block size with the highest modelled decode speed, tau over the backend's
     measured cost of one cycle at that block size (stored in the header); raw times are kept.
+    Label on the backend the policy will serve on (--backend, as bench and run choose it): the
+    cycle costs, and so the labels, differ between backends.
     """
     from trtspec.perf.bench import load_prompts
     from trtspec.blockpilot.labels import check_labels_output
@@ -53,7 +56,8 @@ def label_blocks(target, drafter, engine, dtype, device, prompts_spec, block_siz
     config = LabelConfig(choices=block_sizes, max_new_tokens=max_new_tokens,
                          sampling=sampling_config(temperature, top_k, top_p, seed if seed is not None else 0))
     name, prompts = load_prompts(prompts_spec, limit)
-    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine)
+    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, backend=backend,
+                             block_sizes=engine_sizes(block_sizes))
     labels = run_labels(pipeline, prompts, config, prompts_name=name)
     path = labels.write(output)
     counts = {c.name: labels.labels().count(c) for c in labels.choices}

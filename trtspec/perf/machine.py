@@ -8,6 +8,9 @@ import platform
 import torch
 
 from trtspec import __version__
+from trtspec.device import cpu_flags, cpu_model
+
+KERNEL_FLAGS = {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
 
 
 def machine_info(pipeline) -> dict:
@@ -20,6 +23,8 @@ def describe_machine(device: torch.device, dtype: torch.dtype, backend: str) -> 
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),  # hosts differ (AMX or not): a figure is only comparable on the same CPU
+        "cpu_features": sorted(cpu_flags() & KERNEL_FLAGS),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
