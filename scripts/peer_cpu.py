@@ -19,9 +19,12 @@ systems see the same machine state. llama.cpp tokenizes the prompt text itself (
 as trtspec); transformers gets trtspec's token ids (its GGUF tokenizer would prepend `<|im_start|>`).
 Each llama.cpp call starts from an empty cache (`Llama.reset()`), so none reuses an earlier prompt.
 
-llama-cpp-python and transformers are benchmark-only extras (`pip install 'trtspec[peer]'`; build
-llama-cpp-python with the flags in docs/benchmarks.md, "Peer benchmark on the CPU"); a system whose
-package is missing is reported as skipped with the command that installs it.
+trtspec runs on the backend its commands choose here (`--backend auto`): eager bfloat16 on a CPU with
+AMX, ONNX Runtime in float32 elsewhere (an engine built once into the cache).
+
+llama-cpp-python and transformers are benchmark-only extras (`pip install 'trtspec[peer]'`; on a CPU
+with AMX build llama-cpp-python with the flags in docs/benchmarks.md, "Peer benchmark on the CPU"); a
+system whose package is missing is reported as skipped with the command that installs it.
 
     python scripts/peer_cpu.py --threads 1 --limit 24 --json peer-1t.json
     python scripts/peer_cpu.py --threads 2 --limit 24 --json peer-2t.json
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -304,7 +308,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=4, help="trtspec's speculative block size (default: 4).")
     parser.add_argument("--dtype", default="auto", help="trtspec's and transformers' dtype (default: auto, "
                                                         "bfloat16 on a CPU with AMX).")
-    parser.add_argument("--backend", default="eager", help="trtspec's backend, as trtspec bench's (default: eager).")
+    parser.add_argument("--backend", default=os.environ.get("TRTSPEC_BACKEND", "auto"),
+                        help="trtspec's backend, as trtspec bench's (default: auto, or TRTSPEC_BACKEND: eager "
+                             "bfloat16 on a CPU with AMX, else ONNX Runtime float32).")
     parser.add_argument("--engine", help="A built trtspec engine of the pair (e.g. trtspec build --weights int4) "
                                          "instead of --backend.")
     parser.add_argument("--max-context", type=int, help="trtspec's context cap (default: the model's).")
