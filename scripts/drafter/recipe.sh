@@ -55,26 +55,19 @@ if [ -n "$STUB_MODULES" ]; then
     [ -f "$DATA/stubs-packages.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs \
         --modules "$STUB_MODULES" --max-prompt-tokens 320 -o "$DATA/stubs-packages.jsonl"
 fi
-if [ -n "$MORE_STUB_MODULES" ]; then
-    EARLIER=(); for set in "${STUB_SETS[@]}"; do EARLIER+=(--exclude "$DATA/$set.jsonl"); done
-    STUB_SETS+=(stubs-more)
-    [ -f "$DATA/stubs-more.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs \
-        --modules "$MORE_STUB_MODULES" --max-prompt-tokens 320 "${EARLIER[@]}" -o "$DATA/stubs-more.jsonl"
-fi
-if [ -n "$SUBMODULE_STUB_PACKAGES" ]; then
-    EARLIER=(); for set in "${STUB_SETS[@]}"; do EARLIER+=(--exclude "$DATA/$set.jsonl"); done
-    STUB_SETS+=(stubs-submodules)
-    [ -f "$DATA/stubs-submodules.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs \
-        --modules "$(echo "$SUBMODULE_STUB_PACKAGES" | sed 's/\([^,]*\)/\1.*/g')" --max-prompt-tokens 320 "${EARLIER[@]}" \
-        -o "$DATA/stubs-submodules.jsonl"
-fi
-if [ -n "$LIBRARY_STUB_PACKAGES" ]; then
-    EARLIER=(); for set in "${STUB_SETS[@]}"; do EARLIER+=(--exclude "$DATA/$set.jsonl"); done
-    STUB_SETS+=(stubs-libraries)
-    [ -f "$DATA/stubs-libraries.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs \
-        --modules "$(echo "$LIBRARY_STUB_PACKAGES" | sed 's/\([^,]*\)/\1.*/g')" --max-prompt-tokens 320 "${EARLIER[@]}" \
-        -o "$DATA/stubs-libraries.jsonl"
-fi
+# further_stub_set NAME MODULES: a set of MODULES' functions that no earlier set holds (none if MODULES is empty).
+further_stub_set() {
+    [ -n "$2" ] || return 0
+    local earlier=() set
+    for set in "${STUB_SETS[@]}"; do earlier+=(--exclude "$DATA/$set.jsonl"); done
+    STUB_SETS+=("$1")
+    [ -f "$DATA/$1.jsonl" ] || python scripts/drafter/prompts.py --target "$TARGET" --form stubs --modules "$2" \
+        --max-prompt-tokens 320 "${earlier[@]}" -o "$DATA/$1.jsonl"
+}
+with_submodules() { [ -z "$1" ] || echo "$1" | sed 's/\([^,]*\)/\1.*/g'; }  # pkg -> pkg.*: it and its public submodules
+further_stub_set stubs-more "$MORE_STUB_MODULES"
+further_stub_set stubs-submodules "$(with_submodules "$SUBMODULE_STUB_PACKAGES")"
+further_stub_set stubs-libraries "$(with_submodules "$LIBRARY_STUB_PACKAGES")"
 
 # 2. The target's own responses, 128 prompts a shard; every 4th shard sampled at T = 1. Generation
 #    stops before the last POLICY_PROMPTS prompts: BlockPilot's labels (step 6) are decoded on those.
