@@ -250,11 +250,11 @@ def test_auto_under_load_reports_the_costs_it_judged_by(trained, target_dir, dra
     assert "cycle_costs_ms" not in rows[0]  # AR judged nothing
 
 
-def test_the_cost_table_is_timed_once_per_machine(trained, target_dir, drafter_dir, tmp_path, monkeypatch):
-    """An engine with a policy times its cost table the first time; the next engine of the same kind
-    reads it from the cache ($TRTSPEC_CACHE/costs) instead of timing it again; other slots (another
-    key) are timed afresh; a damaged entry is timed again and rewritten; an unwritable cache only
-    costs the timing."""
+def test_the_cost_table_is_timed_once_per_machine(trained, target_dir, drafter_dir, tmp_path, monkeypatch, capsys):
+    """An engine with a policy times its cost table the first time, saying so on stderr; the next
+    engine of the same kind reads it from the cache ($TRTSPEC_CACHE/costs) instead of timing it
+    again, silently; other slots (another key) are timed afresh; a damaged entry is timed again and
+    rewritten; an unwritable cache only costs the timing."""
     import trtspec.blockpilot.costs as costs
     from trtspec.api import Pipeline
     from trtspec.runtime.engine import EngineConfig
@@ -267,9 +267,13 @@ def test_the_cost_table_is_timed_once_per_machine(trained, target_dir, drafter_d
     first = pipeline.stepped_engine(EngineConfig(max_running=2)).chooser.costs
     entries = list((tmp_path / "cache" / costs.COSTS_DIR).glob("*.json"))
     assert timed == [2] and len(entries) == 1
+    sizes = ", ".join(map(str, sorted({1, *pipeline.policy.block_sizes})))
+    assert capsys.readouterr().err == (f"timing a decode cycle at block sizes {sizes} and batches up to 2 for "
+                                       "BlockPilot's load-aware choice (once: later starts reuse it)\n")
     assert sorted(first.cycle_ms) == [1, *pipeline.policy.block_sizes] and first.batches == (1, 2)
     again = Pipeline(target_dir, drafter_dir, policy=trained[0] / "policy").stepped_engine(EngineConfig(max_running=2))
     assert timed == [2] and again.chooser.costs == first  # read back, not timed
+    assert "timing" not in capsys.readouterr().err
     pipeline.stepped_engine(EngineConfig(max_running=3))
     assert timed == [2, 3] and len(list(entries[0].parent.glob("*.json"))) == 2
     entries[0].write_text(entries[0].read_text()[:-40])

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -47,7 +49,12 @@ class CostTable:
         return cls(batches, cycle_ms)
 
 
-def cached_costs(runner, block_sizes: tuple[int, ...], identity: dict) -> CostTable:
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def cached_costs(runner, block_sizes: tuple[int, ...], identity: dict,
+                 echo: Callable[[str], None] = _stderr) -> CostTable:
     """`measure_costs`, kept: the first engine of its kind on a machine times the table (seconds:
     a server's start-up, each Ray replica's), later ones read it from the cache. The entry's key is
     everything the timing depends on: `identity` (what the caller runs: the models' configurations or
@@ -55,7 +62,9 @@ def cached_costs(runner, block_sizes: tuple[int, ...], identity: dict) -> CostTa
     sizes and the trtspec code that runs the calls. Only relative costs matter: the engine replaces
     the figures with its own cycles as they run (trtspec.blockpilot.load). Engines starting together
     (a deployment's replicas) take turns: one times the table, alone on the machine, and the others
-    read it. An entry that cannot be read is timed again; a cache that cannot be written is skipped."""
+    read it. An entry that cannot be read is timed again; a cache that cannot be written is skipped.
+    `echo` announces the timing (tens of seconds for a real model on a CPU), so a start-up that
+    waits says why."""
     from trtspec.export.cache import code_sha256
 
     sizes = sorted(set(block_sizes) | {1})
@@ -70,6 +79,8 @@ def cached_costs(runner, block_sizes: tuple[int, ...], identity: dict) -> CostTa
             table = CostTable.from_dict(entry["table"])
             if key_digest(entry["key"]) == digest and sorted(table.cycle_ms) == sizes:
                 return table
+        echo(f"timing a decode cycle at block sizes {', '.join(map(str, sizes))} and batches up to "
+             f"{min(max(BATCHES), runner.slots)} for BlockPilot's load-aware choice (once: later starts reuse it)")
         table = measure_costs(runner, block_sizes)
         with contextlib.suppress(OSError, TrtspecError):
             atomic_write_text(path, json.dumps({"key": key, "table": table.to_dict()}, indent=1, default=str) + "\n")
