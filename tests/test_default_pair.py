@@ -158,7 +158,8 @@ def test_serve_answers_a_chat_request_with_code(smollm2_file, tmp_path):
     """`trtspec serve` on the default pair, asked through the OpenAI client for a Fibonacci function,
     answers with Python code (the request goes through the model's own chat template)."""
     pytest.importorskip("openai", reason="the OpenAI client is in the [test] extra")
-    server = Server(tmp_path / "serve.log", "--backend", "eager", "--dtype", "float32")
+    # one request, so one slot: the start-up then times BlockPilot's cycle costs at batch 1 only (~30 s at 1-8 here)
+    server = Server(tmp_path / "serve.log", "--backend", "eager", "--dtype", "float32", "--max-concurrency", "1")
     try:
         answer = server.client.chat.completions.create(
             model="smollm2", max_tokens=96, temperature=0,
