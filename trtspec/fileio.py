@@ -34,6 +34,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import stat
 import tempfile
 import threading
@@ -439,3 +440,8 @@ def _make_shareable(path: Path) -> None:
     path.chmod(0o777 & ~umask)
     for entry in path.rglob("*"):
         entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
+
+
+def stderr_line(line: str) -> None:
+    """The default announcement of slow one-time work (a conversion, a timing): a line on stderr, now."""
+    print(line, file=sys.stderr, flush=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 
 from trtspec.errors import TrtspecError
-from trtspec.fileio import atomic_write_text, cache_root, key_digest, take_turns
+from trtspec.fileio import atomic_write_text, cache_root, key_digest, stderr_line, take_turns
 from trtspec.timing import Timer
 
 BATCHES = (1, 2, 4, 8, 16)
@@ -49,12 +48,8 @@ class CostTable:
         return cls(batches, cycle_ms)
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def cached_costs(runner, block_sizes: tuple[int, ...], identity: dict,
-                 echo: Callable[[str], None] = _stderr) -> CostTable:
+                 echo: Callable[[str], None] = stderr_line) -> CostTable:
     """`measure_costs`, kept: the first engine of its kind on a machine times the table (seconds:
     a server's start-up, each Ray replica's), later ones read it from the cache. The entry's key is
     everything the timing depends on: `identity` (what the caller runs: the models' configurations or
@@ -80,11 +75,16 @@ def cached_costs(runner, block_sizes: tuple[int, ...], identity: dict,
             if key_digest(entry["key"]) == digest and sorted(table.cycle_ms) == sizes:
                 return table
         echo(f"timing a decode cycle at block sizes {', '.join(map(str, sizes))} and batches up to "
-             f"{min(max(BATCHES), runner.slots)} for BlockPilot's load-aware choice (once: later starts reuse it)")
+             f"{max(timed_batches(runner))} for BlockPilot's load-aware choice (once: later starts reuse it)")
         table = measure_costs(runner, block_sizes)
         with contextlib.suppress(OSError, TrtspecError):
             atomic_write_text(path, json.dumps({"key": key, "table": table.to_dict()}, indent=1, default=str) + "\n")
     return table
+
+
+def timed_batches(runner, batches: tuple[int, ...] = BATCHES) -> tuple[int, ...]:
+    """The batches a table is timed at: those the runner's slots hold."""
+    return tuple(b for b in batches if b <= runner.slots) or (1,)
 
 
 def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...] = BATCHES, context: int = CONTEXT,
@@ -94,7 +94,7 @@ def measure_costs(runner, block_sizes: tuple[int, ...], batches: tuple[int, ...]
     every cell once and a cell's figure is its median over the rounds: a host's speed drifts over
     seconds, and timing the cells one after another would hand that drift to whichever size came
     first (the choice between AR and B = 8 at 4 clients turns on a few percent)."""
-    batches = tuple(b for b in batches if b <= runner.slots) or (1,)
+    batches = timed_batches(runner, batches)
     context = min(context, runner.max_context - max(block_sizes) - 1)
     width = runner.specs["target"].outputs[1].shape({"batch": 1, "tokens": 1})[-1]  # the drafter's feature width
     sizes, generator, cells = sorted(set(block_sizes) | {1}), torch.Generator().manual_seed(0), {}

@@ -19,7 +19,6 @@ import functools
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -27,7 +26,8 @@ import numpy as np
 import torch
 
 from trtspec.errors import CheckpointError
-from trtspec.fileio import CACHE_ENV, CHECKPOINT, cache_root, key_digest, output_kind, staged_directory, take_turns
+from trtspec.fileio import (CACHE_ENV, CHECKPOINT, cache_root, key_digest, output_kind, staged_directory, stderr_line,
+                            take_turns)
 
 CONVERTER_VERSION = 1       # part of the cache key: bump when the converted directory changes
 CACHE_DIR = "gguf"
@@ -384,11 +384,7 @@ def _intact(entry: Path, sha: str) -> bool:
         return False
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def converted(path: str | os.PathLike, echo: Callable[[str], None] = _stderr) -> Path:
+def converted(path: str | os.PathLike, echo: Callable[[str], None] = stderr_line) -> Path:
     """The HF directory of the GGUF file `path`, converted into the cache on first use."""
     import shutil
 
