@@ -18,21 +18,17 @@ import gzip
 import json
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-from trtspec.api import Pipeline
-from trtspec.assets import resolve_target
 from trtspec.fileio import atomic_write_text
-from trtspec.runtime.request import GenerationConfig
-from trtspec.runtime.sampling import SamplingConfig
-from trtspec.runtime.schedule import AR
-from trtspec.training.data import generate_data, read_prompt_set
+from trtspec.validate import jsonl_records
 
 
-def shard_config(number: int, max_new_tokens: int, sampled_every: int) -> GenerationConfig:
+def shard_config(number: int, max_new_tokens: int, sampled_every: int) -> "GenerationConfig":
+    from trtspec.runtime.request import GenerationConfig
+    from trtspec.runtime.sampling import SamplingConfig
+    from trtspec.runtime.schedule import AR
+
     sampled = sampled_every > 0 and number % sampled_every == sampled_every - 1
     sampling = SamplingConfig(temperature=1.0, seed=number) if sampled else SamplingConfig()
     return GenerationConfig(block=AR, max_new_tokens=max_new_tokens, sampling=sampling)
@@ -53,26 +49,33 @@ def main() -> None:
                         help="auto: bfloat16 where the CPU multiplies it fast (AMX), else float32; each shard records its own.")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = read_prompt_set(args.prompts)
-    pipeline = Pipeline(resolve_target(args.target), None, dtype=args.dtype, device="cpu", max_context=args.max_context)
-    dtype = str(pipeline.dtype).removeprefix("torch.")  # hosts differ: a set's shards may too
     manifest_path = out / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
         "target": Path(args.target).name, "prompts": Path(args.prompts).name, "shard_size": args.shard_size,
         "max_new_tokens": args.max_new_tokens, "sampled_every": args.sampled_every, "shards": {}}
     if manifest["shard_size"] != args.shard_size:
         raise SystemExit(f"{out} was made with --shard-size {manifest['shard_size']}")
-    total = -(-len(prompts) // args.shard_size)
-    for number in range(total if args.shards is None else min(total, args.shards)):
+    total = -(-len(jsonl_records(args.prompts, ("prompt",))) // args.shard_size)
+    pending = pending_shards(out, total if args.shards is None else min(total, args.shards))
+    if not pending:  # a rerun on committed shards: no target loaded (torch's import alone takes seconds)
+        print(f"{out}: all {len(manifest['shards'])} shards exist", flush=True)
+        return
+
+    import torch
+
+    from trtspec.api import Pipeline
+    from trtspec.assets import resolve_target
+    from trtspec.training.data import generate_data, read_prompt_set
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = read_prompt_set(args.prompts)
+    pipeline = Pipeline(resolve_target(args.target), None, dtype=args.dtype, device="cpu", max_context=args.max_context)
+    dtype = str(pipeline.dtype).removeprefix("torch.")  # hosts differ: a set's shards may too
+    for number in pending:
         path = out / f"shard-{number:04d}.jsonl"
-        if path.exists():  # decoded, then cut off before its compression
-            compress(path)
-        if path.with_suffix(".jsonl.gz").exists():
-            continue
         chunk = prompts[number * args.shard_size:(number + 1) * args.shard_size]
         config = shard_config(number, args.max_new_tokens, args.sampled_every)
         began = time.perf_counter()
@@ -86,6 +89,19 @@ def main() -> None:
         done = manifest["shards"].values()
         print(f"{shard.name}: {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s); "
               f"{sum(s['tokens'] for s in done)} tokens in {len(done)} shards", flush=True)
+
+
+def pending_shards(out: Path, count: int) -> list[int]:
+    """The numbers among the first `count` shards still to decode (a shard decoded but cut off
+    before its compression is compressed now, not decoded again)."""
+    pending = []
+    for number in range(count):
+        path = out / f"shard-{number:04d}.jsonl"
+        if path.exists():
+            compress(path)
+        if not path.with_suffix(".jsonl.gz").exists():
+            pending.append(number)
+    return pending
 
 
 def compress(path: Path) -> Path:
