@@ -181,6 +181,20 @@ def test_run_on_a_built_engine_decodes_like_eager(target_dir, drafter_dir, ort_e
     assert json.loads(ar.stdout)["tokens"] == json.loads(eager.stdout)["tokens"]  # greedy spec == AR
 
 
+def test_training_data_generated_through_an_engine_equals_eager(target_dir, ort_engine, tmp_path):
+    """The drafter recipe's generation (scripts/drafter/generate.py) decodes through the cached engine
+    where that is faster: its records must be eager's, token for token (greedy, float32)."""
+    from trtspec.api import Pipeline
+    from trtspec.training.data import generate_data, read_jsonl
+
+    prompts = [{"prompt": p} for p in ("def add(a, b):\n", "class Stack:\n", "import os\n")]
+    config = GenerationConfig(max_new_tokens=12)
+    paths = [generate_data(pipeline.autoregressive(), prompts, config, tmp_path / f"{name}.jsonl", progress=False)
+             for name, pipeline in (("engine", Pipeline(engine=ort_engine)), ("eager", Pipeline(target_dir)))]
+    engine, eager = (read_jsonl(path, ("response_ids",)) for path in paths)
+    assert engine == eager and all(len(record["response_ids"]) > 0 for record in eager)
+
+
 def test_a_block_size_the_engine_lacks_is_one_line(ort_engine, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def add(a, b):\n")

@@ -47,6 +47,9 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=512)
     parser.add_argument("--dtype", default="auto",
                         help="auto: bfloat16 where the CPU multiplies it fast (AMX), else float32; each shard records its own.")
+    parser.add_argument("--backend", default=os.environ.get("TRTSPEC_BACKEND", "auto"),
+                        help="As trtspec run's: auto decodes through the cached engine of the pair where that is "
+                             "faster (ONNX Runtime on a CPU without AMX), else eager; each shard records its own.")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     out = Path(args.output)
@@ -65,15 +68,16 @@ def main() -> None:
 
     import torch
 
-    from trtspec.api import Pipeline
-    from trtspec.assets import resolve_target
+    from trtspec.commands.options import load_pipeline
     from trtspec.training.data import generate_data, read_prompt_set
 
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = read_prompt_set(args.prompts)
-    pipeline = Pipeline(resolve_target(args.target), None, dtype=args.dtype, device="cpu", max_context=args.max_context)
-    dtype = str(pipeline.dtype).removeprefix("torch.")  # hosts differ: a set's shards may too
+    pipeline = load_pipeline(args.target, None, args.dtype, "cpu", with_drafter=False, max_context=args.max_context,
+                             backend=args.backend)
+    # hosts differ: a set's shards may too
+    made_with = {"dtype": str(pipeline.dtype).removeprefix("torch."), "backend": pipeline.backend}
     for number in pending:
         path = out / f"shard-{number:04d}.jsonl"
         chunk = prompts[number * args.shard_size:(number + 1) * args.shard_size]
@@ -84,7 +88,7 @@ def main() -> None:
         tokens = sum(len(json.loads(line)["response_ids"]) for line in path.read_text().splitlines())
         shard = compress(path)
         manifest["shards"][shard.name] = {"prompts": len(chunk), "tokens": tokens, "seconds": round(seconds, 1),
-                                          "temperature": config.sampling.temperature, "dtype": dtype}
+                                          "temperature": config.sampling.temperature, **made_with}
         atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
         done = manifest["shards"].values()
         print(f"{shard.name}: {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s); "

@@ -63,7 +63,7 @@ def generate_data(pipeline, prompts: list[dict], config: GenerationConfig, outpu
     config = config.with_stop_ids(pipeline.codec.stop_ids)
     prompt_ids = [r.get("prompt_ids") or pipeline.codec.encode(r["prompt"]) for r in prompts]
     for number, ids in enumerate(prompt_ids, 1):
-        check_token_range(f"prompt {number}", "prompt_ids", ids, pipeline.target.config.vocab_size)
+        check_token_range(f"prompt {number}", "prompt_ids", ids, pipeline.vocab_size)
     responses = continue_prompts(pipeline, prompt_ids, config, batch_size, progress)
     records = [{"prompt": r["prompt"], "response": pipeline.codec.decode(out), "prompt_ids": ids,
                 "response_ids": out} for r, ids, out in zip(prompts, prompt_ids, responses)]
