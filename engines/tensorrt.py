@@ -46,10 +46,12 @@ def _axis_ranges(graph: str, key: ProfileKey, max_context: int, max_batch: int) 
     batch = (1, max(1, max_batch // 2), max_batch)
     slots = {"slots": (1, max_batch, max_batch)}
     if graph == TARGET and key == PREFILL:
-        return {"batch": (1, 1, max_batch), "tokens": (1, min(PREFILL_OPT_TOKENS, max_context), max_context),
-                "past": (0, 0, capacity), **slots}
+        tokens = (1, min(PREFILL_OPT_TOKENS, max_context), max_context)
+        return {"batch": (1, 1, max_batch), "tokens": tokens, "past": (0, 0, capacity),
+                "positions": (1, tokens[1], max_batch * max_context), **slots}
     if graph == TARGET:
-        return {"batch": batch, "tokens": (key, key, key), "past": (1, half, capacity), **slots}
+        return {"batch": batch, "tokens": (key, key, key), "past": (1, half, capacity),
+                "positions": (1, batch[1] * key, max_batch * key), **slots}
     return {"batch": batch, "block": (key, key, key), "context": (1, key, max_context), "past": (0, half, capacity),
             **slots}
 

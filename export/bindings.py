@@ -10,6 +10,9 @@ Two graphs cover the whole decode loop, for a batch of requests at once:
 * `target` runs T tokens per request, row r at positions starts[r]..starts[r]+T-1 over the
   positions its cache slot `slots[r]` holds. One request from position 0 is a prefill (or, from
   a later position, one chunk of it); T = B is verify(B); T = 1 is an autoregressive step.
+  Rows of shorter blocks (an AR row beside B = 8 ones) are padded to T, and `computed` lists the
+  real positions (flat, row * T + t): the feed-forward layers and the LM head, most of a step's
+  arithmetic, run on those alone (attention runs padded; padding logits are zeros).
 * `draft` projects each request's new context features into the drafter's cache and proposes
   B-1 tokens for its block [bonus, MASK x (B-1)] starting at starts[r]. Context rows are
   left-padded to the batch's longest: row r's last counts[r] entries are real.
@@ -76,6 +79,7 @@ def target_graph(config: Qwen3Config, num_features: int) -> GraphSpec:
         TensorSpec("slots", "int64", ("batch",)),
         TensorSpec("past_k", "model", cache),
         TensorSpec("past_v", "model", cache),
+        TensorSpec("computed", "int64", ("positions",)),
     ), outputs=(
         TensorSpec("logits", "model", ("batch", "tokens", config.vocab_size)),
         TensorSpec("features", "model", ("batch", "tokens", num_features * config.hidden_size)),

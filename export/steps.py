@@ -50,13 +50,16 @@ def _below(past: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 class TargetStep(nn.Module):
-    """target(tokens, starts, slots, past_k, past_v) -> logits, features, new_k, new_v."""
+    """target(tokens, starts, slots, past_k, past_v, computed) -> logits, features, new_k, new_v.
+
+    `computed` [N]: the real positions among batch x tokens (flat), where rows of shorter blocks are
+    padded to the call's width: the feed-forward layers and the LM head run on those N alone."""
 
     def __init__(self, target: Qwen3Target, feature_layers: tuple[int, ...]):
         super().__init__()
         self.target, self.feature_layers = target, tuple(feature_layers)
 
-    def forward(self, tokens, starts, slots, past_k, past_v):
+    def forward(self, tokens, starts, slots, past_k, past_v, computed=None):
         batch, count = tokens.shape
         offsets = torch.arange(count, device=tokens.device)
         positions = starts[:, None] + offsets[None, :]                                   # [b, T]
@@ -64,13 +67,19 @@ class TargetStep(nn.Module):
         mask = torch.cat((_below(past_k, starts)[:, None, :].expand(batch, count, past_k.shape[0]), causal), dim=2)
         new_k, new_v = [], []
         hook = _attend_past(past_k, past_v, slots, new_k, new_v)
-        hidden, features = self.target.decode(tokens, positions, hook, mask[:, None], self.feature_layers)
+        hidden, features = self.target.decode(tokens, positions, hook, mask[:, None], self.feature_layers, computed)
         if features is None:  # a target without a drafter: no features, an empty axis keeps the outputs fixed
             features = hidden.new_zeros(batch, count, 0)
         # logits in the model's dtype: an upcast would write [b, T, vocab] float32 every verify (622 MB
         # at batch 64, B = 16 and Qwen3's vocabulary) for argmax, which bfloat16 gives exactly; the
         # sampler and BlockPilot's features upcast the rows they read
-        return self.target.logits(hidden), features, _position_major(new_k), _position_major(new_v)
+        if computed is None:  # every position (eager callers timing a step)
+            logits = self.target.logits(hidden)
+        else:
+            flat = hidden.reshape(batch * count, hidden.shape[-1])
+            real = self.target.logits(flat.index_select(0, computed)[None])[0]  # 3-D: a MatMul, as in decode
+            logits = real.new_zeros(batch * count, real.shape[-1]).index_copy(0, computed, real).view(batch, count, -1)
+        return logits, features, _position_major(new_k), _position_major(new_v)
 
 
 class DraftStep(nn.Module):

@@ -163,8 +163,11 @@ class BatchRunner:
                     name: (torch.ones if name == "counts" else torch.zeros)(
                         (sizes["batch"], *t.shape[1:]), dtype=t.dtype, device=self.device)
                     for name, t in inputs.items()}
+                if "computed" in inputs:  # a replayed call computes every position of its padded batch
+                    bound["computed"] = torch.arange(sizes["batch"] * sizes["tokens"], device=self.device)
             for name, tensor in inputs.items():
-                bound[name][:rows].copy_(tensor, non_blocking=True)
+                if name != "computed":
+                    bound[name][:rows].copy_(tensor, non_blocking=True)
             inputs, past = dict(bound), cache_k.shape[0]
         inputs["past_k"], inputs["past_v"] = cache_k[:past], cache_v[:past]
         if self.slots == 1 and not replayed and keep is None:
@@ -236,25 +239,41 @@ class BatchRunner:
         tokens = torch.tensor(chunks, dtype=torch.long, device=self.device)
         batch, count = tokens.shape
         out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots}, max(starts),
-                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
-                        slots, starts)
+                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots),
+                         "computed": self._computed([count] * batch, count)}, slots, starts)
         return out["logits"], out["features"]
+
+    def _computed(self, lengths: list[int], width: int) -> torch.Tensor:
+        """The target graph's `computed` input: the flat positions (row * width + t) of each row's
+        first lengths[r] tokens, the rest padding."""
+        key = ("computed", width, tuple(lengths))
+        known = self._staged.get(key)
+        if known is None:
+            if len(self._staged) > 4096:  # shapes recur; mixes of lengths need not: bound what is kept
+                self._staged = {k: v for k, v in self._staged.items() if k[0] != "computed"}
+            flat = np.concatenate([row * width + np.arange(n) for row, n in enumerate(lengths)])
+            known = self._staged[key] = torch.from_numpy(flat).to(self.device), None
+        return known[0]
 
     def verify(self, slots: list[int], blocks: Sequence[np.ndarray],
                starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [b, B, V] and drafter features [b, B, F] of each row's block [B] (int64: the bonus,
         then the drafts) at its start (B = 1: AR steps). Both are buffers the next call of this shape
-        overwrites. Blocks shorter than the longest are padded with their first token: a row's logits
-        at its own positions do not see later ones, and the keys/values the padding writes lie past
-        what the row can commit, overwritten before anything reads them."""
-        width = max(len(block) for block in blocks)
-        if any(len(block) != width for block in blocks):
+        overwrites. Blocks shorter than the longest are padded (with their last token), and the
+        target runs its feed-forward layers and LM head on the real positions only (`computed`: an
+        AR row beside B = 8 ones costs attention over 8 positions, not a whole step's arithmetic;
+        padding logits are zeros). A row's logits at its own positions do not see later ones, and the
+        keys/values the padding writes lie past what the row can commit, overwritten before anything
+        reads them."""
+        lengths = [len(block) for block in blocks]
+        width = max(lengths)
+        if any(n != width for n in lengths):
             blocks = [np.pad(block, (0, width - len(block)), mode="edge") for block in blocks]
         tokens = self._long("blocks", blocks)
         batch, size = tokens.shape
         out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots}, max(starts),
-                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
-                        slots, starts)
+                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots),
+                         "computed": self._computed(lengths, width)}, slots, starts)
         return out["logits"], out["features"]
 
     def draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: Sequence[np.ndarray],

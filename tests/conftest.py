@@ -23,8 +23,9 @@ os.environ.setdefault("TRTSPEC_DTYPE", "float32")
 # The files that take longest (seconds on a quiet 2-core machine, `--durations`), longest first. xdist
 # hands each worker whole files (--dist=loadfile) in collection order, so these start first and the
 # short files fill the end of the run instead of one long file running alone at the end.
-LONGEST_FILES = ("test_recipe.py", "test_default_pair.py", "test_engines.py", "test_sampling.py", "test_ray.py",
-                 "test_gpu_recipe.py", "test_engine.py", "test_families.py", "test_training.py", "test_serve_door.py",
+LONGEST_FILES = ("test_default_pair.py", "test_engines.py", "test_recipe.py", "test_sampling.py", "test_ray.py",
+                 "test_gpu_recipe.py", "test_engine.py", "test_weights_int4.py", "test_families.py", "test_outputs.py",
+                 "test_training.py", "test_serve_door.py",
                  "test_serve.py", "test_triton.py", "test_policy.py", "test_gguf.py", "test_draft_vocab.py",
                  "test_decode.py", "test_cli.py")
 

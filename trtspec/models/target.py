@@ -99,13 +99,16 @@ class DecoderTarget(nn.Module):
         return self.logits(h), features
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attend_kv: KVHook, mask: torch.Tensor | None,
-               feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+               feature_layers: tuple[int, ...] = (), computed: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack: final hidden states [b, T, H] (before the final norm) and the
         tapped layers' features (HF `hidden_states[i + 1]`, see the module docstring).
 
         `attend_kv(layer, k, v)` turns the new tokens' keys/values into the keys/values they attend
         to (a KV cache in eager mode, graph inputs and outputs in an exported step); `mask` is
-        boolean [T, keys] (True = may attend) or None for "everything".
+        boolean [T, keys] (True = may attend) or None for "everything". `computed` [N] (flat
+        indices into b x T): the positions whose feed-forward runs, where the rest are padding
+        (their hidden states are left unfinished; no real position attends to them).
         """
         cos, sin = self.rotary(positions, self.dtype)
         wanted = set(feature_layers)
@@ -118,7 +121,12 @@ class DecoderTarget(nn.Module):
             q = attn.project_q(x, cos, sin)
             k, v = attend_kv(i, *attn.project_kv(x, cos, sin))
             h = h + attn.attend(q, k, v, mask)
-            h = layer.feed_forward(h)
+            if computed is None:
+                h = layer.feed_forward(h)
+            else:  # the feed-forward (three quarters of a layer's arithmetic) on the real positions only
+                flat = h.reshape(-1, h.shape[-1])  # [1, N, H] below: a 2-D Linear would export as Gemm, which
+                real = layer.feed_forward(flat.index_select(0, computed)[None])[0]  # the 4-bit quantizer skips
+                h = flat.index_copy(0, computed, real).view(h.shape)
             if i in wanted:  # HF's hidden_states[i + 1]: the last entry is already normalised
                 taps[i] = self.model.norm(h) if i == last else h
         features = torch.cat([taps[i] for i in feature_layers], dim=-1) if feature_layers else None
