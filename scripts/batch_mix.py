@@ -9,11 +9,15 @@ default) decodes `--batch` requests at once, three ways, alternating rounds:
 * `mixed`: half and half, as a router that looks only at queue lengths hands a replica.
 
 The engine verifies a mixed batch in one call at the wider block (runtime.engine.verify_calls),
-so the AR half's rows are padded to B. `mixed / split` compares two replicas that each get the mix against two that
+so the AR half's rows are padded to B, and the target computes only their real positions' feed-forward
+and logits (`computed`). `mixed / split` compares two replicas that each get the mix against two that
 each get one kind (the same requests, routed by kind): below 1, a router that knows each replica's
-block sizes would serve more.
+block sizes would serve more. One closed batch (the default) also charges the mix for its tail: the
+greedy half finishes first and the sampled half runs on alone, half-full; `--requests` more than
+`--batch` measures a stream instead, each finished request's slot given to the next.
 
     python scripts/batch_mix.py --rounds 5 --json mix.json
+    python scripts/batch_mix.py --rounds 3 --requests 32 --json mix-stream.json
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="Requests decoded at once (even).")
     parser.add_argument("--block-size", type=int, default=8, help="The greedy requests' block size.")
     parser.add_argument("--max-new-tokens", type=int, default=96, help="Tokens every request generates.")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="Requests per batch kind (even; default: --batch, one closed batch). More than --batch "
+                             "is a stream: each finished request's slot goes to the next, as on a server.")
     parser.add_argument("--rounds", type=int, default=5, help="Rounds of the three batches; medians are reported.")
     parser.add_argument("--backend", default="auto", help="As trtspec serve's --backend (default: auto).")
     parser.add_argument("--threads", type=int, default=1, help="torch threads.")
@@ -47,7 +54,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     pipeline = load_pipeline(None, None, "auto", "cpu", backend=args.backend, block_sizes=(args.block_size,))
-    prompts = load_prompts("humaneval", args.batch)[1]
+    requests = args.requests or args.batch
+    prompts = load_prompts("humaneval", requests)[1]
 
     def spec(seed: int) -> GenerationConfig:
         return GenerationConfig(block=BlockChoice(args.block_size), max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -56,8 +64,7 @@ def main() -> None:
         return GenerationConfig(block=AR, max_new_tokens=args.max_new_tokens, ignore_eos=True,
                                 sampling=SamplingConfig(temperature=1.0, seed=seed))
 
-    batches = {"spec": [spec] * args.batch, "ar": [sampled] * args.batch,
-               "mixed": [spec, sampled] * (args.batch // 2)}
+    batches = {"spec": [spec] * requests, "ar": [sampled] * requests, "mixed": [spec, sampled] * (requests // 2)}
     rates: dict[str, list[float]] = {name: [] for name in batches}
     for _ in range(args.rounds):
         for name, kinds in batches.items():
@@ -68,7 +75,7 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in rates.items()}
     # two replicas under the same stream of requests: each gets the mix, or each gets one kind
     ratio = 2 * median["mixed"] / (median["spec"] + median["ar"])
-    print(f"{args.batch} requests at once, {args.max_new_tokens} tokens each, median of {args.rounds} rounds")
+    print(f"{requests} requests, {args.batch} at once, {args.max_new_tokens} tokens each, median of {args.rounds} rounds")
     for name, label in (("spec", f"greedy at B={args.block_size}"), ("ar", "T=1 at AR"), ("mixed", "half and half")):
         print(f"  {name:6} {label:18} {median[name]:8.1f} output tok/s")
     print(f"  mixed / split (two replicas, each the mix vs each one kind): {ratio:.3f}")
