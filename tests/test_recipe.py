@@ -104,9 +104,13 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     assert "| 1/6" in first.stderr and "| 1/6" not in second.stderr  # no training step was taken again
     assert [json.loads(line)["step"] for line in (data / "curve.jsonl").read_text().splitlines()] == [6, 6]
 
-    # A new run on the same data (another horizon) does not restore the committed run's checkpoint
-    # (train-drafter would refuse to resume another run's): it starts afresh and commits its own.
-    third = run_recipe(target_dir, data, tmp_path / "work-2", STEPS="4", SHIP_POLICY="0")
-    assert third.returncode == 0, third.stderr[-2000:]
-    assert "starts afresh" in third.stdout and "| 4/4" in third.stderr
-    assert json.loads((data / "checkpoint" / "index.json").read_text())["step"] == 4
+    # A new run (the recipe names a run by its data, start and options: here another horizon) does not
+    # restore the committed run's checkpoint, which train-drafter would refuse to resume: it starts afresh.
+    run = (work / "drafter-work" / "run").read_text().strip()
+    assert "steps=6" in run
+    fresh = tmp_path / "work-2"
+    other = subprocess.run([sys.executable, "scripts/drafter/checkpoint.py", "restore", str(data / "checkpoint"),
+                            str(fresh), "--run", run.replace("steps=6", "steps=4")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert other.returncode == 0 and "starts afresh" in other.stdout, other.stderr
+    assert not fresh.exists() or not any(fresh.iterdir())
