@@ -162,7 +162,7 @@ class BatchRunner:
                 bound = self._static_inputs[key] = {
                     name: (torch.ones if name == "counts" else torch.zeros)(
                         (sizes["batch"], *t.shape[1:]), dtype=t.dtype, device=self.device)
-                    for name, t in inputs.items()}
+                    for name, t in inputs.items() if name != "computed"}
                 if "computed" in inputs:  # a replayed call computes every position of its padded batch
                     bound["computed"] = torch.arange(sizes["batch"] * sizes["tokens"], device=self.device)
             for name, tensor in inputs.items():
@@ -243,9 +243,12 @@ class BatchRunner:
                          "computed": self._computed([count] * batch, count)}, slots, starts)
         return out["logits"], out["features"]
 
-    def _computed(self, lengths: list[int], width: int) -> torch.Tensor:
+    def _computed(self, lengths: list[int], width: int) -> torch.Tensor | None:
         """The target graph's `computed` input: the flat positions (row * width + t) of each row's
-        first lengths[r] tokens, the rest padding."""
+        first lengths[r] tokens, the rest padding. None for the eager modules when nothing is padded:
+        they then run every position without the gathers (dispatch is most of a small model's step)."""
+        if self.manifest is None and all(n == width for n in lengths):
+            return None
         key = ("computed", width, tuple(lengths))
         known = self._staged.get(key)
         if known is None:
