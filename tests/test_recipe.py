@@ -54,6 +54,7 @@ def test_a_rerun_of_the_recipe_resumes_from_committed_state(target_dir, tmp_path
     manifest = json.loads((data / "responses" / "manifest.json").read_text())
     assert sum(s["prompts"] for s in manifest["shards"].values()) == 6
     assert [manifest["shards"][name]["temperature"] for name in shards] == [0.0, 1.0]  # every 2nd sampled
+    assert all(0 <= shard["cpu_seconds"] and shard["backend"] == "torch-eager" for shard in manifest["shards"].values())
     for name in stubs:
         assert sorted(p.name for p in (data / f"responses-{name}").glob("shard-*")) == ["shard-0000.jsonl.gz"]
     trained = (work / "train.jsonl").read_text().splitlines()

@@ -6,7 +6,9 @@ that reads JSONL reads it) once all of them are decoded,
 so a run cut off at any moment loses at most the shard in progress, and a rerun skips the shards
 that exist. Every `--sampled-every`-th shard samples at T = 1 (seeded by the shard's number), the
 rest are greedy: the drafter serves both. `OUT/manifest.json` keeps what the shards were made
-with and the running totals (tokens, seconds), rewritten after every shard.
+with and the running totals (tokens, seconds), rewritten after every shard. Each shard records its wall
+time and its CPU time (`cpu_seconds`, this process's: a job stopped or starved for a while shows in
+the first only).
 
     python scripts/drafter/generate.py --prompts data/smollm2/prompts.jsonl -o data/smollm2/responses
 """
@@ -82,16 +84,18 @@ def main() -> None:
         path = out / f"shard-{number:04d}.jsonl"
         chunk = prompts[number * args.shard_size:(number + 1) * args.shard_size]
         config = shard_config(number, args.max_new_tokens, args.sampled_every)
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         generate_data(pipeline, chunk, config, path, args.batch_size, progress=False)
-        seconds = time.perf_counter() - began
+        seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - began_cpu
         tokens = sum(len(json.loads(line)["response_ids"]) for line in path.read_text().splitlines())
         shard = compress(path)
         manifest["shards"][shard.name] = {"prompts": len(chunk), "tokens": tokens, "seconds": round(seconds, 1),
+                                          "cpu_seconds": round(cpu_seconds, 1),
                                           "temperature": config.sampling.temperature, **made_with}
         atomic_write_text(manifest_path, json.dumps(manifest, indent=1) + "\n")
         done = manifest["shards"].values()
-        print(f"{shard.name}: {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s); "
+        print(f"{shard.name}: {tokens} tokens in {seconds:.0f} s ({tokens / seconds:.0f} tok/s; "
+              f"{cpu_seconds:.0f} s of CPU); "
               f"{sum(s['tokens'] for s in done)} tokens in {len(done)} shards", flush=True)
 
 
