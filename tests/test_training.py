@@ -195,6 +195,25 @@ def test_a_trained_drafter_beats_an_untrained_one(tiny_data, tmp_path):
     assert trained_tau > 1.5 and trained_tau > untrained_tau + 0.4, (trained_tau, untrained_tau)
 
 
+def test_training_features_skip_the_head_and_the_layers_above_the_deepest_tap(tiny_data):
+    pipeline, sequences, _ = tiny_data
+    target = pipeline.target
+    tokens = torch.tensor([sequences[0][0][:40]])
+    layers = (0,)  # the tiny target has two layers
+    assert len(target.model.layers) > max(layers) + 1
+    with torch.no_grad():
+        expected = target(tokens, 0, None, layers)[1]
+        ran: list[str] = []
+        hooks = [module.register_forward_hook(lambda *_, name=name: ran.append(name))
+                 for name, module in [("head", target.lm_head)] + [(f"layer {i}", layer.input_layernorm)
+                                                                  for i, layer in enumerate(target.model.layers)]]
+        features = target.features(tokens, layers)
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(features, expected)
+    assert ran == [f"layer {i}" for i in range(max(layers) + 1)]  # nothing above the deepest tap, no head
+
+
 def test_a_feature_store_spares_a_later_run_the_target_and_changes_no_weight(tiny_data, tmp_path, monkeypatch):
     pipeline, sequences, _ = tiny_data
     config = TrainConfig(block_size=4, num_features=2, mask_token_id=1, steps=6, batch_size=4, anchors_per_sequence=4)
@@ -204,8 +223,8 @@ def test_a_feature_store_spares_a_later_run_the_target_and_changes_no_weight(tin
     stored = list(store.glob("*/*"))
     assert len(stored) == min(len(sequences), 24) and all(p.suffix == ".safetensors" for p in stored)  # 6 steps x 4
 
-    real_forward, calls = pipeline.target.forward, []
-    monkeypatch.setattr(pipeline.target, "forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k))
+    real_decode, calls = pipeline.target.decode, []
+    monkeypatch.setattr(pipeline.target, "decode", lambda *a, **k: calls.append(1) or real_decode(*a, **k))
     again = train_drafter(pipeline.target, sequences, config, tmp_path / "again", progress=False, feature_store=store)
     assert not calls  # every sequence's features read back
     for path in (first, again):

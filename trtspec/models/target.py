@@ -98,8 +98,18 @@ class DecoderTarget(nn.Module):
             h = h[:, -last_logits:]
         return self.logits(h), features
 
+    def features(self, tokens: torch.Tensor, feature_layers: tuple[int, ...]) -> torch.Tensor:
+        """The tapped layers' features of `tokens` [b, T] from position 0 without a cache, as
+        forward() gives them, but with neither the layers above the deepest tap nor the LM head run:
+        training wants only the features, and on a small model the head is a fifth of the arithmetic."""
+        count = tokens.shape[1]
+        positions = torch.arange(count, device=tokens.device)
+        causal = positions[None, :] <= positions[:, None] if count > 1 else None
+        return self.decode(tokens, positions, lambda i, k, v: (k, v), causal, feature_layers,
+                           depth=max(feature_layers) + 1)[1]
+
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attend_kv: KVHook, mask: torch.Tensor | None,
-               feature_layers: tuple[int, ...] = (), computed: torch.Tensor | None = None,
+               feature_layers: tuple[int, ...] = (), computed: torch.Tensor | None = None, depth: int | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack: final hidden states [b, T, H] (before the final norm) and the
         tapped layers' features (HF `hidden_states[i + 1]`, see the module docstring).
@@ -108,14 +118,15 @@ class DecoderTarget(nn.Module):
         to (a KV cache in eager mode, graph inputs and outputs in an exported step); `mask` is
         boolean [T, keys] (True = may attend) or None for "everything". `computed` [N] (flat
         indices into b x T): the positions whose feed-forward runs, where the rest are padding
-        (their hidden states are left unfinished; no real position attends to them).
+        (their hidden states are left unfinished; no real position attends to them). `depth`: run
+        only the first `depth` layers (the hidden states returned are then not the stack's last).
         """
         cos, sin = self.rotary(positions, self.dtype)
         wanted = set(feature_layers)
         last = len(self.model.layers) - 1
         taps: dict[int, torch.Tensor] = {}
         h = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.layers[:depth]):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.project_q(x, cos, sin)

@@ -171,7 +171,7 @@ class TargetFeatures:
             features = safetensors.torch.load_file(stored, device=str(self.target.device))["features"]
         else:
             with torch.no_grad(), torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                features = self.target(torch.tensor([ids], device=self.target.device), 0, None, self.layer_ids)[1][0]
+                features = self.target.features(torch.tensor([ids], device=self.target.device), self.layer_ids)[0]
             if stored is not None:  # written beside, then renamed: a run cut off leaves no half file
                 partial = stored.with_name(f".{stored.name}.{os.getpid()}")
                 safetensors.torch.save_file({"features": features.contiguous().cpu()}, partial)
