@@ -305,6 +305,17 @@ def test_a_bad_prompt_set_is_refused_before_anything_is_written(line, message, t
     assert not out.exists()
 
 
+def test_generate_data_through_an_engine_needs_a_pair(target_dir, tmp_path):
+    """generate-data decodes through `run`'s backend; an engine holds a target and its drafter, and
+    the command takes no --drafter, so a target without a bundled one says so (auto decodes eagerly)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    out = tmp_path / "data.jsonl"
+    assert_one_line_error(trtspec("generate-data", "--target", target_dir, "--prompts", prompts, "-o", out,
+                                  "--max-new-tokens", 4, "--backend", "onnxruntime"), "has no bundled drafter")
+    assert not out.exists()
+
+
 def test_a_gzip_prompt_set_reads_like_its_plain_text_and_a_cut_one_is_one_line(tmp_path):
     """Shards are committed as .jsonl.gz (the drafter recipe): every JSONL input reads them."""
     import gzip

@@ -247,7 +247,8 @@ def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_v
         return None
     if drafter_dir is None:  # an engine holds a pair; the target alone runs eager
         if backend == "onnxruntime":
-            raise TrtspecError("--backend onnxruntime builds an engine of a target and its drafter; give --drafter")
+            raise TrtspecError("--backend onnxruntime builds an engine of a target and its drafter, and this target "
+                               "has no bundled drafter: give --drafter where the command takes one, or --backend eager")
         return None
     if dtype not in ("auto", "float32"):
         raise TrtspecError(f"--backend onnxruntime engines are float32 here; drop --dtype {dtype} or use --backend eager")

@@ -7,8 +7,9 @@ from dataclasses import replace
 import click
 
 from trtspec import limits
-from trtspec.commands.options import (BlockSizeType, Ranged, device_options, limit_option, load_pipeline,
-                                      max_new_tokens_option, sampling_config, sampling_options, target_option)
+from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, device_options, limit_option,
+                                      load_pipeline, max_new_tokens_option, sampling_config, sampling_options,
+                                      target_option)
 from trtspec.errors import TrtspecError
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.schedule import AR
@@ -52,9 +53,12 @@ Example:
 @click.option("--batch-size", type=Ranged(limits.COUNT), default=16, show_default=True, help="Prompts the engine decodes at once (any lengths; each request keeps its own seed).")
 @sampling_options
 @device_options
+@backend_option
 def generate_data(target, prompts_file, output, max_new_tokens, limit, batch_size, temperature, top_k, top_p,
-                  seed, dtype, device) -> None:
-    """Continue each prompt with the target alone: the training set the recipe asks for."""
+                  seed, dtype, device, backend) -> None:
+    """Continue each prompt with the target alone: the training set the recipe asks for. The target
+    decodes through the backend `run` would use (with `auto`, the cached engine of the target and
+    its bundled drafter where that is faster: the drafter's graphs then sit unused)."""
     from trtspec.fileio import check_output_file
     from trtspec.training.data import generate_data as generate, read_prompt_set
 
@@ -62,7 +66,7 @@ def generate_data(target, prompts_file, output, max_new_tokens, limit, batch_siz
     prompts = read_prompt_set(prompts_file, limit)
     config = GenerationConfig(block=AR, max_new_tokens=max_new_tokens,
                               sampling=sampling_config(temperature, top_k, top_p, seed))
-    pipeline = load_pipeline(target, None, dtype, device, with_drafter=False)
+    pipeline = load_pipeline(target, None, dtype, device, with_drafter=False, backend=backend)
     path = generate(pipeline, prompts, config, output, batch_size)
     click.echo(f"wrote {len(prompts)} continuations to {path}", err=True)
 
