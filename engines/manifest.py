@@ -25,8 +25,9 @@ from trtspec.fileio import MARKER, file_sha256
 from trtspec.models.config import DFlashConfig, Qwen3Config, target_config_from_dict
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_VERSION = 4  # 2: batched step graphs (batch and slot axes); 3: the manifest's own content hashed;
-# 4: the target graph's `computed` input (its feed-forward on the real positions of padded rows)
+MANIFEST_VERSION = 5  # 2: batched step graphs (batch and slot axes); 3: the manifest's own content hashed;
+# 4: the target graph's `computed` input (its feed-forward on the real positions of padded rows);
+# 5: the draft graph's `proposal_logits` output (sampled requests draw their proposals from them)
 DIGEST_FIELD = "manifest_sha256"  # of the canonical JSON of every other field (content_sha256)
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")
@@ -83,7 +84,7 @@ class Manifest:
         return DFlashConfig.from_zlab(self.drafter_config)
 
     def specs(self) -> dict[str, GraphSpec]:
-        return graph_specs(self.target, self.drafter)
+        return graph_specs(self.target, self.drafter, (self.draft_vocab or {}).get("size"))
 
     @property
     def label(self) -> str:

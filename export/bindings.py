@@ -88,7 +88,8 @@ def target_graph(config: Qwen3Config, num_features: int) -> GraphSpec:
     ))
 
 
-def draft_graph(config: DFlashConfig) -> GraphSpec:
+def draft_graph(config: DFlashConfig, draft_vocab: int | None = None) -> GraphSpec:
+    """`draft_vocab`: K, the ids proposals come from (None: the whole vocabulary)."""
     cache = _cache(config)
     new = ("batch", "context") + cache[2:]
     return GraphSpec(DRAFT, inputs=(
@@ -101,10 +102,11 @@ def draft_graph(config: DFlashConfig) -> GraphSpec:
         TensorSpec("past_v", "model", cache),
     ), outputs=(
         TensorSpec("drafts", "int64", ("batch", "proposals")),  # proposals = block - 1
+        TensorSpec("proposal_logits", "model", ("batch", "proposals", draft_vocab or config.vocab_size)),
         TensorSpec("new_k", "model", new),
         TensorSpec("new_v", "model", new),
     ))
 
 
-def graph_specs(target: Qwen3Config, drafter: DFlashConfig) -> dict[str, GraphSpec]:
-    return {TARGET: target_graph(target, drafter.num_features), DRAFT: draft_graph(drafter)}
+def graph_specs(target: Qwen3Config, drafter: DFlashConfig, draft_vocab: int | None = None) -> dict[str, GraphSpec]:
+    return {TARGET: target_graph(target, drafter.num_features), DRAFT: draft_graph(drafter, draft_vocab)}

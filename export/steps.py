@@ -83,13 +83,14 @@ class TargetStep(nn.Module):
 
 
 class DraftStep(nn.Module):
-    """draft(context, counts, block, starts, slots, past_k, past_v) -> drafts, new_k, new_v.
+    """draft(context, counts, block, starts, slots, past_k, past_v) -> drafts, proposal_logits, new_k, new_v.
 
     Row r's context holds, in its last counts[r] entries, the target features of positions
     starts[r]-counts[r]..starts[r]-1 (those the drafter cache lacks); its block [bonus, MASK x
-    (B-1)] sits at starts[r]..starts[r]+B-1. Proposals are greedy (argmax), as the decode loop
-    uses at every temperature. With a draft vocabulary, only its K logits are computed and the
-    argmax is mapped back to full-vocabulary ids inside the graph (DFlashDrafter.propose).
+    (B-1)] sits at starts[r]..starts[r]+B-1. `drafts` are the greedy proposals (argmax) that greedy
+    requests verify; `proposal_logits` [b, B-1, K] are what a sampled request draws its proposals
+    from. With a draft vocabulary, only its K logits are computed and the argmax is mapped back to
+    full-vocabulary ids inside the graph (DFlashDrafter.propose).
     """
 
     def __init__(self, drafter: DFlashDrafter):
@@ -115,5 +116,5 @@ class DraftStep(nn.Module):
                            torch.ones(batch, block.shape[1], dtype=torch.bool, device=device)), dim=1)
         positions = starts[:, None] + torch.arange(block.shape[1], device=device)[None, :]
         hidden = self.drafter.block_pass(block, positions, context_kv, valid[:, None, None, :])
-        drafts = self.drafter.propose(hidden[:, 1:])
-        return drafts, _position_major(new_k), _position_major(new_v)
+        logits = self.drafter.proposal_logits(hidden[:, 1:])
+        return self.drafter.greedy_proposals(logits), logits, _position_major(new_k), _position_major(new_v)

@@ -41,7 +41,7 @@ from trtspec.runtime.output import OutputProcessor
 from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
 from trtspec.runtime.runner import BatchRunner
-from trtspec.runtime.sampling import Sampler, greedy_tokens, sample_requests
+from trtspec.runtime.sampling import Sampler, draw_proposals, greedy_tokens, sample_requests
 from trtspec.runtime.schedule import BlockChoice, BlockChooser, BlockPolicy, Load
 from trtspec.runtime.stats import DecodeStats
 
@@ -60,6 +60,7 @@ class EngineConfig:
     max_running: int = 8        # requests decoding together (cache slots)
     max_queued: int = 64        # waiting requests beyond which submit() raises Busy
     prefill_chunk: int = 256    # prompt tokens prefilled per loop iteration (over all new requests; 0: whole prompts)
+    greedy_proposals: bool = False  # sampled requests propose the drafter's argmax too, not draws from it (for A/B runs)
 
     def __post_init__(self) -> None:
         CONCURRENCY.check(self.max_running, "concurrency (max-running)")  # their caches are also checked against memory (runtime.memory)
@@ -143,6 +144,7 @@ class _Active:
     stepper: Stepper | None = None  # greedy requests' steps from verify's logits
     processor: RowProcessor | None = None  # min_tokens, penalties, biases, a grammar (None: none asked)
     context: torch.Tensor | None = None  # features the drafter cache lacks, [n, F]
+    proposals: torch.Tensor | None = None  # a sampled request's: the distributions its drafts came from, [B-1, K]
     stats: DecodeStats | None = None
     began: float = field(default_factory=time.perf_counter)  # admission
     prefill_s: float = 0.0
@@ -469,10 +471,19 @@ class LocalEngine:
         active.decoding_since = began
 
     def _draft(self, size: int, members: list[_Active]) -> None:
-        """The group's proposals, into each controller's verify block (positions 1..B-1)."""
-        drafts = self.runner.draft([a.slot for a in members], [a.context for a in members],
-                                   [a.controller.draft_block[:size] for a in members],
-                                   [a.controller.start for a in members]).tolist()
+        """The group's proposals, into each controller's verify block (positions 1..B-1): a greedy
+        request's are the drafter's argmax, a sampled request's are drawn from the drafter's
+        distribution under its sampling settings (kept for the verify's speculative sampling)."""
+        drafts, logits = self.runner.draft([a.slot for a in members], [a.context for a in members],
+                                           [a.controller.draft_block[:size] for a in members],
+                                           [a.controller.start for a in members])
+        drafts = drafts.tolist()
+        sampled = [row for row, active in enumerate(members) if active.stepper is None]
+        if sampled and not self.config.greedy_proposals:
+            chosen = logits if len(sampled) == len(members) else logits[sampled]
+            tokens, q = draw_proposals([members[row].sampler for row in sampled], chosen, self.runner.draft_ids)
+            for row, proposed, distribution in zip(sampled, tokens.tolist(), q):
+                drafts[row], members[row].proposals = proposed, distribution
         for row, active in enumerate(members):
             active.controller.verify_block[1:size] = drafts[row]
             active.context = None  # the drafter cache holds it now
@@ -497,8 +508,11 @@ class LocalEngine:
                 continue
             rows = logits if len(sampled) == len(members) and size == width else logits[sampled, :size]
             drafts = torch.from_numpy(np.stack([members[row].controller.verify_block[1:size] for row in sampled]))
+            proposals = None
+            if size > 1 and not self.config.greedy_proposals:
+                proposals = torch.stack([members[row].proposals for row in sampled]), self.runner.draft_ids
             drawn.update(zip(sampled, sample_requests([members[row].sampler for row in sampled], rows,
-                                                      drafts.to(rows.device)).cpu()))
+                                                      drafts.to(rows.device), proposals).cpu()))
         for row in live:
             active = members[row]
             if row in drawn:

@@ -47,11 +47,28 @@ def context_bucket(count: int) -> int:
     return 1 << max(count - 1, 0).bit_length()
 
 
+def _built_draft_ids(directory: Path, manifest) -> torch.Tensor | None:
+    """The ids a built draft graph proposes among (its draft vocabulary), from the counts shipped
+    with it, checked against the digest the graph was built with; None: the whole vocabulary."""
+    info = manifest.draft_vocab
+    if not info:
+        return None
+    from trtspec.models.draft_vocab import ids_sha256, load_counts
+
+    ids = load_counts(directory / info["dir"], manifest.target.vocab_size).top_ids(info["size"])
+    if ids_sha256(ids) != info["ids_sha256"]:
+        raise TrtspecError(f"{directory}: the draft vocabulary's counts do not give the ids its draft graph "
+                           "was built with (manifest draft_vocab.ids_sha256); rebuild the engine")
+    return ids
+
+
 class BatchRunner:
     def __init__(self, executor: Executor, specs: dict[str, GraphSpec], dtype: torch.dtype, slots: int,
                  max_context: int, block_sizes: tuple[int, ...] | None, mask_token_id: int | None,
-                 static: bool = False, manifest=None):
+                 static: bool = False, manifest=None, draft_ids: torch.Tensor | None = None):
         self.executor, self.specs, self.dtype, self.slots = executor, specs, dtype, slots
+        # the full-vocabulary ids of the draft graph's proposal logits (its draft vocabulary; None: all)
+        self.draft_ids = None if draft_ids is None else draft_ids.to(executor.device)
         self.manifest = manifest  # a built engine's (trtspec.engines.manifest), None for eager modules
         # Static mode, for CUDA-graph replay: decode calls read the whole cache buffer as `past` (stale
         # entries are masked), their rows are padded to a batch bucket and a draft's context to a
@@ -89,12 +106,12 @@ class BatchRunner:
         modules = {TARGET: TargetStep(target, layers).eval()}
         specs = {TARGET: target_graph(target.config, len(layers))}
         if drafter is not None:
-            modules[DRAFT], specs[DRAFT] = DraftStep(drafter).eval(), draft_graph(drafter.config)
+            modules[DRAFT], specs[DRAFT] = DraftStep(drafter).eval(), draft_graph(drafter.config, drafter.draft_vocab_size)
         cuda_graphs = target.device.type == "cuda" and cuda_graphs is not False
         executor = TorchExecutor(modules, target.device, specs, cuda_graphs=cuda_graphs)
         return cls(executor, specs, target.dtype, slots, max_context or target.config.max_position_embeddings, None,
                    drafter.config.mask_token_id if drafter is not None else None,
-                   static=cuda_graphs)
+                   static=cuda_graphs, draft_ids=drafter.draft_ids if drafter is not None else None)
 
     @classmethod
     def open(cls, directory: str | Path, device: torch.device, slots: int = 1, threads: int | None = None,
@@ -128,13 +145,15 @@ class BatchRunner:
             raise TrtspecError(f"engine {directory}: unknown backend {manifest.backend!r}")
         context = min(max_context, manifest.max_context) if max_context else manifest.max_context
         return cls(executor, manifest.specs(), TORCH_DTYPES[manifest.dtype], slots, context,
-                   tuple(manifest.block_sizes), manifest.drafter.mask_token_id, static=cuda_graphs, manifest=manifest)
+                   tuple(manifest.block_sizes), manifest.drafter.mask_token_id, static=cuda_graphs, manifest=manifest,
+                   draft_ids=_built_draft_ids(directory, manifest))
 
     def with_slots(self, slots: int, max_context: int | None = None, drafter: bool = True) -> "BatchRunner":
         """Another runner over the same executor (graphs loaded once) with caches of its own:
         `slots` requests of up to `max_context` positions; without the `drafter`, autoregressive."""
         return BatchRunner(self.executor, self.specs, self.dtype, slots, max_context or self.max_context,
-                           self.block_sizes, self.mask_token_id if drafter else None, self.static, self.manifest)
+                           self.block_sizes, self.mask_token_id if drafter else None, self.static, self.manifest,
+                           self.draft_ids)
 
     # ---- running a graph ---------------------------------------------------------------------------
 
@@ -280,10 +299,11 @@ class BatchRunner:
         return out["logits"], out["features"]
 
     def draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: Sequence[np.ndarray],
-              starts: list[int]) -> torch.Tensor:
-        """Greedy proposals [b, B-1] (a buffer the next call of this shape overwrites). Row r's
-        context [n_r, F] holds the features of the n_r positions before its start that its drafter
-        cache lacks (a first cycle: the whole prompt); its block [B] is int64: the bonus, then MASK x (B-1)."""
+              starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy proposals [b, B-1] and the proposal logits [b, B-1, K] they are the argmax of
+        (over `draft_ids`; buffers the next call of this shape overwrites). Row r's context [n_r, F]
+        holds the features of the n_r positions before its start that its drafter cache lacks (a
+        first cycle: the whole prompt); its block [B] is int64: the bonus, then MASK x (B-1)."""
         staged = self._long("draft_blocks", blocks)
         if len(contexts) == 1:
             return self._draft(slots, contexts, staged, starts)
@@ -293,11 +313,15 @@ class BatchRunner:
         groups = ([short] if short else []) + [[r] for r, n in enumerate(counts) if n > SHORT_CONTEXT]
         if len(groups) == 1:
             return self._draft(slots, contexts, staged, starts)
-        drafts = torch.empty(staged.shape[0], staged.shape[1] - 1, dtype=torch.long, device=self.device)
+        drafts = logits = None
         for rows in groups:
-            drafts[rows] = self._draft([slots[r] for r in rows], [contexts[r] for r in rows], staged[rows],
-                                       [starts[r] for r in rows])
-        return drafts
+            some, their_logits = self._draft([slots[r] for r in rows], [contexts[r] for r in rows], staged[rows],
+                                             [starts[r] for r in rows])
+            if drafts is None:
+                drafts = some.new_empty(staged.shape[0], *some.shape[1:])
+                logits = their_logits.new_empty(staged.shape[0], *their_logits.shape[1:])
+            drafts[rows], logits[rows] = some, their_logits
+        return drafts, logits
 
     def _draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: torch.Tensor,
                starts: list[int]) -> torch.Tensor:
@@ -321,4 +345,4 @@ class BatchRunner:
                            {"context": padded, "counts": self._long("counts", counts), "block": blocks,
                             "starts": self._long("starts", starts), "slots": self._long("slots", slots)},
                            slots, [s - width for s in starts], keep)
-        return result["drafts"]
+        return result["drafts"], result["proposal_logits"]

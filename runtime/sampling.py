@@ -112,39 +112,79 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def sample_requests(samplers: list[Sampler], logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
-    """Each request's rows of `logits` [R, N, V] sampled by its sampler (none greedy) -> [R, N].
-
-    Requests whose distributions are configured alike are processed in one computation (the per-row
-    work of a small model's batch is mostly launch and dispatch cost); each request still draws its
-    uniforms from its own generator, in the same order, so a seeded request draws the same tokens
-    as it would alone.
-
-    With `drafts` [R, N-1] (the proposals the rows verify), column c is drawn only for the requests
-    whose columns before it matched their drafts: the controller accepts up to the first mismatch and
-    never reads a later token, which is left -1. The uniforms are drawn as without drafts, so every
-    token that is read is the same (at T > 0 most blocks part at the first column or two, and each
-    row's distribution costs as much as a small model's whole sampling step)."""
-    tokens = torch.empty(logits.shape[:2], dtype=torch.long, device=logits.device)
+def _groups(samplers: list[Sampler]) -> list[list[int]]:
+    """Requests whose distributions are configured alike: processed in one computation (the per-row
+    work of a small model's batch is mostly launch and dispatch cost)."""
     groups: dict[tuple, list[int]] = {}
     for index, sampler in enumerate(samplers):
         groups.setdefault(sampler.config.distribution, []).append(index)
+    return list(groups.values())
+
+
+def draw_proposals(samplers: list[Sampler], logits: torch.Tensor, ids: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sampled request's proposals drawn from the drafter's own distribution: its proposal
+    logits [R, n, K] (over `ids`, the draft vocabulary; None: the whole one) under the request's
+    sampling settings -> (proposals [R, n] as full-vocabulary ids, their distributions q [R, n, K]).
+
+    At T > 0 the target's token at a position is often not its likeliest, so a greedy proposal is
+    accepted with probability p(argmax q) at best, however good the drafter: a proposal drawn from
+    q and verified by speculative sampling (sample_requests' `proposals`) is accepted with
+    probability sum min(p, q), which tends to 1 as the drafter approaches the target."""
+    tokens = torch.empty(logits.shape[:2], dtype=torch.long, device=logits.device)
+    q = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    rows, width = logits.shape[1], logits.shape[2]
+    like = torch.empty(0, device=logits.device)
+    for members in _groups(samplers):
+        chosen = logits[members] if len(members) < len(samplers) else logits
+        probs = samplers[members[0]].probabilities(chosen.reshape(-1, width))
+        uniform = torch.cat([samplers[i].uniforms(rows, like) for i in members])
+        tokens[members] = _inverse_cdf(probs, uniform).view(len(members), rows)
+        q[members] = probs.view(len(members), rows, width)
+    return (tokens if ids is None else ids[tokens]), q
+
+
+def sample_requests(samplers: list[Sampler], logits: torch.Tensor, drafts: torch.Tensor | None = None,
+                    proposals: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Each request's rows of `logits` [R, N, V] sampled by its sampler (none greedy) -> [R, N].
+
+    Requests whose distributions are configured alike are processed in one computation; each
+    request still draws its uniforms from its own generator, in the same order, so a seeded request
+    draws the same tokens as it would alone.
+
+    With `drafts` [R, N-1] (the proposals the rows verify), column c is drawn only for the requests
+    whose columns before it matched their drafts: the controller accepts up to the first mismatch and
+    never reads a later token, which is left -1. Without `proposals` the drafts are greedy (a point
+    mass): column c is the target's own draw, which accepts the draft when it equals it. With
+    `proposals` (q [R, N-1, K] over ids [K] or the whole vocabulary, what draw_proposals drew the
+    drafts from) it is speculative sampling: the draft is kept with probability min(1, p/q), else
+    the token is drawn from the residual max(0, p - q), normalised; either way distributed as p.
+    The uniforms are drawn as without drafts, so every token that is read is the same (at T > 0
+    most blocks part at the first column or two, and each row's distribution costs as much as a
+    small model's whole sampling step)."""
+    tokens = torch.empty(logits.shape[:2], dtype=torch.long, device=logits.device)
     rows, vocab = logits.shape[1], logits.shape[2]
     like = torch.empty(0, device=logits.device)  # float32, as the probabilities
-    for members in groups.values():
+    draws = 2 if proposals is not None else 1  # speculative sampling: a uniform to accept, one to resample
+    for members in _groups(samplers):
         chosen = logits[members] if len(members) < len(samplers) else logits
         sampler = samplers[members[0]]
-        uniform = torch.cat([samplers[i].uniforms(rows, like) for i in members])
+        uniform = torch.cat([samplers[i].uniforms(rows * draws, like) for i in members])
         if drafts is None or rows == 1:
             probs = sampler.probabilities(chosen.reshape(-1, vocab))
-            tokens[members] = _inverse_cdf(probs, uniform).view(len(members), rows)
+            tokens[members] = _inverse_cdf(probs, uniform[::draws]).view(len(members), rows)
             continue
         tokens[members] = -1
-        uniform = uniform.view(len(members), rows, 1)
+        uniform = uniform.view(len(members), rows, draws)
         live = list(range(len(members)))  # positions in `members` still matching their drafts
         for column in range(rows):
-            drawn = _inverse_cdf(sampler.probabilities(chosen[live, column]), uniform[live, column])
             at = [members[i] for i in live]
+            probs = sampler.probabilities(chosen[live, column])
+            if proposals is None or column == rows - 1:
+                drawn = _inverse_cdf(probs, uniform[live, column, :1])
+            else:
+                q, ids = proposals
+                drawn = _speculative_draw(probs, drafts[at, column], q[at, column], ids, uniform[live, column])
             tokens[at, column] = drawn
             if column == rows - 1:
                 break
@@ -153,6 +193,26 @@ def sample_requests(samplers: list[Sampler], logits: torch.Tensor, drafts: torch
             if not live:
                 break
     return tokens
+
+
+def _speculative_draw(probs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, ids: torch.Tensor | None,
+                      uniform: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling of one column: target probabilities [L, V], drafts [L] drawn from q
+    [L, K] (over ids), uniforms [L, 2] -> tokens [L] distributed as `probs`."""
+    q_full = q if ids is None else probs.new_zeros(probs.shape).index_copy_(1, ids, q)
+    rows = torch.arange(len(drafts), device=probs.device)
+    kept = uniform[:, 0] * q_full[rows, drafts] < probs[rows, drafts]  # with probability min(1, p/q)
+    if bool(kept.all()):
+        return drafts
+    left = _residual(probs, q_full)
+    empty = left.sum(dim=-1, keepdim=True) <= 0  # p == q but for rounding: a rejection there draws from p
+    resampled = _inverse_cdf(torch.where(empty, probs, left), uniform[:, 1:])
+    return torch.where(kept, drafts, resampled)
+
+
+def _residual(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a rejected proposal is redrawn from: max(0, p - q) (unnormalised)."""
+    return (probs - q).clamp_(min=0)
 
 
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -434,12 +434,20 @@ def exact_three_token_distribution(target) -> np.ndarray:
 
 def break_acceptance_rule(monkeypatch, rule) -> None:
     """Give the Python controller (the oracle) a broken acceptance `rule`. A broken rule may read
-    posterior tokens past the first mismatch, which the engine leaves undrawn: it draws them all."""
+    posterior tokens past the first mismatch, which the engine leaves undrawn: it draws them all,
+    each the target's own draw, and every request proposes greedily (the drafter's argmax, as the
+    tests' premise has it: a draft accepted when it equals the target's draw, lossless under the
+    right rule; sampled proposals would blur what a broken rule moves)."""
     from trtspec.runtime import engine, reference, sampling
 
+    def greedy_proposals(samplers, logits, ids):
+        best = logits.argmax(dim=-1)
+        return best if ids is None else ids[best], torch.nn.functional.one_hot(best, logits.shape[-1]).float()
+
     monkeypatch.setattr(reference, "accepted_length", rule)
+    monkeypatch.setattr(engine, "draw_proposals", greedy_proposals)
     monkeypatch.setattr(engine, "sample_requests",
-                        lambda samplers, logits, drafts=None: sampling.sample_requests(samplers, logits))
+                        lambda samplers, logits, drafts=None, proposals=None: sampling.sample_requests(samplers, logits))
 
 
 def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,

@@ -79,8 +79,9 @@ def test_greedy_with_a_draft_vocabulary_equals_autoregressive(target_dir, drafte
         assert _tokens(pipeline, prompt, block_size) == ar
     runner = pipeline.runner  # every proposal lies in the K ids
     _, features = runner.prefill([0], [[5, 9, 33, 2, 7]], [0])
-    drafts = runner.draft([0], [features[0]], torch.tensor([[7] + [1] * 7]), [5])
-    assert torch.isin(drafts, ids).all()
+    drafts, logits = runner.draft([0], [features[0]], torch.tensor([[7] + [1] * 7]), [5])
+    assert torch.isin(drafts, ids).all() and logits.shape == (1, 7, K)
+    assert torch.equal(ids[logits.argmax(dim=-1)], drafts)  # the proposals are the logits' argmax, as ids
 
 
 def test_an_onnxruntime_engine_built_with_a_draft_vocabulary(target_dir, drafter_dir, counts_dir, ort_engine_dir,
@@ -103,7 +104,7 @@ def test_an_onnxruntime_engine_built_with_a_draft_vocabulary(target_dir, drafter
     built = Pipeline(engine=engine)
     assert built.draft_vocab_size == K and torch.equal(built.draft_ids, ids)
     prompt, block = [5, 9, 33, 2, 7, 100, 41], torch.tensor([[7, 1, 1, 1]])
-    drafts = [r.draft([0], [r.prefill([0], [prompt], [0])[1][0]], block, [len(prompt)])
+    drafts = [r.draft([0], [r.prefill([0], [prompt], [0])[1][0]], block, [len(prompt)])[0]
               for r in (built.runner, eager.runner)]
     assert torch.equal(drafts[0], drafts[1]) and torch.isin(drafts[0], ids).all()
     for text in ("def add(a, b):\n", "return a * 3 + b"):

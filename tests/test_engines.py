@@ -82,15 +82,16 @@ def test_step_graphs_match_eager_for_a_batch_of_slots_over_a_stale_buffer(pair):
             block = torch.tensor([int(seq[end])] + [mask] * 7)
             drafter(feats[:, :first], block[None], first, cache)  # the drafter cache holds `first` positions
             draft_buffer_k[:first, slot], draft_buffer_v[:first, slot] = _rows(cache, first)
-            expected.append(drafter(feats[:, first:end], block[None], end, cache).argmax(-1)[0].tolist())
+            expected.append(drafter(feats[:, first:end], block[None], end, cache)[0])
             wanted_keys.append(_rows(cache, end)[0][first:])
             padded[row, 9 - (end - first):] = feats[0, first:end]
             blocks.append(block)
         counts = torch.tensor([end - first for first, end in contexts])
-        drafts, new_k, _ = DraftStep(drafter)(padded, counts, torch.stack(blocks),
-                                              torch.tensor([end for _, end in contexts]), torch.tensor(slots),
-                                              draft_buffer_k[:29], draft_buffer_v[:29])
-        assert drafts.tolist() == expected
+        drafts, proposal_logits, new_k, _ = DraftStep(drafter)(padded, counts, torch.stack(blocks),
+                                                               torch.tensor([end for _, end in contexts]),
+                                                               torch.tensor(slots), draft_buffer_k[:29], draft_buffer_v[:29])
+        assert drafts.tolist() == [logits.argmax(-1).tolist() for logits in expected]
+        assert all(torch.allclose(got, want, atol=1e-5) for got, want in zip(proposal_logits, expected))
         for row, keys in enumerate(wanted_keys):
             assert torch.allclose(new_k[row, 9 - len(keys):], keys, atol=1e-6)
 

@@ -24,7 +24,8 @@ from helpers import ALPHA, SAMPLED_PROMPT as PROMPT, SAMPLED_VOCAB as VOCAB, bre
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.reference import PythonController, accepted_length
 from trtspec.runtime.processing import Processing
-from trtspec.runtime.sampling import Sampler, SamplingConfig, sample_requests
+from trtspec.runtime import sampling as sampling_module
+from trtspec.runtime.sampling import Sampler, SamplingConfig, draw_proposals, sample_requests
 from trtspec.runtime.schedule import BlockChoice
 
 SAMPLES = 30_000
@@ -93,6 +94,37 @@ def test_speculative_sampling_matches_the_target(pair):
     assert 0.1 < accepted_first < 0.5  # the drafter's proposal is sometimes, not always, right
     results = pvalues(samples, joint)
     assert min(results.values()) > ALPHA, results
+
+
+def test_a_residual_that_ignores_the_proposals_is_detected(pair, monkeypatch):
+    """Sampled requests verify drafts drawn from the drafter's distribution q: a rejected draft is
+    redrawn from max(0, p - q). Redrawn from p instead, the draft's token is drawn twice over (kept
+    with probability min(1, p/q), then again from p): the test must see it."""
+    monkeypatch.setattr(sampling_module, "_residual", lambda probs, q: probs.clone())
+    results = pvalues(sample_three_tokens(pair, 1_000), exact_three_token_distribution(pair[0]))
+    assert min(results.values()) < ALPHA, results
+
+
+def test_proposals_are_drawn_from_the_drafters_distribution_and_verified_exactly():
+    """draw_proposals draws each row's drafts from softmax(drafter logits) under the request's settings
+    (ids mapped through the draft vocabulary), and one column of speculative sampling over them gives
+    tokens distributed as the target's p, whatever q is."""
+    from scipy.stats import chisquare
+
+    count, ids = 40_000, torch.tensor([3, 0, 2])  # a draft vocabulary of three of the four ids
+    drafter_logits = torch.log(torch.tensor([0.6, 0.3, 0.1])).expand(count, 1, 3)
+    samplers = [Sampler(SamplingConfig(temperature=1.0, seed=seed)) for seed in range(count)]
+    drafts, q = draw_proposals(samplers, drafter_logits, ids)
+    assert torch.allclose(q[0, 0], torch.tensor([0.6, 0.3, 0.1]))
+    seen = np.bincount(drafts[:, 0].numpy(), minlength=4)
+    assert seen[1] == 0 and chisquare(seen[[3, 0, 2]], count * np.array([0.6, 0.3, 0.1])).pvalue > ALPHA
+    target = torch.log(torch.tensor([0.1, 0.5, 0.15, 0.25]))  # p(3) < q(3): some drafts are redrawn
+    logits = target.expand(count, 2, 4)  # a draft, then the bonus column
+    tokens = sample_requests(samplers, logits, drafts, (q, ids))
+    first = np.bincount(tokens[:, 0].numpy(), minlength=4)
+    assert chisquare(first, count * np.array([0.1, 0.5, 0.15, 0.25])).pvalue > ALPHA
+    kept = (tokens[:, 0] == drafts[:, 0]).float().mean().item()
+    assert abs(kept - (0.1 + 0.1 + 0.25)) < 0.015  # sum min(p, q): 0.1 (id 0) + 0.1 (id 2) + 0.25 (id 3)
 
 
 def test_min_tokens_samples_from_the_target_without_its_stop_ids(pair):

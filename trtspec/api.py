@@ -17,7 +17,7 @@ from trtspec.errors import Cancelled, TrtspecError
 from trtspec.limits import MAX_CONTEXT
 from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
-from trtspec.models.draft_vocab import ids_sha256, select as select_draft_vocab
+from trtspec.models.draft_vocab import select as select_draft_vocab
 from trtspec.blockpilot.policy import drafter_policy, load_policy
 from trtspec.device import describe_device, resolve_device, resolve_dtype
 from trtspec.export.bindings import PREFILL_LOGITS
@@ -86,15 +86,7 @@ class Pipeline:
                 raise TrtspecError(f"the engine was built with {f'--draft-vocab {built}' if built else 'the full vocabulary'}"
                                    "; its draft vocabulary is fixed at build time: drop --draft-vocab/--draft-counts "
                                    "or rebuild the engine with them")
-            self.draft_vocab_size, self.draft_ids = built, None
-            if built:  # the ids baked into the draft graph, from the counts shipped with it
-                from trtspec.models.draft_vocab import load_counts
-                info = self.runner.manifest.draft_vocab
-                self.draft_ids = load_counts(Path(engine) / info["dir"], self.runner.manifest.target.vocab_size
-                                             ).top_ids(built)
-                if ids_sha256(self.draft_ids) != info["ids_sha256"]:
-                    raise TrtspecError(f"{engine}: the draft vocabulary's counts do not give the ids its draft graph "
-                                       "was built with (manifest draft_vocab.ids_sha256); rebuild the engine")
+            self.draft_vocab_size, self.draft_ids = built, self.runner.draft_ids  # baked into the draft graph
         else:
             self.codec = TextCodec(target)
             self.target = load_target(target, resolve_dtype(dtype, torch_device), torch_device)

@@ -121,7 +121,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
                       target.config.max_position_embeddings)
     block_sizes = sorted(config.block_sizes)
     modules = step_modules(target, drafter)
-    specs = graph_specs(target.config, drafter.config)
+    specs = graph_specs(target.config, drafter.config, drafter.draft_vocab_size)
     sources = {"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir)}
     # What each graph is made of: the target's graph reads only the target and which of its layers
     # feed the drafter, so a new drafter or draft vocabulary for the same target reuses it; the
@@ -241,12 +241,12 @@ def self_check(directory: Path, device: torch.device, target, drafter, block_siz
         for block_size in block_sizes:
             (logits_g, features_g), (logits_e, features_e) = (r.prefill([0], [prompt], [0]) for r in (compiled, eager))
             block = torch.tensor([[prompt[-1]] + [drafter.config.mask_token_id] * (block_size - 1)])
-            drafts_g = compiled.draft([0], [features_g[0]], block, [len(prompt)])
-            drafts_e = eager.draft([0], [features_e[0]], block, [len(prompt)])
+            drafts_g, proposal_g = compiled.draft([0], [features_g[0]], block, [len(prompt)])
+            drafts_e, proposal_e = eager.draft([0], [features_e[0]], block, [len(prompt)])
             block = torch.cat((block[:, :1], drafts_e.cpu()), dim=1)
             verified = compiled.verify([0], block, [len(prompt)])[0], eager.verify([0], block, [len(prompt)])[0]
-            worst = max(worst, (logits_g.float().cpu() - logits_e.float().cpu()).abs().max().item(),
-                        (verified[0].float().cpu() - verified[1].float().cpu()).abs().max().item())
+            worst = max(worst, *((g.float().cpu() - e.float().cpu()).abs().max().item()
+                                 for g, e in ((logits_g, logits_e), verified, (proposal_g, proposal_e))))
             agree = (drafts_g.cpu() == drafts_e.cpu()).float().mean().item()
             if exact and target.dtype == torch.float32 and (worst > CHECK_TOLERANCE or agree < 1.0):
                 raise TrtspecError(f"self-check failed at block size {block_size}: max |logit difference| {worst:.2e}, "

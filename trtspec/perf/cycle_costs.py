@@ -339,10 +339,11 @@ def runtime_engine(target: Qwen3Target, drafter: DFlashDrafter, block_sizes: tup
                    cuda_graphs: bool) -> BatchRunner:
     """The runtime's runner and torch executor over the step modules, as `BatchRunner.open` would
     give for an engine built from this pair (static bindings replayed from CUDA graphs, or not)."""
-    specs = graph_specs(target.config, drafter.config)
+    specs = graph_specs(target.config, drafter.config, drafter.draft_vocab_size)
     executor = TorchExecutor(step_modules(target, drafter), target.device, specs, cuda_graphs=cuda_graphs)
     return BatchRunner(executor, specs, target.dtype, 1, max_context, tuple(block_sizes),
-                       drafter.config.mask_token_id, static=cuda_graphs and target.device.type == "cuda")
+                       drafter.config.mask_token_id, static=cuda_graphs and target.device.type == "cuda",
+                       draft_ids=drafter.draft_ids)
 
 
 def measure_loop(engine: BatchRunner, prompt: list[int], block_size: int, config: CycleCostConfig,

@@ -140,7 +140,7 @@ def inductor_modules(target, drafter, max_context: int) -> tuple[dict[str, Calla
     from torch._inductor import aoti_load_package
 
     began, modules = time.perf_counter(), {}
-    specs = graph_specs(target.config, drafter.config)
+    specs = graph_specs(target.config, drafter.config, drafter.draft_vocab_size)
     with tempfile.TemporaryDirectory() as folder:
         for name, module in step_modules(target, drafter).items():
             package = Path(folder) / f"{name}.pt2"
@@ -153,10 +153,10 @@ def engine_runner(target, drafter, variant: str, slots: int, max_context: int,
                   modules: dict[str, Callable] | None = None) -> BatchRunner:
     """The engine's runner over the variant's executor, with `slots` cache slots."""
     if variant == "inductor":
-        specs = graph_specs(target.config, drafter.config)
+        specs = graph_specs(target.config, drafter.config, drafter.draft_vocab_size)
         executor = InductorExecutor(modules, target.device, specs, cuda_graphs=target.device.type == "cuda")
         return BatchRunner(executor, specs, target.dtype, slots, max_context, None, drafter.config.mask_token_id,
-                           static=target.device.type == "cuda")
+                           static=target.device.type == "cuda", draft_ids=drafter.draft_ids)
     return BatchRunner.eager(target, drafter, slots, cuda_graphs=variant == "graphs", max_context=max_context)
 
 

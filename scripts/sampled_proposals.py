@@ -1,0 +1,74 @@
+"""At T > 0, does drawing the drafts from the drafter's distribution pay? One table, one run.
+
+A sampled request's drafts are drawn from the drafter's own distribution and verified by
+speculative sampling (keep with probability min(1, p/q), else redraw from max(0, p - q)): accepted
+with probability sum min(p, q) per position, where a greedy draft is accepted with p(argmax q),
+which the target's own uncertainty caps (runtime.sampling.draw_proposals). This decodes the same
+prompts, seeds and backend three ways, interleaved prompt by prompt, one request at a time (as
+`trtspec bench`): AR, greedy drafts (`EngineConfig.greedy_proposals`, the rule before) and sampled
+drafts; it prints mean tau and median decode tok/s of each, and the speed-ups over AR.
+
+    python scripts/sampled_proposals.py --chat --limit 24 --block-size 4 --json proposals.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from trtspec.commands.options import load_pipeline
+from trtspec.fileio import atomic_write_text
+from trtspec.perf.bench import load_prompts
+from trtspec.runtime.engine import EngineConfig
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.sampling import SamplingConfig
+from trtspec.runtime.schedule import AR, BlockChoice
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=24, help="HumanEval's first N prompts.")
+    parser.add_argument("--chat", action="store_true", help="Send each prompt in the target's chat template.")
+    parser.add_argument("--block-size", type=int, default=4, help="The speculative block size.")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--backend", default="auto", help="As trtspec bench's --backend (default: auto).")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads.")
+    parser.add_argument("--json", metavar="FILE", help="Also write every request's figures as JSON.")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    pipeline = load_pipeline(None, None, "auto", "cpu", backend=args.backend, block_sizes=(args.block_size,))
+    prompts = [pipeline.codec.encode(p, chat=args.chat) for p in load_prompts("humaneval", args.limit)[1]]
+    context = max(len(p) for p in prompts) + args.max_new_tokens + args.block_size
+    ways = {"AR": (AR, False), "greedy drafts": (BlockChoice(args.block_size), True),
+            "sampled drafts": (BlockChoice(args.block_size), False)}
+    engines = {greedy: pipeline.stepped_engine(EngineConfig(max_running=1, prefill_chunk=0, greedy_proposals=greedy),
+                                               load_aware=False, max_context=context) for greedy in (False, True)}
+    rows: dict[str, list[dict]] = {name: [] for name in ways}
+    for seed, prompt in enumerate(prompts):
+        for name, (block, greedy) in ways.items():
+            config = GenerationConfig(block=block, max_new_tokens=args.max_new_tokens,
+                                      sampling=SamplingConfig(temperature=args.temperature, seed=seed))
+            stats = engines[greedy].generate([prompt], [config])[0].stats
+            rows[name].append({"tau": stats.tau, "decode_tokens_per_s": stats.decode_tokens_per_s})
+    summary = {name: {"tau": statistics.mean(r["tau"] for r in got),
+                      "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in got)}
+               for name, got in rows.items()}
+    ar = summary["AR"]["decode_tokens_per_s"]
+    print(f"HumanEval first {len(prompts)}{' (chat)' if args.chat else ''}, T = {args.temperature}, B = {args.block_size}, {args.max_new_tokens} "
+          f"tokens, {pipeline.backend} {str(pipeline.dtype).removeprefix('torch.')}, {args.threads} thread(s)")
+    for name, figures in summary.items():
+        print(f"  {name:15} tau {figures['tau']:.3f}  decode {figures['decode_tokens_per_s']:6.1f} tok/s  "
+              f"{figures['decode_tokens_per_s'] / ar:.2f}x AR")
+    if args.json:
+        atomic_write_text(Path(args.json), json.dumps({"settings": vars(args), "summary": summary, "requests": rows},
+                                                      indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
