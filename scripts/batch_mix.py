@@ -28,9 +28,8 @@ import statistics
 import time
 from pathlib import Path
 
-from trtspec.commands.options import load_pipeline
 from trtspec.fileio import atomic_write_text
-from trtspec.perf.bench import load_prompts
+from trtspec.perf.bench import add_script_options, load_prompts, script_pipeline
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AR, BlockChoice
@@ -45,15 +44,10 @@ def main() -> None:
                         help="Requests per batch kind (even; default: --batch, one closed batch). More than --batch "
                              "is a stream: each finished request's slot goes to the next, as on a server.")
     parser.add_argument("--rounds", type=int, default=5, help="Rounds of the three batches; medians are reported.")
-    parser.add_argument("--backend", default="auto", help="As trtspec serve's --backend (default: auto).")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads.")
-    parser.add_argument("--json", metavar="FILE", help="Also write every round's figures as JSON.")
+    add_script_options(parser, "every round's figures")
     args = parser.parse_args()
 
-    import torch
-
-    torch.set_num_threads(args.threads)
-    pipeline = load_pipeline(None, None, "auto", "cpu", backend=args.backend, block_sizes=(args.block_size,))
+    pipeline = script_pipeline(args, args.block_size)
     requests = args.requests or args.batch
     prompts = load_prompts("humaneval", requests)[1]
 

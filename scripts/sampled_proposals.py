@@ -18,9 +18,8 @@ import json
 import statistics
 from pathlib import Path
 
-from trtspec.commands.options import load_pipeline
 from trtspec.fileio import atomic_write_text
-from trtspec.perf.bench import load_prompts
+from trtspec.perf.bench import add_script_options, load_prompts, script_pipeline
 from trtspec.runtime.engine import EngineConfig
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
@@ -34,15 +33,10 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=4, help="The speculative block size.")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--backend", default="auto", help="As trtspec bench's --backend (default: auto).")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads.")
-    parser.add_argument("--json", metavar="FILE", help="Also write every request's figures as JSON.")
+    add_script_options(parser, "every request's figures")
     args = parser.parse_args()
 
-    import torch
-
-    torch.set_num_threads(args.threads)
-    pipeline = load_pipeline(None, None, "auto", "cpu", backend=args.backend, block_sizes=(args.block_size,))
+    pipeline = script_pipeline(args, args.block_size)
     prompts = [pipeline.codec.encode(p, chat=args.chat) for p in load_prompts("humaneval", args.limit)[1]]
     context = max(len(p) for p in prompts) + args.max_new_tokens + args.block_size
     ways = {"AR": (AR, False), "greedy drafts": (BlockChoice(args.block_size), True),
