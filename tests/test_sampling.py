@@ -106,25 +106,28 @@ def test_a_residual_that_ignores_the_proposals_is_detected(pair, monkeypatch):
 
 
 def test_proposals_are_drawn_from_the_drafters_distribution_and_verified_exactly():
-    """draw_proposals draws each row's drafts from softmax(drafter logits) under the request's settings
-    (ids mapped through the draft vocabulary), and one column of speculative sampling over them gives
-    tokens distributed as the target's p, whatever q is."""
+    """draw_proposals draws each row's drafts from softmax(drafter logits) at PROPOSAL_TEMPERATURE x the
+    request's temperature (ids mapped through the draft vocabulary), and one column of speculative
+    sampling over them gives tokens distributed as the target's p, whatever q is."""
     from scipy.stats import chisquare
 
     count, ids = 40_000, torch.tensor([3, 0, 2])  # a draft vocabulary of three of the four ids
     drafter_logits = torch.log(torch.tensor([0.6, 0.3, 0.1])).expand(count, 1, 3)
     samplers = [Sampler(SamplingConfig(temperature=1.0, seed=seed)) for seed in range(count)]
     drafts, q = draw_proposals(samplers, drafter_logits, ids)
-    assert torch.allclose(q[0, 0], torch.tensor([0.6, 0.3, 0.1]))
+    wanted = torch.softmax(drafter_logits[0, 0] / sampling_module.PROPOSAL_TEMPERATURE, dim=-1)
+    assert torch.allclose(q[0, 0], wanted)
     seen = np.bincount(drafts[:, 0].numpy(), minlength=4)
-    assert seen[1] == 0 and chisquare(seen[[3, 0, 2]], count * np.array([0.6, 0.3, 0.1])).pvalue > ALPHA
+    expected = wanted.double().numpy()
+    assert seen[1] == 0 and chisquare(seen[[3, 0, 2]], count * expected / expected.sum()).pvalue > ALPHA
     target = torch.log(torch.tensor([0.1, 0.5, 0.15, 0.25]))  # p(3) < q(3): some drafts are redrawn
     logits = target.expand(count, 2, 4)  # a draft, then the bonus column
     tokens = sample_requests(samplers, logits, drafts, (q, ids))
     first = np.bincount(tokens[:, 0].numpy(), minlength=4)
     assert chisquare(first, count * np.array([0.1, 0.5, 0.15, 0.25])).pvalue > ALPHA
     kept = (tokens[:, 0] == drafts[:, 0]).float().mean().item()
-    assert abs(kept - (0.1 + 0.1 + 0.25)) < 0.015  # sum min(p, q): 0.1 (id 0) + 0.1 (id 2) + 0.25 (id 3)
+    p = torch.tensor([0.25, 0.1, 0.15])  # the target's probabilities of ids 3, 0, 2
+    assert abs(kept - torch.minimum(p, wanted).sum().item()) < 0.015  # sum min(p, q)
 
 
 def test_min_tokens_samples_from_the_target_without_its_stop_ids(pair):
