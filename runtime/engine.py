@@ -35,13 +35,14 @@ import torch
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
-from trtspec.limits import CONCURRENCY
+from trtspec.limits import CONCURRENCY, PROPOSAL_TEMPERATURE
 from trtspec.runtime.controller import Controller, ControllerFactory, Stepper, native_controller
 from trtspec.runtime.output import OutputProcessor
 from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
 from trtspec.runtime.runner import BatchRunner
-from trtspec.runtime.sampling import Sampler, draw_proposals, greedy_tokens, sample_requests
+from trtspec.runtime.sampling import DEFAULT_PROPOSAL_TEMPERATURE, Sampler, draw_proposals, greedy_tokens, \
+    sample_requests
 from trtspec.runtime.schedule import BlockChoice, BlockChooser, BlockPolicy, Load
 from trtspec.runtime.stats import DecodeStats
 
@@ -60,7 +61,10 @@ class EngineConfig:
     max_running: int = 8        # requests decoding together (cache slots)
     max_queued: int = 64        # waiting requests beyond which submit() raises Busy
     prefill_chunk: int = 256    # prompt tokens prefilled per loop iteration (over all new requests; 0: whole prompts)
-    greedy_proposals: bool = False  # sampled requests propose the drafter's argmax too, not draws from it (for A/B runs)
+    # sampled requests draw their drafts from the drafter at this fraction of their temperature; 0: they
+    # propose its argmax, as greedy ones do (DFlash's rule). None: the pipeline's, by default
+    # sampling.DEFAULT_PROPOSAL_TEMPERATURE.
+    proposal_temperature: float | None = None
 
     def __post_init__(self) -> None:
         CONCURRENCY.check(self.max_running, "concurrency (max-running)")  # their caches are also checked against memory (runtime.memory)
@@ -68,6 +72,8 @@ class EngineConfig:
             raise TrtspecError(f"max-queued must be >= 1, got {self.max_queued}")
         if self.prefill_chunk < 0:
             raise TrtspecError(f"prefill-chunk must be >= 0 (0: whole prompts), got {self.prefill_chunk}")
+        if self.proposal_temperature is not None:
+            object.__setattr__(self, "proposal_temperature", PROPOSAL_TEMPERATURE.check(self.proposal_temperature))
 
 
 class Request:
@@ -184,6 +190,8 @@ class LocalEngine:
             raise TrtspecError(f"max-running {config.max_running} exceeds the runner's {runner.slots} cache slots")
         self.runner, self.policy, self.config, self.stop_ids = runner, policy, config, tuple(stop_ids)
         self.chooser = chooser  # load-aware BlockPilot (trtspec.blockpilot.load); None: the policy's choice stands
+        self.proposal_temperature = (DEFAULT_PROPOSAL_TEMPERATURE if config.proposal_temperature is None
+                                     else config.proposal_temperature)
         self.new_controller = controller  # one per request (trtspec.runtime.reference has the Python one)
         self.codec = codec
         self._queue: deque[Request] = deque()
@@ -479,9 +487,10 @@ class LocalEngine:
                                            [a.controller.start for a in members])
         drafts = drafts.tolist()
         sampled = [row for row, active in enumerate(members) if active.stepper is None]
-        if sampled and not self.config.greedy_proposals:
+        if sampled and self.proposal_temperature > 0:
             chosen = logits if len(sampled) == len(members) else logits[sampled]
-            tokens, q = draw_proposals([members[row].sampler for row in sampled], chosen, self.runner.draft_ids)
+            tokens, q = draw_proposals([members[row].sampler for row in sampled], chosen, self.runner.draft_ids,
+                                       self.proposal_temperature)
             for row, proposed, distribution in zip(sampled, tokens.tolist(), q):
                 drafts[row], members[row].proposals = proposed, distribution
         for row, active in enumerate(members):
@@ -509,7 +518,7 @@ class LocalEngine:
             rows = logits if len(sampled) == len(members) and size == width else logits[sampled, :size]
             drafts = torch.from_numpy(np.stack([members[row].controller.verify_block[1:size] for row in sampled]))
             proposals = None
-            if size > 1 and not self.config.greedy_proposals:
+            if size > 1 and self.proposal_temperature > 0:
                 proposals = torch.stack([members[row].proposals for row in sampled]), self.runner.draft_ids
             drawn.update(zip(sampled, sample_requests([members[row].sampler for row in sampled], rows,
                                                       drafts.to(rows.device), proposals).cpu()))

@@ -121,19 +121,20 @@ def _groups(samplers: list[Sampler]) -> list[list[int]]:
     return list(groups.values())
 
 
-# A sampled request's drafts are drawn at this fraction of its temperature. A block drafter gives each
-# position's marginal, drawn independently of the draws before it, so a draw off the mode leaves the
-# next positions' drafts less likely to fit: a sharper q trades a little first-position acceptance for
-# coherence. Measured (HumanEval, T = 1, B = 4, the default pair; docs/benchmarks.md): tau 1.44 with
-# greedy drafts, 1.49 at 1.0, 1.56-1.57 at 0.6-0.8, 1.50 at 0.4. Any q is lossless.
-PROPOSAL_TEMPERATURE = 0.7
+# A sampled request's drafts are drawn at this fraction of its temperature by default (EngineConfig's
+# proposal_temperature; 0: the drafter's argmax). A block drafter gives each position's marginal, drawn
+# independently of the draws before it, so a draw off the mode leaves the next positions' drafts less
+# likely to fit: a sharper q trades a little first-position acceptance for coherence. Measured
+# (HumanEval, T = 1, B = 4, the default pair; docs/benchmarks.md): tau 1.44 with greedy drafts, 1.49 at
+# 1.0, 1.56-1.57 at 0.6-0.8, 1.50 at 0.4. Any q is lossless.
+DEFAULT_PROPOSAL_TEMPERATURE = 0.7
 
 
 def draw_proposals(samplers: list[Sampler], logits: torch.Tensor, ids: torch.Tensor | None,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   temperature: float = DEFAULT_PROPOSAL_TEMPERATURE) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sampled request's proposals drawn from the drafter's own distribution: its proposal
     logits [R, n, K] (over `ids`, the draft vocabulary; None: the whole one) under the request's
-    sampling settings at PROPOSAL_TEMPERATURE x its temperature -> (proposals [R, n] as
+    sampling settings at `temperature` x its temperature (> 0) -> (proposals [R, n] as
     full-vocabulary ids, their distributions q [R, n, K]).
 
     At T > 0 the target's token at a position is often not its likeliest, so a greedy proposal is
@@ -146,7 +147,9 @@ def draw_proposals(samplers: list[Sampler], logits: torch.Tensor, ids: torch.Ten
     like = torch.empty(0, device=logits.device)
     for members in _groups(samplers):
         chosen = logits[members] if len(members) < len(samplers) else logits
-        probs = samplers[members[0]].probabilities(chosen.reshape(-1, width).float() / PROPOSAL_TEMPERATURE)
+        flat = chosen.reshape(-1, width).float()
+        # shifted first, as the sampler does: a tiny fraction sends the rest to -inf, never inf - inf
+        probs = samplers[members[0]].probabilities((flat - flat.max(dim=-1, keepdim=True).values) / temperature)
         uniform = torch.cat([samplers[i].uniforms(rows, like) for i in members])
         tokens[members] = _inverse_cdf(probs, uniform).view(len(members), rows)
         q[members] = probs.view(len(members), rows, width)

@@ -440,18 +440,15 @@ def break_acceptance_rule(monkeypatch, rule) -> None:
     right rule; sampled proposals would blur what a broken rule moves)."""
     from trtspec.runtime import engine, reference, sampling
 
-    def greedy_proposals(samplers, logits, ids):
-        best = logits.argmax(dim=-1)
-        return best if ids is None else ids[best], torch.nn.functional.one_hot(best, logits.shape[-1]).float()
-
     monkeypatch.setattr(reference, "accepted_length", rule)
-    monkeypatch.setattr(engine, "draw_proposals", greedy_proposals)
+    monkeypatch.setattr(engine, "DEFAULT_PROPOSAL_TEMPERATURE", 0.0)  # of every engine whose config leaves it unset
     monkeypatch.setattr(engine, "sample_requests",
                         lambda samplers, logits, drafts=None, proposals=None: sampling.sample_requests(samplers, logits))
 
 
 def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
-                        tokens: int = 3, batched: bool = True, min_p: float = 0.0, **config) -> np.ndarray:
+                        tokens: int = 3, batched: bool = True, min_p: float = 0.0,
+                        proposal_temperature: float | None = None, **config) -> np.ndarray:
     """First `tokens` tokens of `count` seeded requests, through the native controller or `controller`:
     decoded 64 at a time by the engine, or one by one by a one-slot engine (`batched=False`);
     `config`: more GenerationConfig fields."""
@@ -468,8 +465,8 @@ def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, 
     if not batched:
         one = single(*pair, **options)
         return np.array([generate(one, SAMPLED_PROMPT, config).tokens for config in configs])
-    local = LocalEngine(BatchRunner.eager(*pair, slots=SAMPLED_BATCH), config=EngineConfig(max_running=SAMPLED_BATCH),
-                        **options)
+    local = LocalEngine(BatchRunner.eager(*pair, slots=SAMPLED_BATCH), config=EngineConfig(
+        max_running=SAMPLED_BATCH, proposal_temperature=proposal_temperature), **options)
     return np.array([g.tokens for g in local.generate([SAMPLED_PROMPT] * count, configs)])
 
 

@@ -128,6 +128,8 @@ def test_a_sampled_bench_reproduces_with_a_seed_per_repeat(pipeline):
     tokens = [[[g.tokens for g in repeat] for repeat in run.generations] for run in first.runs]
     assert tokens == [[[g.tokens for g in repeat] for repeat in run.generations] for run in second.runs]
     assert tokens[0][0] != tokens[0][1]  # a different seed per repeat
+    assert first.to_dict()["sampling"]["proposal_temperature"] == 0.7
+    assert "T=1 (drafts drawn at 0.7 x T)" in first.format_table().splitlines()[0]
 
 
 def test_cli_end_to_end(target_dir, drafter_dir, prompts_file, tmp_path):

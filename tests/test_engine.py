@@ -194,6 +194,17 @@ def tiny(target_dir, drafter_dir):
     return Pipeline(target_dir, drafter_dir)
 
 
+def test_engines_take_the_pipelines_proposal_temperature_unless_their_config_sets_one(target_dir, drafter_dir, tiny):
+    assert tiny.stepped_engine(EngineConfig(max_running=1), load_aware=False).proposal_temperature == 0.7
+    greedy = Pipeline(target_dir, drafter_dir, proposal_temperature=0)
+    assert greedy.local_engine.proposal_temperature == 0.0
+    assert greedy.stepped_engine(EngineConfig(max_running=2), load_aware=False).proposal_temperature == 0.0
+    own = greedy.stepped_engine(EngineConfig(max_running=2, proposal_temperature=0.5), load_aware=False)
+    assert own.proposal_temperature == 0.5
+    with pytest.raises(TrtspecError, match="proposal temperature must be a number >= 0, got -1"):
+        EngineConfig(proposal_temperature=-1)
+
+
 def test_a_bad_request_fails_alone(tiny):
     """Refused submissions and a failing callback raise for their own request only: the batch's other
     requests finish as if decoded alone (one engine run shows both sides)."""

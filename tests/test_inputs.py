@@ -401,6 +401,8 @@ FLAG_CASES = [
                                          "got '²'"),
     (("run", "P", "--temperature", "-0.1"), "--temperature must be a number >= 0, got -0.1"),
     (("run", "P", "--temperature", "inf"), "--temperature must be a number >= 0, got inf"),
+    (("run", "P", "--proposal-temperature", "-1"), "--proposal-temperature must be a number >= 0, got -1"),
+    (("serve", "--proposal-temperature", "nan"), "--proposal-temperature must be a number >= 0, got nan"),
     (("run", "P", "--top-k", "-2"), "--top-k must be an integer in [-1, 2**31-1], got -2"),  # -1: off, as vLLM
     (("run", "P", "--top-p", "1.5"), "--top-p must be a number in (0, 1], got 1.5"),
     (("run", "P", "--seed", str(2**63)), "--seed must be an integer in [0, 2**63-1], got 9223372036854775808"),

@@ -106,7 +106,7 @@ def test_a_residual_that_ignores_the_proposals_is_detected(pair, monkeypatch):
 
 
 def test_proposals_are_drawn_from_the_drafters_distribution_and_verified_exactly():
-    """draw_proposals draws each row's drafts from softmax(drafter logits) at PROPOSAL_TEMPERATURE x the
+    """draw_proposals draws each row's drafts from softmax(drafter logits) at DEFAULT_PROPOSAL_TEMPERATURE x the
     request's temperature (ids mapped through the draft vocabulary), and one column of speculative
     sampling over them gives tokens distributed as the target's p, whatever q is."""
     from scipy.stats import chisquare
@@ -115,7 +115,7 @@ def test_proposals_are_drawn_from_the_drafters_distribution_and_verified_exactly
     drafter_logits = torch.log(torch.tensor([0.6, 0.3, 0.1])).expand(count, 1, 3)
     samplers = [Sampler(SamplingConfig(temperature=1.0, seed=seed)) for seed in range(count)]
     drafts, q = draw_proposals(samplers, drafter_logits, ids)
-    wanted = torch.softmax(drafter_logits[0, 0] / sampling_module.PROPOSAL_TEMPERATURE, dim=-1)
+    wanted = torch.softmax(drafter_logits[0, 0] / sampling_module.DEFAULT_PROPOSAL_TEMPERATURE, dim=-1)
     assert torch.allclose(q[0, 0], wanted)
     seen = np.bincount(drafts[:, 0].numpy(), minlength=4)
     expected = wanted.double().numpy()
@@ -128,6 +128,32 @@ def test_proposals_are_drawn_from_the_drafters_distribution_and_verified_exactly
     kept = (tokens[:, 0] == drafts[:, 0]).float().mean().item()
     p = torch.tensor([0.25, 0.1, 0.15])  # the target's probabilities of ids 3, 0, 2
     assert abs(kept - torch.minimum(p, wanted).sum().item()) < 0.015  # sum min(p, q)
+
+
+def test_a_tiny_proposal_temperature_draws_the_drafters_argmax():
+    """A fraction of T far below float32's range (EngineConfig's proposal_temperature) sharpens q to
+    the argmax: finite, never inf - inf."""
+    logits = torch.tensor([[[0.5, 2.0, -1.0], [3.0, 0.0, 1.0]]]).expand(8, 2, 3)
+    ids = torch.tensor([7, 4, 9])
+    samplers = [Sampler(SamplingConfig(temperature=1.0, seed=seed)) for seed in range(8)]
+    drafts, q = draw_proposals(samplers, logits, ids, temperature=1e-30)
+    assert drafts.tolist() == [[4, 7]] * 8
+    assert torch.equal(q, torch.tensor([[[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]]).expand(8, 2, 3))
+
+
+def test_drafts_drawn_at_another_fraction_of_t_still_sample_from_the_target(pair, monkeypatch):
+    """Any proposal distribution is lossless: drafts drawn at 2 x T (flatter than the default) too;
+    at 0 the engine never draws (its drafts are the drafter's argmax)."""
+    from trtspec.runtime import engine
+
+    fractions = []
+    monkeypatch.setattr(engine, "draw_proposals", lambda *args: fractions.append(args[3]) or draw_proposals(*args))
+    results = pvalues(sample_three_tokens(pair, 2_000, proposal_temperature=2.0), exact_three_token_distribution(pair[0]))
+    assert min(results.values()) > ALPHA, results
+    assert set(fractions) == {2.0}
+    fractions.clear()
+    sample_three_tokens(pair, 64, proposal_temperature=0.0)
+    assert fractions == []
 
 
 def test_min_tokens_samples_from_the_target_without_its_stop_ids(pair):

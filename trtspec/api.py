@@ -6,7 +6,7 @@ The CLI and serving code are thin layers over `Pipeline`; it never touches click
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -14,7 +14,7 @@ import torch
 
 from trtspec.assets import resolve_drafter, resolve_pair, resolve_target
 from trtspec.errors import Cancelled, TrtspecError
-from trtspec.limits import MAX_CONTEXT
+from trtspec.limits import MAX_CONTEXT, PROPOSAL_TEMPERATURE
 from trtspec.engines.manifest import TOKENIZER_DIR, check_sources
 from trtspec.models import load_drafter, load_target
 from trtspec.models.draft_vocab import select as select_draft_vocab
@@ -24,6 +24,7 @@ from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.runtime.engine import Engine, EngineConfig, LocalEngine
 from trtspec.runtime.request import Generation, GenerationConfig
 from trtspec.runtime.runner import BatchRunner
+from trtspec.runtime.sampling import DEFAULT_PROPOSAL_TEMPERATURE
 from trtspec.runtime.schedule import AR, AUTO, BlockChoice
 from trtspec.tokenizer import TextCodec
 
@@ -58,13 +59,17 @@ class Pipeline:
     carries the K it was built with). Model arguments are named as on the command line
     (`trtspec.assets`): `target` may also be a GGUF file (converted once into the cache) and
     `drafter` a bundled drafter's name; without an engine, `Pipeline()` is the default pair
-    (SmolLM2-135M-Instruct and smollm2-b16)."""
+    (SmolLM2-135M-Instruct and smollm2-b16). Sampled requests draw their drafts from the drafter at
+    `proposal_temperature` x their temperature (0: its argmax, DFlash's rule), in every engine this
+    pipeline makes whose EngineConfig leaves it unset."""
 
     def __init__(self, target: str | Path | None = None, drafter: str | Path | None = None, *,
                  engine: str | Path | None = None, policy: str | Path | None = None, dtype: str = "auto",
                  device: str = "auto", max_context: int | None = None, cuda_graphs: bool | None = None,
-                 draft_vocab: int | None = None, draft_counts: str | Path | None = None):
+                 draft_vocab: int | None = None, draft_counts: str | Path | None = None,
+                 proposal_temperature: float = DEFAULT_PROPOSAL_TEMPERATURE):
         torch_device = resolve_device(device)
+        self.proposal_temperature = PROPOSAL_TEMPERATURE.check(proposal_temperature)
         if engine is None:
             target, drafter = resolve_pair(target, drafter)
         else:  # what it was built from, if given
@@ -145,7 +150,8 @@ class Pipeline:
         """The one-slot engine that decodes this pipeline's own requests, one at a time on the caller's
         thread (`generate`, bench, labels); servers and batches get engines of their own (`engine`)."""
         if self._local_engine is None:
-            self._local_engine = LocalEngine(self.runner, self.policy, EngineConfig(max_running=1, prefill_chunk=0),
+            self._local_engine = LocalEngine(self.runner, self.policy, self._configured(EngineConfig(
+                                             max_running=1, prefill_chunk=0)),
                                              stop_ids=tuple(self.codec.stop_ids), codec=self.codec)
         return self._local_engine
 
@@ -170,8 +176,14 @@ class Pipeline:
 
             costs = cached_costs(runner, self.policy.block_sizes, self._timing_identity(runner))
             chooser = LoadAwareChooser(costs, self.policy.choices)
-        return LocalEngine(runner, self.policy, config, stop_ids=tuple(self.codec.stop_ids), chooser=chooser,
-                           codec=self.codec)
+        return LocalEngine(runner, self.policy, self._configured(config), stop_ids=tuple(self.codec.stop_ids),
+                           chooser=chooser, codec=self.codec)
+
+    def _configured(self, config: EngineConfig) -> EngineConfig:
+        """`config` with this pipeline's settings where it leaves them unset."""
+        if config.proposal_temperature is None:
+            config = replace(config, proposal_temperature=self.proposal_temperature)
+        return config
 
     def _timing_identity(self, runner: BatchRunner) -> dict:
         """What a cycle's time depends on besides the runner's own sizes: the graphs an engine was

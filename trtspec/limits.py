@@ -113,6 +113,8 @@ TEMPERATURE = Limit("temperature", 0.0, math.inf, integer=False)
 TOP_K = Limit("top-k", -1, INT32_MAX)            # 0 or -1 (vLLM's) = off; k >= vocabulary is off too
 TOP_P = Limit("top-p", 0.0, 1.0, integer=False, low_open=True)
 SEED = Limit("seed", 0, SEED_MAX)
+# A sampled request's drafts are drawn at this fraction of its temperature (0: the drafter's argmax).
+PROPOSAL_TEMPERATURE = Limit("proposal temperature", 0.0, math.inf, integer=False)
 # Requests and prompt sets.
 MAX_NEW_TOKENS = Limit("max new tokens", 1, INT32_MAX)
 MAX_CONTEXT = Limit("max context", 2, INT32_MAX)

@@ -118,6 +118,12 @@ class BlockSizesType(click.ParamType):
 
 draft_vocab_options = _draft_vocab_options()
 
+proposal_temperature_option = click.option(
+    "--proposal-temperature", type=Ranged(limits.PROPOSAL_TEMPERATURE), default=None, metavar="F",
+    help="Sampled requests (T > 0) draw their drafts from the drafter at F x their temperature and verify them "
+         "by speculative sampling; 0 proposes the drafter's argmax (DFlash's rule). Either way the output follows "
+         "the target's distribution; only acceptance changes. [default: 0.7]")
+
 sampling_options = _stack(
     click.option("--temperature", type=Ranged(limits.TEMPERATURE), default=0.0, show_default=True,
                  help="0 = greedy; a tiny T approaches greedy, and one below float32's resolution (~1.2e-38) decodes greedy."),
@@ -207,13 +213,15 @@ def _limit_gpu_memory(device: str) -> None:
 def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: str, *,
                   with_drafter: bool = True, max_context: int | None = None, engine: str | None = None,
                   policy: str | None = None, draft_vocab: int | None = None, draft_counts: str | None = None,
-                  backend: str = "eager", block_sizes: tuple[int, ...] = ()):
+                  backend: str = "eager", block_sizes: tuple[int, ...] = (), proposal_temperature: float | None = None):
     """Resolve model arguments (bundled names, defaults) and load them once. Without an engine,
     `backend` other than eager may build (or reuse) a cached one for the pair (`block_sizes`: the
-    sizes the command will ask for, beyond the cache's usual ones)."""
+    sizes the command will ask for, beyond the cache's usual ones). `proposal_temperature`: the
+    pipeline's (None: its default)."""
     from trtspec.assets import resolve_drafter, resolve_pair, resolve_target
 
     _limit_gpu_memory(device)
+    proposals = {} if proposal_temperature is None else {"proposal_temperature": proposal_temperature}
     if engine is None and backend != "eager":
         engine = _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts)
         if engine is not None:
@@ -222,7 +230,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
         pipeline = _pipeline_class()(
             resolve_target(target) if target else None, resolve_drafter(drafter, target) if drafter else None,
             engine=engine, policy=policy if with_drafter else None, device=device, max_context=max_context,
-            draft_vocab=draft_vocab if with_drafter else None, draft_counts=draft_counts)
+            draft_vocab=draft_vocab if with_drafter else None, draft_counts=draft_counts, **proposals)
         built = str(pipeline.dtype).removeprefix("torch.")
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
@@ -233,7 +241,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
     return _pipeline_class()(target_dir, drafter_dir, dtype=dtype, device=device,
                              max_context=max_context, policy=policy if with_drafter else None,
                              draft_vocab=draft_vocab if with_drafter else None,
-                             draft_counts=draft_counts if with_drafter else None)
+                             draft_counts=draft_counts if with_drafter else None, **proposals)
 
 
 def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts) -> str | None:

@@ -8,7 +8,8 @@ import click
 
 from trtspec import limits
 from trtspec.commands.options import (THREADS, BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
-                                      load_pipeline, model_options, output_option, policy_option)
+                                      load_pipeline, model_options, output_option, policy_option,
+                                      proposal_temperature_option)
 from trtspec.errors import TrtspecError
 from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
 
@@ -39,6 +40,7 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
 @policy_option
 @backend_option
 @draft_vocab_options
+@proposal_temperature_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Listen address: loopback by default; every interface only when named (0.0.0.0 or ::, "
                    "with a warning on stderr); an empty host is refused.")
@@ -84,7 +86,8 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
 @output_option("--ray-config", type=click.Path(dir_okay=False), metavar="FILE",
               help="With --replicas: write a `serve deploy` config (YAML) for an existing cluster to FILE and exit.")
 @click.pass_context
-def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts, host, port,
+def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts,
+          proposal_temperature, host, port,
           max_concurrency, max_queued, block_size, max_context, served_model_name, api_key, max_body_bytes,
           read_timeout, metrics_prefix, graceful_shutdown, replicas, ray_address, min_replicas, max_replicas,
           target_ongoing_requests, replica_cpus, replica_gpus, ray_config) -> None:
@@ -103,7 +106,8 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
     # load_pipeline's arguments: this process loads them, or each Ray Serve replica does
     load = {"target": target, "drafter": drafter, "dtype": dtype, "device": device, "max_context": max_context,
             "engine": engine, "policy": policy, "draft_vocab": draft_vocab, "draft_counts": draft_counts,
-            "backend": backend, "block_sizes": engine_sizes([block_size] if block_size else [])}
+            "backend": backend, "block_sizes": engine_sizes([block_size] if block_size else []),
+            "proposal_temperature": proposal_temperature}
     if replicas is not None:
         from trtspec.serving import ray_options, ray_serve
 

@@ -165,6 +165,7 @@ class BenchReport:
     reference: "BenchReport | None" = None   # the same measurement through a reference backend
     agreement: list[dict] = field(default_factory=list)  # per block size: identical outputs vs reference
     draft_ids: torch.Tensor | None = None  # the draft vocabulary's ids (None: the full vocabulary)
+    proposal_temperature: float | None = None  # sampled requests' drafts drawn at this x T (0: the drafter's argmax)
 
     def draft_coverage(self) -> float | None:
         """Share of AR's (the target's own) decoded tokens inside the draft vocabulary."""
@@ -232,7 +233,7 @@ class BenchReport:
             "repeats": self.config.repeats,
             "max_new_tokens": self.config.max_new_tokens,
             "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-                         "seed": sampling.seed},
+                         "seed": sampling.seed, "proposal_temperature": self.proposal_temperature},
             **comparison,
         }
 
@@ -243,7 +244,11 @@ class BenchReport:
 
     def format_table(self) -> str:
         m, c = self.machine, self.config
-        lines = [f"{self.prompts}: {self.n_prompts} prompts x {c.repeats} repeats, T={c.sampling.temperature:g}, "
+        drafts = ""
+        if c.sampling.temperature > 0 and self.proposal_temperature is not None:
+            drafts = (f" (drafts drawn at {self.proposal_temperature:g} x T)" if self.proposal_temperature > 0
+                      else " (greedy drafts)")
+        lines = [f"{self.prompts}: {self.n_prompts} prompts x {c.repeats} repeats, T={c.sampling.temperature:g}{drafts}, "
                  f"max {c.max_new_tokens} new tokens | {m['backend']} on {m['device']} {m['dtype']}, "
                  f"{m['torch_threads']} thread(s), torch {m['torch']}",
                  f"{'B':>5}  {'tau':>6}  {'ceiling':>7}  {'decode tok/s':>12}  {'speed-up':>8}"]
@@ -301,7 +306,8 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=No
         if 0.0 in backend_runs[0].tokens_per_s_repeats:  # no baseline: say so now, not when printing
             raise TrtspecError(NO_AR_TOKENS)
         reports.append(BenchReport(prompts=prompts_name, n_prompts=len(prompts), config=config, ar=backend_runs[0],
-                                   spec=backend_runs[1:], machine=machine_info(backend)))
+                                   spec=backend_runs[1:], machine=machine_info(backend),
+                                   proposal_temperature=backend.proposal_temperature))
     report = reports[0]
     report.draft_ids = pipeline.draft_ids
     if reference is not None:
