@@ -52,8 +52,11 @@ def _free_ports(count: int) -> list[int]:
 @pytest.fixture(scope="module")
 def server(ort_engine_dir, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton") / "repo"
-    made = trtspec_in_process("triton-repo", "--engine", ort_engine_dir, "-o", repo, "--threads", 1)
+    # a float parameter too: the models parse it as Triton loads them (a wrong parse fails every test here)
+    made = trtspec_in_process("triton-repo", "--engine", ort_engine_dir, "-o", repo, "--threads", 1,
+                              "--proposal-temperature", 0.7)
     assert made.returncode == 0, made.stderr.decode()
+    assert 'key: "proposal_temperature" value { string_value: "0.7" }' in (repo / "trtspec" / "config.pbtxt").read_text()
     http_port, grpc_port, metrics_port = _free_ports(3)
     log = open(repo.parent / "server.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "trtspec", "triton-serve", repo, "--http-port", str(http_port),
@@ -651,6 +654,7 @@ def test_triton_repo_sizes_each_instance_engine(tmp_path, ort_engine_dir):
     for model in ("trtspec", "trtspec_stream"):
         assert _engine_parameter(tmp_path / "repo", "max_running", model) == 3
         assert _engine_parameter(tmp_path / "repo", "max_queued", model) == 5
+        assert "proposal_temperature" not in (tmp_path / "repo" / model / "config.pbtxt").read_text()  # unset
 
 
 def test_triton_repo_refuses_more_running_requests_than_the_engine_batches(tmp_path, ort_engine_dir):

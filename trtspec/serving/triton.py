@@ -63,7 +63,8 @@ from trtspec.serving.triton_model import TritonPythonModel  # noqa: F401
 '''
 
 
-ENGINE_PARAMETERS = ("max_running", "max_queued", "prefill_chunk")  # EngineConfig fields, as model parameters
+# EngineConfig fields, as model parameters (a field left None is not written: the pipeline's default)
+ENGINE_PARAMETERS = {"max_running": int, "max_queued": int, "prefill_chunk": int, "proposal_temperature": float}
 
 
 def model_config(name: str, engine_dir: Path, instances: int, decoupled: bool, threads: int,
@@ -79,7 +80,7 @@ def model_config(name: str, engine_dir: Path, instances: int, decoupled: bool, t
         lines.append(f'output {{ name: "{tensor}" data_type: {dtype} dims: [ 1 ] }}')
     lines.append(f"instance_group {{ count: {instances} kind: KIND_CPU }}")
     parameters = [("engine_dir", str(engine_dir)), ("threads", str(threads))]
-    parameters += [(key, str(getattr(engine, key))) for key in ENGINE_PARAMETERS]
+    parameters += [(key, repr(getattr(engine, key))) for key in ENGINE_PARAMETERS if getattr(engine, key) is not None]
     for key, value in parameters:
         lines.append(f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}')
     return "\n".join(lines) + "\n"

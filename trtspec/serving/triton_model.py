@@ -337,8 +337,8 @@ class TritonPythonModel:
             torch.set_num_threads(threads)
         self.pipeline = Pipeline(engine=parameters["engine_dir"], device=parameters.get("device", "auto"))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.engine = self.pipeline.engine(EngineConfig(**{key: int(parameters[key]) for key in ENGINE_PARAMETERS
-                                                           if key in parameters}))
+        self.engine = self.pipeline.engine(EngineConfig(**{key: kind(parameters[key])
+                                                           for key, kind in ENGINE_PARAMETERS.items() if key in parameters}))
         self.outbox = _Outbox(self.decoupled, self.engine, self.pipeline.codec,
                               _metrics(args["model_name"], args["model_instance_name"]))
         self.context = self.pipeline.runner.max_context
