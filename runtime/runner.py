@@ -324,7 +324,7 @@ class BatchRunner:
         return drafts, logits
 
     def _draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: torch.Tensor,
-               starts: list[int]) -> torch.Tensor:
+               starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         batch, size = blocks.shape
         counts = [c.shape[0] for c in contexts]
         width = context_bucket(max(counts)) if self.static else max(counts)
