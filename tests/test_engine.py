@@ -205,6 +205,24 @@ def test_engines_take_the_pipelines_proposal_temperature_unless_their_config_set
         EngineConfig(proposal_temperature=-1)
 
 
+def test_run_draws_a_sampled_requests_drafts_at_its_proposal_temperature(target_dir, drafter_dir, tmp_path,
+                                                                          monkeypatch):
+    """The command line's --proposal-temperature reaches the engine that decodes (and 0 never draws)."""
+    from helpers import trtspec_in_process
+    from trtspec.runtime import engine, sampling
+
+    fractions = []
+    monkeypatch.setattr(engine, "draw_proposals", lambda *args: fractions.append(args[3]) or sampling.draw_proposals(*args))
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def fib(n):")
+    common = ("run", prompt, "--target", target_dir, "--drafter", drafter_dir, "--block-size", 4, "--max-new-tokens", 12,
+              "--temperature", 1, "--seed", 0, "--json")
+    for fraction in (0.3, 0):
+        result = trtspec_in_process(*common, "--proposal-temperature", fraction)
+        assert result.returncode == 0, result.stderr.decode()
+    assert fractions and set(fractions) == {0.3}
+
+
 def test_a_bad_request_fails_alone(tiny):
     """Refused submissions and a failing callback raise for their own request only: the batch's other
     requests finish as if decoded alone (one engine run shows both sides)."""
