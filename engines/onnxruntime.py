@@ -6,14 +6,12 @@ allocated per call. The CPU execution provider is the default; with onnxruntime-
 device the CUDA execution provider is used, and with `cuda_graphs` it captures each decode-cycle
 binding as a CUDA graph (one `gpu_graph_id` each) and replays it.
 
-`quantize_weights` is the backend's 4-bit weight format (`trtspec build --weights int4`): ONNX
-Runtime's own quantizer rewrites a float graph's constant MatMul weights as MatMulNBits nodes.
+The backend's 4-bit weight format (`trtspec build --weights int4`, MatMulNBits) is written by
+`trtspec.engines.int4`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 from pathlib import Path
 from typing import Mapping
 
@@ -25,11 +23,6 @@ from trtspec.engines.executor import PREFILL, ProfileKey
 from trtspec.errors import TrtspecError
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
-# What `--weights int4` means: 4-bit weights in blocks of 32 input rows, each block with its own
-# scale and zero point (asymmetric, as GGUF's Q4_1), multiplied by MatMulNBits' int8 kernels
-# (accuracy level 4: activations quantized to int8 per block, VNNI dot products). Recorded in the
-# manifest and in the quantized graph's cache key.
-INT4 = {"format": "int4", "bits": 4, "block_size": 32, "symmetric": False, "accuracy_level": 4}
 
 
 def _import_onnxruntime():
@@ -39,64 +32,6 @@ def _import_onnxruntime():
         raise TrtspecError("the onnxruntime backend needs onnxruntime: pip install 'trtspec[onnx]' "
                            "(or 'trtspec[gpu]' for the CUDA execution provider)") from None
     return onnxruntime
-
-
-def quantize_weights(source: Path, destination: Path) -> None:
-    """Write `source` (a float32 graph) to `destination` with every constant MatMul weight as 4-bit
-    blocks (`INT4`), by onnxruntime's `MatMulNBitsQuantizer` (round to nearest per block); the
-    embedding table (a Gather) and everything else stay float32."""
-    _import_onnxruntime()
-    import onnx
-
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    from onnxruntime.quantization import matmul_nbits_quantizer
-    root.handlers[:], root.level = handlers, level  # its import configures the root logger (INFO, stderr): undone
-
-    model = onnx.load(str(source))
-    _untie_transposed_weights(model.graph)
-    quantizer = matmul_nbits_quantizer.MatMulNBitsQuantizer(
-        model, bits=INT4["bits"], block_size=INT4["block_size"], is_symmetric=INT4["symmetric"],
-        accuracy_level=INT4["accuracy_level"], op_types_to_quantize=("MatMul",))
-    previous = matmul_nbits_quantizer.logger.level
-    matmul_nbits_quantizer.logger.setLevel(logging.WARNING)  # a line per node otherwise
-    try:
-        quantizer.process()
-    finally:
-        matmul_nbits_quantizer.logger.setLevel(previous)
-    onnx.save_model(quantizer.model.model, str(destination))
-
-
-def _untie_transposed_weights(graph) -> None:
-    """Give a MatMul that multiplies by Transpose(initializer) a transposed copy of its own: a head
-    tied to the embedding table is exported that way (the table is also a Gather's input), and the
-    quantizer quantizes only a MatMul's constant weights. The table itself stays float32 for the Gather."""
-    from onnx import numpy_helper
-
-    initializers = {tensor.name: tensor for tensor in graph.initializer}
-    producers = {output: node for node in graph.node for output in node.output}
-    for node in graph.node:
-        transpose = producers.get(node.input[1]) if node.op_type == "MatMul" else None
-        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in initializers:
-            continue
-        weight = numpy_helper.to_array(initializers[transpose.input[0]])
-        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None)
-        if weight.ndim != 2 or perm not in (None, [1, 0]):
-            continue
-        name = f"{transpose.input[0]}.transposed"
-        if name not in initializers:
-            initializers[name] = numpy_helper.from_array(weight.T.copy(), name)
-            graph.initializer.append(initializers[name])
-        node.input[1] = name
-    read = {name for node in graph.node for name in node.input} | {output.name for output in graph.output}
-    for node in [n for n in graph.node if n.op_type == "Transpose" and not set(n.output) & read]:
-        graph.node.remove(node)  # the transposes the copies replace
-
-
-def quantizer_identity() -> dict:
-    """What a quantized graph depends on besides its float graph: the format, ONNX Runtime's
-    quantizer (its version) and this module's code (a cache key's part)."""
-    return {**INT4, "onnxruntime": version(), "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
 
 
 def version() -> str:

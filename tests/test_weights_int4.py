@@ -88,7 +88,7 @@ def test_a_head_tied_to_the_embedding_table_is_quantized_too(tmp_path):
     import onnxruntime
     from onnx import TensorProto, helper, numpy_helper
 
-    from trtspec.engines.onnxruntime import quantize_weights
+    from trtspec.engines.int4 import quantize_weights
 
     table = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
     graph = helper.make_graph(
@@ -106,3 +106,77 @@ def test_a_head_tied_to_the_embedding_table_is_quantized_too(tmp_path):
     exact = table[ids] @ table.T
     assert np.abs(logits - exact).max() < 0.1 * np.abs(exact).max()  # rounded to 4 bits, not another matrix
     assert (logits.argmax(-1) == ids).all()
+
+
+def _gguf_weight(shape: tuple[int, int], kind: str, seed: int):
+    """A float weight [K, N] as a GGUF file of that block type holds it: quantized, then dequantized by
+    the gguf package (what `trtspec.models.gguf` converts)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[kind]
+    values = 0.05 * np.random.default_rng(seed).standard_normal(shape[::-1]).astype(np.float32)  # GGUF rows: [N, K]
+    return np.ascontiguousarray(quants.dequantize(quants.quantize(values, kind), kind).astype(np.float32).T)
+
+
+def _dequantized(graph, node):
+    """A MatMulNBits node's weight [K, N] rebuilt from its blocks in numpy: scale * (q - zero point)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    tensors = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    bits = next(a.i for a in node.attribute if a.name == "bits")
+    n, k = (next(a.i for a in node.attribute if a.name == name) for name in ("N", "K"))
+    packed, scales, zero = (tensors[name] for name in node.input[1:4])
+    q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, k // 32, 32) if bits == 4 else packed
+    zero = (np.stack([zero & 15, zero >> 4], axis=-1).reshape(n, -1)[:, :k // 32] if bits == 4
+            else zero.reshape(n, -1))
+    return (scales.reshape(n, -1, 1) * (q.astype(np.float32) - zero[..., None])).reshape(n, k).T
+
+
+def test_gguf_blocks_are_kept_exactly_and_other_weights_rounded(tmp_path):
+    """Weights dequantized from Q4_1 (q, k: one input, so one block sum) and a head tied to a Q8_0
+    table become MatMulNBits over the file's own blocks: 4-bit q with zero point 0 plus m x the
+    block sums (the offsets' MatMul stays float), and 8-bit q + 128; a plain float weight (down) is
+    rounded to 4 bits by onnxruntime's quantizer. The rebuilt weights are the float ones, and the
+    graph computes what the float graph does but for the int8 rounding of activations."""
+    pytest.importorskip("onnxruntime", reason="--weights int4 needs the [onnx] extra")
+    import numpy as np
+    import onnx
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    from trtspec.engines.int4 import quantize_weights
+
+    hidden, width, vocab = 64, 96, 160
+    weights = {"wq": _gguf_weight((hidden, hidden), "Q4_1", 0), "wk": _gguf_weight((hidden, width), "Q4_1", 1),
+               "wdown": 0.05 * np.random.default_rng(2).standard_normal((width, hidden)).astype(np.float32)}
+    table = _gguf_weight((hidden, vocab), "Q8_0", 3).T.copy()  # the embedding table [vocab, hidden]
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["x"]),
+         helper.make_node("MatMul", ["x", "wq"], ["q"]), helper.make_node("MatMul", ["x", "wk"], ["k"]),
+         helper.make_node("MatMul", ["k", "wdown"], ["down"]), helper.make_node("Add", ["q", "down"], ["h"]),
+         helper.make_node("Transpose", ["table"], ["head"], perm=[1, 0]),
+         helper.make_node("MatMul", ["h", "head"], ["logits"])], "layer",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "tokens"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "tokens", vocab])],
+        [numpy_helper.from_array(table, "table"), *(numpy_helper.from_array(w, name) for name, w in weights.items())])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), tmp_path / "float.onnx")
+    quantize_weights(tmp_path / "float.onnx", tmp_path / "int4.onnx")
+
+    quantized = onnx.load(str(tmp_path / "int4.onnx")).graph
+    assert _ops(tmp_path / "int4.onnx") == Counter({"MatMulNBits": 4, "ReduceSum": 1, "Reshape": 1, "MatMul": 2,
+                                                    "Add": 3, "Gather": 1})
+    blocks = {node.input[1]: node for node in quantized.node if node.op_type == "MatMulNBits"}
+    for name in ("wq", "wk"):
+        assert np.array_equal(_dequantized(quantized, blocks[f"{name}.q4"]) +
+                              np.repeat(numpy_helper.to_array(next(t for t in quantized.initializer
+                                                                   if t.name == f"{name}.q4.offsets")), 32, axis=0),
+                              weights[name])
+    assert np.array_equal(_dequantized(quantized, blocks["table.transposed.q8"]), table.T)
+    rounded = _dequantized(quantized, next(node for key, node in blocks.items() if key.startswith("wdown")))
+    assert 0 < np.abs(rounded - weights["wdown"]).max() < 0.1 * np.abs(weights["wdown"]).max()
+    ids = np.array([[3, 50, 77, 120]])
+    float_logits, int4_logits = (onnxruntime.InferenceSession(tmp_path / name).run(None, {"ids": ids})[0]
+                                 for name in ("float.onnx", "int4.onnx"))
+    assert np.abs(int4_logits - float_logits).max() < 0.05 * np.abs(float_logits).max()

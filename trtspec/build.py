@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from trtspec import __version__
+from trtspec.engines import int4
 from trtspec.engines import onnxruntime as ort_engine
 from trtspec.engines import tensorrt as trt_engine
 from trtspec.engines import torch as torch_engine
@@ -154,9 +155,9 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
                 graph = f"{name}.int4.onnx"
                 key = graph_key(name, ".int4.onnx", specs[name], max_context=max_context, dtype=target.dtype,
                                 device=export_device, sources={**graph_sources[name],
-                                                               "weights": ort_engine.quantizer_identity()})
+                                                               "weights": int4.quantizer_identity()})
                 export_cached(staging / graph, key,
-                              functools.partial(ort_engine.quantize_weights, staging / files[name]))
+                              functools.partial(int4.quantize_weights, staging / files[name]))
                 (staging / files[name]).unlink()
                 files[name] = graph
             elif backend == "inductor":  # an AOTInductor package, cached per machine like the graph it compiles
@@ -195,7 +196,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             draft_vocab={"dir": DRAFTER_VOCAB_DIR, "size": int(chosen[0].numel()),
                          "ids_sha256": ids_sha256(chosen[0])}
             if chosen is not None else None,
-            weights={**ort_engine.INT4, "graphs": list(quantized), "onnxruntime": ort_engine.version()}
+            weights={**int4.INT4, "graphs": list(quantized), "onnxruntime": ort_engine.version()}
             if quantized else None)
         manifest.write(staging)
         bar.set_postfix_str("self-check")
