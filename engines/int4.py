@@ -7,9 +7,12 @@ can hold as it is (the blocks of 32 run along the input in both), the file's own
 recovered from the float values and kept exactly, so the engine multiplies by the model's own
 weights (what llama.cpp runs), not by a second rounding of them:
 
-* Q4_1 (`d * q + m`, q in 0..15): 4-bit blocks with scale d and zero point 0, plus the offset
-  term `sum over each block of x` times m (a small MatMul over the block sums, shared by the
-  MatMuls that read the same input);
+* Q4_1 (`d * q + m`, q in 0..15): 4-bit blocks with scale d and the integer zero point z nearest
+  -m / d, plus what that leaves, `sum over each block of x` times `m + z * d` (at most d / 2: a
+  small MatMul over the block sums, shared by the MatMuls that read the same input). A zero point
+  of 0 would be exact too, but the int8 kernels round the activations, and their error grows with
+  the weights the kernel sees: off-centre blocks (all of d * q) gave 2.8x the difference between a
+  verify's and an AR step's logits;
 * Q8_0 (`d * q`, q in -127..127; SmolLM2's embedding table, so its tied head): 8-bit blocks with
   zero point 128.
 
@@ -147,10 +150,14 @@ def keep_gguf_blocks(model) -> list[str]:
             nodes.append(node)
             continue
         (k, n), name = weight.shape, node.name or node.output[0]
-        if len(grid) == 3:  # Q4_1: 4-bit blocks with zero point 0, then + block sums @ m
+        if len(grid) == 3:  # Q4_1: 4-bit blocks about the zero point nearest -m / d, then + block sums @ what is left
             q, d, m = grid
+            with np.errstate(divide="ignore", invalid="ignore"):
+                zero = np.clip(np.rint(np.where(d > 0, -m / d, 0)), 0, 15).astype(np.uint8)  # [N, K/32]
+            offsets = m + zero.astype(np.float32) * d  # exact: fp16 values times small integers
             packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-            zero = np.zeros((n, (k // BLOCK + 1) // 2), np.uint8)
+            zero = np.pad(zero, ((0, 0), (0, zero.shape[1] % 2)))
+            zero = zero[:, 0::2] | (zero[:, 1::2] << 4)
             bits, product = 4, f"{name}.blocks"
         else:  # Q8_0: 8-bit blocks, zero point 128
             q, d = grid
@@ -171,7 +178,7 @@ def keep_gguf_blocks(model) -> list[str]:
                                           numpy_helper.from_array(np.array([-1]), axis)])
                 nodes += [helper.make_node("Reshape", [node.input[0], shape], [f"{sums}.blocks"], name=f"{sums}.reshape"),
                           helper.make_node("ReduceSum", [f"{sums}.blocks", axis], [sums], name=sums, keepdims=0)]
-            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(m.T), f"{prefix}.offsets"))
+            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(offsets.T), f"{prefix}.offsets"))
             nodes += [helper.make_node("MatMul", [sums, f"{prefix}.offsets"], [f"{name}.offset"], name=f"{name}.offset"),
                       helper.make_node("Add", [product, f"{name}.offset"], [node.output[0]], name=f"{name}.add")]
             added.append(f"{name}.offset")
