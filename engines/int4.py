@@ -140,51 +140,45 @@ def keep_gguf_blocks(model) -> list[str]:
     ranks = _ranks(model)
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     nodes, added, block_sums = [], [], {}
+
+    def constant(array: np.ndarray, name: str) -> str:
+        graph.initializer.append(numpy_helper.from_array(array, name))
+        return name
+
     for node in graph.node:
         weight_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
         tensor = initializers.get(weight_name)
-        rank = ranks.get(node.input[0]) if tensor is not None else None
+        x, rank = node.input[0], ranks.get(node.input[0]) if tensor is not None else None
         weight = numpy_helper.to_array(tensor) if rank is not None and rank >= 2 else None
         grid = weight is not None and (q4_1_blocks(weight) or q8_0_blocks(weight))
         if not grid:
             nodes.append(node)
             continue
         (k, n), name = weight.shape, node.name or node.output[0]
-        if len(grid) == 3:  # Q4_1: 4-bit blocks about the zero point nearest -m / d, then + block sums @ what is left
-            q, d, m = grid
-            with np.errstate(divide="ignore", invalid="ignore"):
-                zero = np.clip(np.rint(np.where(d > 0, -m / d, 0)), 0, 15).astype(np.uint8)  # [N, K/32]
-            offsets = m + zero.astype(np.float32) * d  # exact: fp16 values times small integers
-            packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-            zero = np.pad(zero, ((0, 0), (0, zero.shape[1] % 2)))
-            zero = zero[:, 0::2] | (zero[:, 1::2] << 4)
-            bits, product = 4, f"{name}.blocks"
-        else:  # Q8_0: 8-bit blocks, zero point 128
-            q, d = grid
-            packed, zero, bits = (q.astype(np.int16) + 128).astype(np.uint8), np.full((n, k // BLOCK), 128, np.uint8), 8
-            product = node.output[0]
+        bits = 4 if len(grid) == 3 else 8
+        packed, scales, zero_points, offsets = _q4_1_arrays(*grid) if bits == 4 else (*_q8_0_arrays(*grid), None)
         prefix = f"{weight_name}.q{bits}"
-        for suffix, array in (("", packed), (".scales", d.reshape(-1)), (".zero_points", zero.reshape(-1))):
-            graph.initializer.append(numpy_helper.from_array(array, prefix + suffix))
-        nodes.append(helper.make_node("MatMulNBits", [node.input[0], prefix, f"{prefix}.scales", f"{prefix}.zero_points"],
-                                      [product], name=f"{name}.q{bits}", domain=MS_DOMAIN, K=k, N=n, bits=bits,
-                                      block_size=BLOCK, accuracy_level=INT4["accuracy_level"]))
-        if bits == 4:
-            sums = block_sums.get(node.input[0])
-            if sums is None:  # one block sum of an input for every MatMul that reads it
-                sums = block_sums[node.input[0]] = f"{node.input[0]}.block_sums"
-                shape, axis = f"{sums}.shape", f"{sums}.axis"
-                graph.initializer.extend([numpy_helper.from_array(np.array([0] * (rank - 1) + [k // BLOCK, BLOCK]), shape),
-                                          numpy_helper.from_array(np.array([-1]), axis)])
-                nodes += [helper.make_node("Reshape", [node.input[0], shape], [f"{sums}.blocks"], name=f"{sums}.reshape"),
-                          helper.make_node("ReduceSum", [f"{sums}.blocks", axis], [sums], name=sums, keepdims=0)]
-            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(offsets.T), f"{prefix}.offsets"))
-            nodes += [helper.make_node("MatMul", [sums, f"{prefix}.offsets"], [f"{name}.offset"], name=f"{name}.offset"),
-                      helper.make_node("Add", [product, f"{name}.offset"], [node.output[0]], name=f"{name}.add")]
-            added.append(f"{name}.offset")
-    if added or len(nodes) != len(graph.node):
+        product = f"{name}.blocks" if offsets is not None else node.output[0]
+        nodes.append(helper.make_node(
+            "MatMulNBits", [x, constant(packed, prefix), constant(scales, f"{prefix}.scales"),
+                            constant(zero_points, f"{prefix}.zero_points")],
+            [product], name=f"{name}.q{bits}", domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=BLOCK,
+            accuracy_level=INT4["accuracy_level"]))
+        if offsets is None:
+            continue
+        if x not in block_sums:  # one block sum of an input for every MatMul that reads it
+            sums = block_sums[x] = f"{x}.block_sums"
+            shape = constant(np.array([0] * (rank - 1) + [k // BLOCK, BLOCK]), f"{sums}.shape")
+            nodes += [helper.make_node("Reshape", [x, shape], [f"{sums}.blocks"], name=f"{sums}.reshape"),
+                      helper.make_node("ReduceSum", [f"{sums}.blocks", constant(np.array([-1]), f"{sums}.axis")],
+                                       [sums], name=sums, keepdims=0)]
+        nodes += [helper.make_node("MatMul", [block_sums[x], constant(offsets, f"{prefix}.offsets")],
+                                   [f"{name}.offset"], name=f"{name}.offset"),
+                  helper.make_node("Add", [product, f"{name}.offset"], [node.output[0]], name=f"{name}.add")]
+        added.append(f"{name}.offset")
+    if list(graph.node) != nodes:
         read = {name for node in nodes for name in node.input}
-        kept = [t for t in graph.initializer if t.name in read]
+        kept = [t for t in graph.initializer if t.name in read]  # less the float weights replaced
         del graph.initializer[:]
         graph.initializer.extend(kept)
         del graph.node[:]
@@ -192,6 +186,23 @@ def keep_gguf_blocks(model) -> list[str]:
         if not any(o.domain == MS_DOMAIN for o in model.opset_import):
             model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
     return added
+
+
+def _q4_1_arrays(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, ...]:
+    """MatMulNBits' 4-bit inputs for Q4_1 blocks (q [N, K/32, 32], d and m [N, K/32]): q packed two
+    to a byte (low nibble first), the scales d, the zero points z nearest -m / d packed likewise,
+    and what z leaves of m, `m + z d` [K/32, N], for the block sums' MatMul."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zero = np.clip(np.rint(np.where(d > 0, -m / d, 0)), 0, 15).astype(np.uint8)
+    offsets = m + zero.astype(np.float32) * d  # exact: fp16 values times small integers
+    zero = np.pad(zero, ((0, 0), (0, zero.shape[1] % 2)))
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8), d.reshape(-1), \
+        (zero[:, 0::2] | (zero[:, 1::2] << 4)).reshape(-1), np.ascontiguousarray(offsets.T)
+
+
+def _q8_0_arrays(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, ...]:
+    """MatMulNBits' 8-bit inputs for Q8_0 blocks: q + 128 with zero point 128, the scales d."""
+    return (q.astype(np.int16) + 128).astype(np.uint8), d.reshape(-1), np.full(d.size, 128, np.uint8)
 
 
 def _ranks(model) -> dict[str, int]:

@@ -180,3 +180,24 @@ def test_gguf_blocks_are_kept_exactly_and_other_weights_rounded(tmp_path):
     float_logits, int4_logits = (onnxruntime.InferenceSession(tmp_path / name).run(None, {"ids": ids})[0]
                                  for name in ("float.onnx", "int4.onnx"))
     assert np.abs(int4_logits - float_logits).max() < 0.05 * np.abs(float_logits).max()
+
+
+def test_a_graph_whose_only_gguf_weight_is_q8_0_keeps_it(tmp_path):
+    """One 8-bit rewrite and no offsets: the graph is still rewritten (the node count does not change)."""
+    pytest.importorskip("onnxruntime", reason="--weights int4 needs the [onnx] extra")
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from trtspec.engines.int4 import quantize_weights
+
+    weight = _gguf_weight((64, 96), "Q8_0", 4)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "one",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "tokens", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "tokens", 96])],
+                              [numpy_helper.from_array(weight, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), tmp_path / "float.onnx")
+    quantize_weights(tmp_path / "float.onnx", tmp_path / "int4.onnx")
+    quantized = onnx.load(str(tmp_path / "int4.onnx")).graph
+    assert [(node.op_type, node.input[1]) for node in quantized.node] == [("MatMulNBits", "w.q8")]
+    assert np.array_equal(_dequantized(quantized, quantized.node[0]), weight)
