@@ -56,15 +56,16 @@ def test_the_default_target_is_smollm2_converted_once_into_the_cache(smollm2_fil
 
 
 def test_smollm2s_matmul_weights_are_on_their_gguf_grids(smollm2_file):
-    """`--weights int4` keeps the file's own blocks (trtspec.engines.int4): every linear weight of the
-    converted SmolLM2 is recovered as Q4_1 blocks, and its tied embedding table as Q8_0."""
+    """`--weights int4` keeps the file's own blocks (trtspec.engines.int4): the linear weights of the
+    converted SmolLM2 are recovered as Q4_1 blocks (its first, middle and last layers here: all 210
+    in the build, docs/engines.md), and its tied embedding table as Q8_0."""
     from safetensors.numpy import load_file
 
     from trtspec.engines.int4 import q4_1_blocks, q8_0_blocks
 
     weights = load_file(assets.resolve_target(None) / "model.safetensors")
-    linear = [name for name in weights if name.endswith("proj.weight")]
-    assert len(linear) == 7 * 30
+    linear = [name for name in weights if name.endswith("proj.weight") and name.split(".")[2] in ("0", "15", "29")]
+    assert len(linear) == 7 * 3
     assert all(q4_1_blocks(weights[name].T) is not None for name in linear)
     assert q8_0_blocks(weights["model.embed_tokens.weight"].T) is not None
 
