@@ -67,9 +67,10 @@ class Pipeline:
                  engine: str | Path | None = None, policy: str | Path | None = None, dtype: str = "auto",
                  device: str = "auto", max_context: int | None = None, cuda_graphs: bool | None = None,
                  draft_vocab: int | None = None, draft_counts: str | Path | None = None,
-                 proposal_temperature: float = DEFAULT_PROPOSAL_TEMPERATURE):
+                 proposal_temperature: float | None = None):
         torch_device = resolve_device(device)
-        self.proposal_temperature = PROPOSAL_TEMPERATURE.check(proposal_temperature)
+        self.proposal_temperature = (DEFAULT_PROPOSAL_TEMPERATURE if proposal_temperature is None
+                                     else PROPOSAL_TEMPERATURE.check(proposal_temperature))
         if engine is None:
             target, drafter = resolve_pair(target, drafter)
         else:  # what it was built from, if given

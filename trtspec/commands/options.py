@@ -221,7 +221,6 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
     from trtspec.assets import resolve_drafter, resolve_pair, resolve_target
 
     _limit_gpu_memory(device)
-    proposals = {} if proposal_temperature is None else {"proposal_temperature": proposal_temperature}
     if engine is None and backend != "eager":
         engine = _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts)
         if engine is not None:
@@ -230,7 +229,8 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
         pipeline = _pipeline_class()(
             resolve_target(target) if target else None, resolve_drafter(drafter, target) if drafter else None,
             engine=engine, policy=policy if with_drafter else None, device=device, max_context=max_context,
-            draft_vocab=draft_vocab if with_drafter else None, draft_counts=draft_counts, **proposals)
+            draft_vocab=draft_vocab if with_drafter else None, draft_counts=draft_counts,
+            proposal_temperature=proposal_temperature)
         built = str(pipeline.dtype).removeprefix("torch.")
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
@@ -241,7 +241,8 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
     return _pipeline_class()(target_dir, drafter_dir, dtype=dtype, device=device,
                              max_context=max_context, policy=policy if with_drafter else None,
                              draft_vocab=draft_vocab if with_drafter else None,
-                             draft_counts=draft_counts if with_drafter else None, **proposals)
+                             draft_counts=draft_counts if with_drafter else None,
+                             proposal_temperature=proposal_temperature)
 
 
 def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts) -> str | None:
