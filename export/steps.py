@@ -12,6 +12,7 @@ from torch import nn
 
 from trtspec.models import DFlashDrafter, Qwen3Target
 from trtspec.models.layers import Keys
+from trtspec.models.target import Packing
 
 
 def _layer_past(past: torch.Tensor, slots: torch.Tensor, layer: int) -> torch.Tensor:
@@ -53,7 +54,8 @@ class TargetStep(nn.Module):
     """target(tokens, starts, slots, past_k, past_v, computed) -> logits, features, new_k, new_v.
 
     `computed` [N]: the real positions among batch x tokens (flat), where rows of shorter blocks are
-    padded to the call's width: the feed-forward layers and the LM head run on those N alone."""
+    padded to the call's width: every projection, feed-forward and the LM head run on those N alone
+    (`DecoderTarget.decode`); outputs at the padding are zeros."""
 
     def __init__(self, target: Qwen3Target, feature_layers: tuple[int, ...]):
         super().__init__()
@@ -69,16 +71,15 @@ class TargetStep(nn.Module):
         hook = _attend_past(past_k, past_v, slots, new_k, new_v)
         hidden, features = self.target.decode(tokens, positions, hook, mask[:, None], self.feature_layers, computed)
         if features is None:  # a target without a drafter: no features, an empty axis keeps the outputs fixed
-            features = hidden.new_zeros(batch, count, 0)
+            features = hidden.new_zeros(*hidden.shape[:2], 0)
         # logits in the model's dtype: an upcast would write [b, T, vocab] float32 every verify (622 MB
         # at batch 64, B = 16 and Qwen3's vocabulary) for argmax, which bfloat16 gives exactly; the
         # sampler and BlockPilot's features upcast the rows they read
         if computed is None:  # every position (eager callers timing a step)
             logits = self.target.logits(hidden)
-        else:
-            flat = hidden.reshape(batch * count, hidden.shape[-1])
-            real = self.target.logits(flat.index_select(0, computed)[None])[0]  # 3-D: a MatMul, as in decode
-            logits = real.new_zeros(batch * count, real.shape[-1]).index_copy(0, computed, real).view(batch, count, -1)
+        else:  # packed [1, N, ...]: back to the call's [b, T] rows, zeros at the padding
+            packing = Packing(tokens.shape, computed)
+            logits, features = packing.unpack(self.target.logits(hidden)), packing.unpack(features)
         return logits, features, _position_major(new_k), _position_major(new_v)
 
 

@@ -117,9 +117,13 @@ class Attention(nn.Module):
         return k, self._heads(self.v_proj(x), self.num_kv_heads)
 
     def attend(self, q: torch.Tensor, k: Keys, v: Keys, mask: torch.Tensor | None) -> torch.Tensor:
-        """Attention output after o_proj. Keys and values come whole or in parts along the key axis
-        (`Keys`); `mask` is boolean (True = may attend), [Tq, Tk] or [b, 1, Tq or 1, Tk] over all
-        of them, or None."""
+        """Attention output after o_proj, [b, Tq, hidden] (see `attention`)."""
+        return self.o_proj(self.attention(q, k, v, mask))
+
+    def attention(self, q: torch.Tensor, k: Keys, v: Keys, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention output before o_proj, heads joined: [b, Tq, heads * head_dim]. Keys and values
+        come whole or in parts along the key axis (`Keys`); `mask` is boolean (True = may attend),
+        [Tq, Tk] or [b, 1, Tq or 1, Tk] over all of them, or None."""
         b, _, t, _ = q.shape
         groups = self.num_heads // self.num_kv_heads
         k_parts, v_parts = key_parts(k), key_parts(v)
@@ -147,8 +151,7 @@ class Attention(nn.Module):
                     end = start + part.shape[2]
                     term = torch.matmul(weights[..., start:end], part.unsqueeze(2))
                     out, start = term if out is None else out + term, end
-        return self.o_proj(out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2)
-                           .reshape(b, t, self.num_heads * self.head_dim))
+        return out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):

@@ -39,6 +39,29 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class Packing:
+    """The real positions `computed` [N] (flat indices) of a padded [b, T] call, packed into one
+    [1, N] row and back. 3-D on purpose: a Linear on [N, H] would export as Gemm, which the 4-bit
+    quantizer skips."""
+
+    def __init__(self, shape: torch.Size, computed: torch.Tensor):
+        self.batch, self.count = shape[0], shape[1]
+        self.computed = computed
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, T, ...] -> [1, N, ...]."""
+        return x.reshape(self.batch * self.count, *x.shape[2:]).index_select(0, self.computed)[None]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, ...] -> [b, T, ...], zeros at the padding."""
+        flat = x.new_zeros(self.batch * self.count, *x.shape[2:]).index_copy(0, self.computed, x[0])
+        return flat.view(self.batch, self.count, *x.shape[2:])
+
+    def unpack_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Attention's [1, heads, N, D] -> [b, heads, T, D]."""
+        return self.unpack(x.transpose(1, 2)).transpose(1, 2)
+
+
 class DecoderTarget(nn.Module):
     """A target of any supported family (its `config` is a `Qwen3Config` or a subclass)."""
 
@@ -117,10 +140,16 @@ class DecoderTarget(nn.Module):
         `attend_kv(layer, k, v)` turns the new tokens' keys/values into the keys/values they attend
         to (a KV cache in eager mode, graph inputs and outputs in an exported step); `mask` is
         boolean [T, keys] (True = may attend) or None for "everything". `computed` [N] (flat
-        indices into b x T): the positions whose feed-forward runs, where the rest are padding
-        (their hidden states are left unfinished; no real position attends to them). `depth`: run
-        only the first `depth` layers (the hidden states returned are then not the stack's last).
+        indices into b x T): the real positions, where the rest are padding after each row's real
+        ones (a short block in a wider call). Then every projection and feed-forward runs on those
+        N alone, packed, and only attention sees the [b, T] layout (padding there has zero
+        queries, keys and values; the mask keeps real positions off it); the hidden states and
+        features come back packed, [1, N, ...] in `computed`'s order. `depth`: run only the first
+        `depth` layers (the hidden states returned are then not the stack's last).
         """
+        packing = Packing(tokens.shape, computed) if computed is not None else None
+        if packing is not None:
+            tokens, positions = packing.pack(tokens), packing.pack(positions)
         cos, sin = self.rotary(positions, self.dtype)
         wanted = set(feature_layers)
         last = len(self.model.layers) - 1
@@ -129,15 +158,11 @@ class DecoderTarget(nn.Module):
         for i, layer in enumerate(self.model.layers[:depth]):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.project_q(x, cos, sin)
-            k, v = attend_kv(i, *attn.project_kv(x, cos, sin))
-            h = h + attn.attend(q, k, v, mask)
-            if computed is None:
-                h = layer.feed_forward(h)
-            else:  # the feed-forward (three quarters of a layer's arithmetic) on the real positions only
-                flat = h.reshape(-1, h.shape[-1])  # [1, N, H] below: a 2-D Linear would export as Gemm, which
-                real = layer.feed_forward(flat.index_select(0, computed)[None])[0]  # the 4-bit quantizer skips
-                h = flat.index_copy(0, computed, real).view(h.shape)
+            q, (k, v) = attn.project_q(x, cos, sin), attn.project_kv(x, cos, sin)
+            if packing is not None:
+                q, k, v = packing.unpack_heads(q), packing.unpack_heads(k), packing.unpack_heads(v)
+            out = attn.attention(q, *attend_kv(i, k, v), mask)
+            h = layer.feed_forward(h + attn.o_proj(out if packing is None else packing.pack(out)))
             if i in wanted:  # HF's hidden_states[i + 1]: the last entry is already normalised
                 taps[i] = self.model.norm(h) if i == last else h
         features = torch.cat([taps[i] for i in feature_layers], dim=-1) if feature_layers else None
