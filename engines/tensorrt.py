@@ -48,10 +48,12 @@ def _axis_ranges(graph: str, key: ProfileKey, max_context: int, max_batch: int) 
     if graph == TARGET and key == PREFILL:
         tokens = (1, min(PREFILL_OPT_TOKENS, max_context), max_context)
         return {"batch": (1, 1, max_batch), "tokens": tokens, "past": (0, 0, capacity),
-                "positions": (1, tokens[1], max_batch * max_context), **slots}
+                "positions": (1, tokens[1], max_batch * max_context), "scored": (1, 1, max_batch * max_context),
+                **slots}
     if graph == TARGET:
         return {"batch": batch, "tokens": (key, key, key), "past": (1, half, capacity),
-                "positions": (1, batch[1] * key, max_batch * key), **slots}
+                "positions": (1, batch[1] * key, max_batch * key), "scored": (1, batch[1] * key, max_batch * key),
+                **slots}
     return {"batch": batch, "block": (key, key, key), "context": (1, key, max_context), "past": (0, half, capacity),
             **slots}
 

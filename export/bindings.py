@@ -11,8 +11,10 @@ Two graphs cover the whole decode loop, for a batch of requests at once:
   positions its cache slot `slots[r]` holds. One request from position 0 is a prefill (or, from
   a later position, one chunk of it); T = B is verify(B); T = 1 is an autoregressive step.
   Rows of shorter blocks (an AR row beside B = 8 ones) are padded to T, and `computed` lists the
-  real positions (flat, row * T + t): the feed-forward layers and the LM head, most of a step's
-  arithmetic, run on those alone (attention runs padded; padding logits are zeros).
+  real positions (flat, row * T + t): the stack runs on those alone, packed (attention alone sees
+  the padded rows). `scored` picks, among the computed positions (indices into `computed`), those
+  whose logits the call returns, [scored, vocab]: every one for verify, the last for a prompt
+  chunk (the LM head over a whole prompt would be a fifth of a small model's prefill).
 * `draft` projects each request's new context features into the drafter's cache and proposes
   B-1 tokens for its block [bonus, MASK x (B-1)] starting at starts[r]. Context rows are
   left-padded to the batch's longest: row r's last counts[r] entries are real.
@@ -80,8 +82,9 @@ def target_graph(config: Qwen3Config, num_features: int) -> GraphSpec:
         TensorSpec("past_k", "model", cache),
         TensorSpec("past_v", "model", cache),
         TensorSpec("computed", "int64", ("positions",)),
+        TensorSpec("scored", "int64", ("scored",)),
     ), outputs=(
-        TensorSpec("logits", "model", ("batch", "tokens", config.vocab_size)),
+        TensorSpec("logits", "model", ("scored", config.vocab_size)),
         TensorSpec("features", "model", ("batch", "tokens", num_features * config.hidden_size)),
         TensorSpec("new_k", "model", new),
         TensorSpec("new_v", "model", new),

@@ -51,17 +51,18 @@ def _below(past: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 class TargetStep(nn.Module):
-    """target(tokens, starts, slots, past_k, past_v, computed) -> logits, features, new_k, new_v.
+    """target(tokens, starts, slots, past_k, past_v, computed, scored) -> logits, features, new_k, new_v.
 
     `computed` [N]: the real positions among batch x tokens (flat), where rows of shorter blocks are
-    padded to the call's width: every projection, feed-forward and the LM head run on those N alone
-    (`DecoderTarget.decode`); outputs at the padding are zeros."""
+    padded to the call's width: every projection and feed-forward runs on those N alone
+    (`DecoderTarget.decode`); features at the padding are zeros. `scored` [S]: which of them (indices
+    into `computed`; without it, into batch x tokens) get logits, [S, vocab] in that order."""
 
     def __init__(self, target: Qwen3Target, feature_layers: tuple[int, ...]):
         super().__init__()
         self.target, self.feature_layers = target, tuple(feature_layers)
 
-    def forward(self, tokens, starts, slots, past_k, past_v, computed=None):
+    def forward(self, tokens, starts, slots, past_k, past_v, computed=None, scored=None):
         batch, count = tokens.shape
         offsets = torch.arange(count, device=tokens.device)
         positions = starts[:, None] + offsets[None, :]                                   # [b, T]
@@ -72,14 +73,15 @@ class TargetStep(nn.Module):
         hidden, features = self.target.decode(tokens, positions, hook, mask[:, None], self.feature_layers, computed)
         if features is None:  # a target without a drafter: no features, an empty axis keeps the outputs fixed
             features = hidden.new_zeros(*hidden.shape[:2], 0)
-        # logits in the model's dtype: an upcast would write [b, T, vocab] float32 every verify (622 MB
+        if computed is not None:  # packed [1, N, F]: back to the call's [b, T] rows
+            features = Packing(tokens.shape, computed).unpack(features)
+        # logits in the model's dtype: an upcast would write [S, vocab] float32 every verify (622 MB
         # at batch 64, B = 16 and Qwen3's vocabulary) for argmax, which bfloat16 gives exactly; the
         # sampler and BlockPilot's features upcast the rows they read
-        if computed is None:  # every position (eager callers timing a step)
-            logits = self.target.logits(hidden)
-        else:  # packed [1, N, ...]: back to the call's [b, T] rows, zeros at the padding
-            packing = Packing(tokens.shape, computed)
-            logits, features = packing.unpack(self.target.logits(hidden)), packing.unpack(features)
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if scored is not None:
+            rows = rows.index_select(0, scored)
+        logits = self.target.logits(rows[None])[0]  # 3-D: a MatMul, as in decode
         return logits, features, _position_major(new_k), _position_major(new_v)
 
 

@@ -385,7 +385,8 @@ class LocalEngine:
         for rows in chunks.values():
             began = time.perf_counter()
             logits, features = self.runner.prefill([a.slot for a, _ in rows], [c for _, c in rows],
-                                                   [a.prefilled for a, _ in rows])
+                                                   [a.prefilled for a, _ in rows],
+                                                   max(self._prompt_tail(a.request.config) for a, _ in rows))
             took = (time.perf_counter() - began) / len(rows)
             for row, (active, chunk) in enumerate(rows):
                 if active.request.config.prompt_logprobs is not None:
@@ -402,6 +403,13 @@ class LocalEngine:
             self._alone(active, self._start_decoding, active, first)
             if not active.failed:
                 self._emit(active)  # the first token leaves now, not after the first cycle
+
+    def _prompt_tail(self, config: GenerationConfig) -> int:
+        """How many of the prompt's last positions a request needs logits of: every one for prompt
+        logprobs, PREFILL_LOGITS for a BlockPilot that reads them, else the last (its first token)."""
+        if config.prompt_logprobs is not None or (config.block.auto and getattr(self.policy, "reads_logits", True)):
+            return PREFILL_LOGITS
+        return 1
 
     def _alone(self, active: _Active, work: Callable, *args):
         """`work(*args)` for one request: an error of its own (its grammar, its processing, its block

@@ -27,6 +27,7 @@ from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec
 from trtspec.runtime.memory import cache_bytes, check_cache_fits
 
+PACKING = ("computed", "scored")  # the target's index inputs into its own positions (not per row)
 SHORT_CONTEXT = 32  # draft rows with at most this many new context entries share a (padded) call
 # Static mode pads a call's batch to one of these (vLLM's and SGLang's capture sizes), so one CUDA
 # graph per (graph, block size, bucket) serves every batch; beyond the last, multiples of it.
@@ -168,7 +169,9 @@ class BatchRunner:
         replayed = self.static and profile != PREFILL
         if replayed:
             sizes = {**sizes, "batch": bucket(rows)}
-        key = (graph, profile, sizes["batch"], sizes.get("context", 0))
+        if replayed and "scored" in sizes:  # a replayed call scores every position of its padded batch
+            sizes["scored"] = sizes["batch"] * sizes["tokens"]
+        key = (graph, profile, sizes["batch"], sizes.get("context", 0), sizes.get("scored", 0))
         outputs = self._outputs.get(key)
         if outputs is None:
             outputs = {t.name: torch.empty(t.shape(sizes), dtype=TORCH_DTYPES.get(t.dtype, self.dtype),
@@ -181,11 +184,12 @@ class BatchRunner:
                 bound = self._static_inputs[key] = {
                     name: (torch.ones if name == "counts" else torch.zeros)(
                         (sizes["batch"], *t.shape[1:]), dtype=t.dtype, device=self.device)
-                    for name, t in inputs.items() if name != "computed"}
-                if "computed" in inputs:  # a replayed call computes every position of its padded batch
-                    bound["computed"] = torch.arange(sizes["batch"] * sizes["tokens"], device=self.device)
+                    for name, t in inputs.items() if name not in PACKING}
+                for name in PACKING:  # a replayed call computes and scores every position of its padded batch
+                    if name in inputs:
+                        bound[name] = torch.arange(sizes["batch"] * sizes["tokens"], device=self.device)
             for name, tensor in inputs.items():
-                if name != "computed":
+                if name not in PACKING:
                     bound[name][:rows].copy_(tensor, non_blocking=True)
             inputs, past = dict(bound), cache_k.shape[0]
         inputs["past_k"], inputs["past_v"] = cache_k[:past], cache_v[:past]
@@ -198,8 +202,9 @@ class BatchRunner:
             self.executor.run(graph, profile, inputs, outputs)
             return outputs
         self.executor.run(graph, profile, inputs, outputs)
-        if replayed and sizes["batch"] > rows:
-            outputs = {name: tensor[:rows] for name, tensor in outputs.items()}
+        if replayed and sizes["batch"] > rows:  # logits are [batch x tokens, V]
+            outputs = {name: tensor[:rows * sizes["tokens"] if name == "logits" else rows]
+                       for name, tensor in outputs.items()}
         self._store(graph, new_at, slots, outputs, keep)
         return outputs
 
@@ -252,15 +257,33 @@ class BatchRunner:
 
     # ---- the step functions ------------------------------------------------------------------------
 
-    def prefill(self, slots: list[int], chunks: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, slots: list[int], chunks: list[list[int]], starts: list[int],
+                tail: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """One chunk of each row's prompt, all of one length T, at its start (earlier chunks already
-        cached): logits [b, T, V] and drafter features [b, T, F]."""
+        cached): the logits of each row's last min(T, tail) positions [b, min(T, tail), V] (the LM
+        head runs on those alone) and drafter features [b, T, F]."""
         tokens = torch.tensor(chunks, dtype=torch.long, device=self.device)
         batch, count = tokens.shape
-        out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots}, max(starts),
-                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots),
-                         "computed": self._computed([count] * batch, count)}, slots, starts)
-        return out["logits"], out["features"]
+        scored = min(count, tail)
+        out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots, "scored": batch * scored},
+                        max(starts), {"tokens": tokens, "starts": self._long("starts", starts),
+                                      "slots": self._long("slots", slots),
+                                      "computed": self._computed([count] * batch, count),
+                                      "scored": self._index("scored", [range(count - scored, count)] * batch, count)},
+                        slots, starts)
+        return out["logits"].view(batch, scored, -1), out["features"]
+
+    def _index(self, name: str, rows: list[range], width: int) -> torch.Tensor:
+        """Flat positions (row * width + t for t in rows[row]) as an int64 tensor, kept per content:
+        the index inputs of the target graph, whose few shapes recur."""
+        key = (name, width, tuple((r.start, r.stop) for r in rows))
+        known = self._staged.get(key)
+        if known is None:
+            if len(self._staged) > 4096:  # shapes recur; mixes of lengths need not: bound what is kept
+                self._staged = {k: v for k, v in self._staged.items() if k[0] not in PACKING}
+            flat = np.concatenate([row * width + np.arange(r.start, r.stop) for row, r in enumerate(rows)])
+            known = self._staged[key] = torch.from_numpy(flat).to(self.device), None
+        return known[0]
 
     def _computed(self, lengths: list[int], width: int) -> torch.Tensor | None:
         """The target graph's `computed` input: the flat positions (row * width + t) of each row's
@@ -268,35 +291,33 @@ class BatchRunner:
         they then run every position without the gathers (dispatch is most of a small model's step)."""
         if self.manifest is None and all(n == width for n in lengths):
             return None
-        key = ("computed", width, tuple(lengths))
-        known = self._staged.get(key)
-        if known is None:
-            if len(self._staged) > 4096:  # shapes recur; mixes of lengths need not: bound what is kept
-                self._staged = {k: v for k, v in self._staged.items() if k[0] != "computed"}
-            flat = np.concatenate([row * width + np.arange(n) for row, n in enumerate(lengths)])
-            known = self._staged[key] = torch.from_numpy(flat).to(self.device), None
-        return known[0]
+        return self._index("computed", [range(n) for n in lengths], width)
 
     def verify(self, slots: list[int], blocks: Sequence[np.ndarray],
                starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [b, B, V] and drafter features [b, B, F] of each row's block [B] (int64: the bonus,
         then the drafts) at its start (B = 1: AR steps). Both are buffers the next call of this shape
         overwrites. Blocks shorter than the longest are padded (with their last token), and the
-        target runs its feed-forward layers and LM head on the real positions only (`computed`: an
-        AR row beside B = 8 ones costs attention over 8 positions, not a whole step's arithmetic;
-        padding logits are zeros). A row's logits at its own positions do not see later ones, and the
-        keys/values the padding writes lie past what the row can commit, overwritten before anything
-        reads them."""
+        target computes the real positions only (`computed`: an AR row beside B = 8 ones costs its
+        attention over 8 positions, not 8 positions' projections; padding logits are zeros). A row's
+        logits at its own positions do not see later ones, and the keys/values the padding writes lie
+        past what the row can commit, overwritten before anything reads them."""
         lengths = [len(block) for block in blocks]
         width = max(lengths)
         if any(n != width for n in lengths):
             blocks = [np.pad(block, (0, width - len(block)), mode="edge") for block in blocks]
         tokens = self._long("blocks", blocks)
         batch, size = tokens.shape
-        out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots}, max(starts),
+        computed, real = self._computed(lengths, width), sum(lengths)
+        scored = None if computed is None else self._index("scored", [range(real)], 0)  # every computed position
+        out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots, "scored": real}, max(starts),
                         {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots),
-                         "computed": self._computed(lengths, width)}, slots, starts)
-        return out["logits"], out["features"]
+                         "computed": computed, "scored": scored}, slots, starts)
+        logits = out["logits"]
+        if logits.shape[0] == batch * size:  # nothing padded (or a replayed call, which computes the padding)
+            return logits.view(batch, size, -1), out["features"]
+        padded = logits.new_zeros(batch * size, logits.shape[-1]).index_copy_(0, computed, logits)
+        return padded.view(batch, size, -1), out["features"]
 
     def draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: Sequence[np.ndarray],
               starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

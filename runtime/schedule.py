@@ -100,6 +100,9 @@ class BlockPolicy(Protocol):
     """What the decode loop needs to decide AUTO: a one-shot choice from prefill's outputs
     (BlockPilot, trtspec.blockpilot, is the product's; the loop knows nothing of its training)."""
 
+    # whether `choose` reads the logits of the prompt's tail (else prefill computes only the last)
+    reads_logits: bool
+
     def choose(self, features: torch.Tensor, logits: torch.Tensor) -> "BlockChoice": ...
 
 

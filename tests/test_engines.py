@@ -69,6 +69,7 @@ def test_step_graphs_match_eager_for_a_batch_of_slots_over_a_stale_buffer(pair):
         for past in (max(starts), 40):  # the valid prefix, and the whole fixed buffer
             logits, features, new_k, _ = step(tokens, torch.tensor(starts), torch.tensor(slots),
                                               buffer_k[:past], buffer_v[:past])
+            logits = logits.view(*tokens.shape, -1)  # [batch x tokens, V]
             for row, ((want_logits, want_features), cache, start) in enumerate(zip(eager, caches, starts)):
                 assert (logits[row] - want_logits[0, start:start + 8]).abs().max() < 1e-5
                 assert (features[row] - want_features[0, start:start + 8]).abs().max() < 1e-5
@@ -184,9 +185,9 @@ def test_run_on_a_built_engine_decodes_like_eager(target_dir, drafter_dir, ort_e
 
 def test_a_target_step_computes_only_the_computed_positions(pair):
     """A mixed call pads an AR row to the widest block; `computed` lists the real positions, whose
-    logits, features and keys must be what the whole padded computation gives them, and nothing is
-    computed at the padding (its outputs are zeros: no projection ran there). Row 0 here is an AR
-    row beside a 4-token block."""
+    features and keys must be what the whole padded computation gives them, with nothing computed
+    at the padding (zeros there: no projection ran), and `scored` picks whose logits come back, in
+    its order. Row 0 here is an AR row beside a 4-token block."""
     target, drafter = pair
     step = TargetStep(target, tuple(drafter.config.target_layer_ids))
     generator = torch.Generator().manual_seed(3)
@@ -194,12 +195,15 @@ def test_a_target_step_computes_only_the_computed_positions(pair):
     starts, slots = torch.tensor([3, 6]), torch.tensor([0, 1])
     shape = (10, 2, target.config.num_hidden_layers, target.config.num_key_value_heads, target.config.head_dim)
     past_k, past_v = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    computed = torch.tensor([0, 4, 5, 6, 7])
     with torch.inference_mode():
-        full = step(tokens, starts, slots, past_k[:6], past_v[:6])
-        packed = step(tokens, starts, slots, past_k[:6], past_v[:6], torch.tensor([0, 4, 5, 6, 7]))
-    (logits, features, new_k, new_v), (want_logits, want_features, want_k, want_v) = packed, full
+        want_logits, want_features, want_k, want_v = step(tokens, starts, slots, past_k[:6], past_v[:6])
+        logits, features, new_k, new_v = step(tokens, starts, slots, past_k[:6], past_v[:6], computed)
+        last = step(tokens, starts, slots, past_k[:6], past_v[:6], computed, torch.tensor([4, 0]))[0]
+    assert logits.shape == (5, want_logits.shape[-1]) and torch.allclose(logits, want_logits[computed], atol=1e-5)
+    assert torch.allclose(last, want_logits[[7, 0]], atol=1e-5)  # each row's last position, in `scored`'s order
     real = [(0, slice(0, 1)), (1, slice(0, 4))]
-    for got, want in ((logits, want_logits), (features, want_features), (new_k, want_k), (new_v, want_v)):
+    for got, want in ((features, want_features), (new_k, want_k), (new_v, want_v)):
         assert all(torch.allclose(got[row, where], want[row, where], atol=1e-5) for row, where in real)
         assert (got[0, 1:] == 0).all() and not (want[0, 1:] == 0).all()
 

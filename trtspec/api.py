@@ -203,8 +203,8 @@ class Pipeline:
         if self.local_engine.busy:
             raise TrtspecError("the pipeline is decoding; prefill between requests")
         with torch.inference_mode():
-            logits, features = self.runner.prefill([0], [ids], [0])
-        return logits[0, -PREFILL_LOGITS:], features[0] if self.has_drafter else None
+            logits, features = self.runner.prefill([0], [ids], [0], tail=PREFILL_LOGITS)
+        return logits[0], features[0] if self.has_drafter else None
 
     def generate_batch(self, prompts: list[str], configs: list[GenerationConfig], *, chat: bool = False,
                        max_running: int = 8) -> list[TextResult]:

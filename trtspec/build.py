@@ -240,7 +240,8 @@ def self_check(directory: Path, device: torch.device, target, drafter, block_siz
     worst = 0.0
     with torch.inference_mode():
         for block_size in block_sizes:
-            (logits_g, features_g), (logits_e, features_e) = (r.prefill([0], [prompt], [0]) for r in (compiled, eager))
+            (logits_g, features_g), (logits_e, features_e) = (r.prefill([0], [prompt], [0], tail=len(prompt))
+                                                              for r in (compiled, eager))
             block = torch.tensor([[prompt[-1]] + [drafter.config.mask_token_id] * (block_size - 1)])
             drafts_g, proposal_g = compiled.draft([0], [features_g[0]], block, [len(prompt)])
             drafts_e, proposal_e = eager.draft([0], [features_e[0]], block, [len(prompt)])

@@ -113,6 +113,10 @@ class BlockPilot:
         """Every block size the policy's choices run (what the engine must have; AR needs none)."""
         return tuple(sorted({size for choice in self.choices for size in choice.sizes if size > 1}))
 
+    @property
+    def reads_logits(self) -> bool:
+        return "confidence" in self.kinds
+
     def choose(self, features: torch.Tensor, logits: torch.Tensor, sampled: bool = False) -> BlockChoice:
         """The schedule for a request whose prefill produced `features` [P, F] and tail `logits` [T, V]."""
         x = summarize_prefill(features, logits, self.kinds, sampled).to(self.net.mean.device)
