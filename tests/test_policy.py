@@ -381,3 +381,25 @@ def test_a_drafter_that_ships_a_policy_needs_no_policy_flag(target_dir, trained_
         for block_size in (12, 24):
             config = GenerationConfig(block=BlockChoice(block_size), max_new_tokens=48)
             assert engine.generate(text, config).tokens == eager.generate(text, config).tokens
+
+
+@pytest.mark.parametrize("kinds", [("confidence",), ("length",)])
+def test_prefill_scores_the_prompts_tail_only_for_a_policy_that_reads_it(target_dir, drafter_dir, tmp_path,
+                                                                        monkeypatch, kinds):
+    """Prefill runs the LM head only on positions something reads: a policy that reads the prompt's
+    confidence gets the logits of its last PREFILL_LOGITS positions (those a whole prefill gives),
+    any other the last position's alone (the first token's)."""
+    from trtspec.api import Pipeline
+    from trtspec.export.bindings import PREFILL_LOGITS
+
+    inputs = torch.randn(50, 2 if kinds == ("confidence",) else 1)
+    policy = train_policy(inputs, torch.rand(50, 2) + 1, (BlockChoice(4), BlockChoice(8)), kinds, hidden=8, steps=20)
+    pipeline = Pipeline(target_dir, drafter_dir, policy=policy.save(tmp_path / "policy"))
+    seen, choose = [], pipeline.policy.choose
+    monkeypatch.setattr(pipeline.policy, "choose", lambda f, logits, s=False: seen.append(logits.clone()) or choose(f, logits, s))
+    prompt = "def add(a, b):\n    return a + b\n" * 12  # longer than PREFILL_LOGITS tokens
+    pipeline.generate(prompt, GenerationConfig(block=AUTO, max_new_tokens=2))
+    whole = pipeline.prefill(pipeline.codec.encode(prompt))[0]
+    assert len(pipeline.codec.encode(prompt)) > PREFILL_LOGITS == whole.shape[0]
+    want = whole if kinds == ("confidence",) else whole[-1:]
+    assert seen[0].shape == want.shape and torch.allclose(seen[0].float(), want.float(), atol=1e-4)
