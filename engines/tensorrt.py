@@ -50,10 +50,10 @@ def _axis_ranges(graph: str, key: ProfileKey, max_context: int, max_batch: int) 
         return {"batch": (1, 1, max_batch), "tokens": tokens, "past": (0, 0, capacity),
                 "positions": (1, tokens[1], max_batch * max_context), "scored": (1, 1, max_batch * max_context),
                 **slots}
-    if graph == TARGET:
+    if graph == TARGET:  # a decode call computes and scores the same positions
+        positions = (1, batch[1] * key, max_batch * key)
         return {"batch": batch, "tokens": (key, key, key), "past": (1, half, capacity),
-                "positions": (1, batch[1] * key, max_batch * key), "scored": (1, batch[1] * key, max_batch * key),
-                **slots}
+                "positions": positions, "scored": positions, **slots}
     return {"batch": batch, "block": (key, key, key), "context": (1, key, max_context), "past": (0, half, capacity),
             **slots}
 

@@ -414,7 +414,7 @@ class LocalEngine:
     def _prompt_tail(self, config: GenerationConfig) -> int:
         """How many of the prompt's last positions a request needs logits of: every one for prompt
         logprobs, PREFILL_LOGITS for a BlockPilot that reads them, else the last (its first token)."""
-        if config.prompt_logprobs is not None or (config.block.auto and getattr(self.policy, "reads_logits", True)):
+        if config.prompt_logprobs is not None or (config.block.auto and self.policy.reads_logits):
             return PREFILL_LOGITS
         return 1
 
