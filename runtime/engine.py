@@ -35,14 +35,15 @@ import torch
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
-from trtspec.limits import CONCURRENCY, PROPOSAL_TEMPERATURE
+from trtspec.limits import CONCURRENCY, PROMPT_LOOKUP, PROPOSAL_TEMPERATURE
 from trtspec.runtime.controller import Controller, ControllerFactory, Stepper, native_controller
+from trtspec.runtime.lookup import MIN_MATCH, PromptLookup
 from trtspec.runtime.output import OutputProcessor
 from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
 from trtspec.runtime.runner import BatchRunner
 from trtspec.runtime.sampling import DEFAULT_PROPOSAL_TEMPERATURE, Sampler, draw_proposals, greedy_tokens, \
-    sample_requests
+    point_masses, sample_requests
 from trtspec.runtime.schedule import BlockChoice, BlockChooser, BlockPolicy, Load
 from trtspec.runtime.stats import DecodeStats
 
@@ -65,6 +66,10 @@ class EngineConfig:
     # propose its argmax, as greedy ones do (DFlash's rule). None: the pipeline's, by default
     # sampling.DEFAULT_PROPOSAL_TEMPERATURE.
     proposal_temperature: float | None = None
+    # drafts copied from the request's own text where its last `prompt_lookup` (or more) tokens occurred
+    # before, the drafter's elsewhere (runtime.lookup); 0: the drafter's only. None: the pipeline's, by
+    # default lookup.MIN_MATCH.
+    prompt_lookup: int | None = None
 
     def __post_init__(self) -> None:
         CONCURRENCY.check(self.max_running, "concurrency (max-running)")  # their caches are also checked against memory (runtime.memory)
@@ -74,6 +79,8 @@ class EngineConfig:
             raise TrtspecError(f"prefill-chunk must be >= 0 (0: whole prompts), got {self.prefill_chunk}")
         if self.proposal_temperature is not None:
             object.__setattr__(self, "proposal_temperature", PROPOSAL_TEMPERATURE.check(self.proposal_temperature))
+        if self.prompt_lookup is not None:
+            object.__setattr__(self, "prompt_lookup", PROMPT_LOOKUP.check(self.prompt_lookup))
 
 
 class Request:
@@ -151,6 +158,7 @@ class _Active:
     processor: RowProcessor | None = None  # min_tokens, penalties, biases, a grammar (None: none asked)
     context: torch.Tensor | None = None  # features the drafter cache lacks, [n, F]
     proposals: torch.Tensor | None = None  # a sampled request's: the distributions its drafts came from, [B-1, K]
+    lookup: PromptLookup | None = None  # its text indexed for prompt lookup (None: off, or no drafter)
     stats: DecodeStats | None = None
     began: float = field(default_factory=time.perf_counter)  # admission
     prefill_s: float = 0.0
@@ -199,6 +207,10 @@ class LocalEngine:
         self.chooser = chooser  # load-aware BlockPilot (trtspec.blockpilot.load); None: the policy's choice stands
         self.proposal_temperature = (DEFAULT_PROPOSAL_TEMPERATURE if config.proposal_temperature is None
                                      else config.proposal_temperature)
+        self.prompt_lookup = MIN_MATCH if config.prompt_lookup is None else config.prompt_lookup
+        # a full-vocabulary id's column in the draft vocabulary's proposal distributions (None: the same)
+        self._draft_column = None if runner.draft_ids is None else \
+            {token: column for column, token in enumerate(runner.draft_ids.tolist())}
         self.new_controller = controller  # one per request (trtspec.runtime.reference has the Python one)
         self.codec = codec
         self._queue: deque[Request] = deque()
@@ -490,6 +502,8 @@ class LocalEngine:
         active.controller.begin(bonus, len(request.prompt))
         active.stepper = Stepper(active.controller) if config.sampling.greedy else None
         active.context = context if choice.size > 1 else None
+        if self.prompt_lookup and self.runner.mask_token_id is not None:
+            active.lookup = PromptLookup(request.prompt, self.prompt_lookup)
         active.features, active.tail_logits = [], None
         active.decoding_since = began
 
@@ -509,8 +523,31 @@ class LocalEngine:
             for row, proposed, distribution in zip(sampled, tokens.tolist(), q):
                 drafts[row], members[row].proposals = proposed, distribution
         for row, active in enumerate(members):
+            if active.lookup is not None:
+                self._look_up(active, drafts[row])
+        for row, active in enumerate(members):
             active.controller.verify_block[1:size] = drafts[row]
             active.context = None  # the drafter cache holds it now
+
+    def _look_up(self, active: _Active, drafts: list[int]) -> None:
+        """Replace the leading drafts by prompt lookup's proposal where it has one (in place). A
+        sampled request's replaced drafts become point masses in its proposal distributions, which
+        speculative sampling verifies like any other; one whose copied token lies outside the draft
+        vocabulary (where no distribution can hold it) keeps the drafter's."""
+        controller = active.controller
+        active.lookup.catch_up(controller.tokens[:controller.count])
+        copied = active.lookup.propose(len(drafts))
+        if not copied:
+            return
+        if active.proposals is not None and active.stepper is None:
+            columns = copied if self._draft_column is None else [self._draft_column.get(t) for t in copied]
+            if None in columns:  # copy only the leading tokens the distributions can hold
+                copied = columns = copied[:columns.index(None)]
+                if not copied:
+                    return
+            point_masses(active.proposals, columns)
+        drafts[:len(copied)] = copied
+        active.stats.copied_cycles += 1
 
     def _verify(self, width: int, members: list[_Active]) -> None:
         """The verify call of these requests, each block padded to `width` (the widest: logits of a

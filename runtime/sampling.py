@@ -156,6 +156,13 @@ def draw_proposals(samplers: list[Sampler], logits: torch.Tensor, ids: torch.Ten
     return (tokens if ids is None else ids[tokens]), q
 
 
+def point_masses(q: torch.Tensor, columns: list[int]) -> None:
+    """Make q's leading rows [len(columns), K] point masses at `columns`, in place: drafts that were
+    copied, not drawn (prompt lookup), are verified as the certainties they were proposed with."""
+    q[:len(columns)] = 0.0
+    q[torch.arange(len(columns)), torch.tensor(columns, dtype=torch.long)] = 1.0
+
+
 def sample_requests(samplers: list[Sampler], logits: torch.Tensor, drafts: torch.Tensor | None = None,
                     proposals: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Each request's rows of `logits` [R, N, V] sampled by its sampler (none greedy) -> [R, N].

@@ -46,6 +46,7 @@ class DecodeStats:
     queue_s: float = 0.0    # submitted -> admitted into a slot
     ttft_s: float = 0.0     # submitted -> first token
     turned_ar_at: int = 0   # `auto` under load: tokens committed when it turned AR (0: it never did)
+    copied_cycles: int = 0  # cycles whose leading drafts were copied from the text (prompt lookup)
 
     def __post_init__(self) -> None:
         if not self.histogram:
@@ -96,6 +97,7 @@ class DecodeStats:
             "ceiling_fraction": None if self.block_size <= 1 else self.ceiling_fraction,
             "cycles": self.cycles,
             "grown_cycles": self.grown_cycles,
+            "copied_cycles": self.copied_cycles,
             "turned_ar_at": self.turned_ar_at,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,

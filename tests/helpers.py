@@ -411,18 +411,19 @@ ALPHA = 1e-3  # the level every test of a sampled distribution passes at
 SAMPLED_BATCH = 64  # requests the engine decodes together
 
 
-def exact_distribution(target, length: int = 3, banned: tuple[int, ...] = ()) -> np.ndarray:
+def exact_distribution(target, length: int = 3, banned: tuple[int, ...] = (),
+                       prompt: list[int] = SAMPLED_PROMPT) -> np.ndarray:
     """p(t1, ..., t_length | prompt) [SAMPLED_VOCAB] * length, from the target's logits over every
     continuation of length - 1 tokens (`banned` ids removed from every position's distribution)."""
     grid = torch.cartesian_prod(*[torch.arange(SAMPLED_VOCAB)] * (length - 1)).reshape(-1, length - 1)
-    sequences = torch.cat([torch.tensor(SAMPLED_PROMPT).expand(len(grid), -1), grid], dim=1)
+    sequences = torch.cat([torch.tensor(prompt).expand(len(grid), -1), grid], dim=1)
     with torch.no_grad():
         logits = target(sequences, 0, None)[0].double()
         logits[..., list(banned)] = float("-inf")
         probs = torch.softmax(logits, dim=-1)
-    joint = probs[0, len(SAMPLED_PROMPT) - 1]  # [t1]
+    joint = probs[0, len(prompt) - 1]  # [t1]
     for k in range(1, length):  # p(t_k+1 | t1..t_k), the same for every continuation beyond t_k
-        step = probs[::SAMPLED_VOCAB ** (length - 1 - k), len(SAMPLED_PROMPT) + k - 1]
+        step = probs[::SAMPLED_VOCAB ** (length - 1 - k), len(prompt) + k - 1]
         step = step.reshape(*[SAMPLED_VOCAB] * (k + 1))
         joint = joint[..., None] * step
     return joint.numpy()
@@ -448,10 +449,11 @@ def break_acceptance_rule(monkeypatch, rule) -> None:
 
 def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
                         tokens: int = 3, batched: bool = True, min_p: float = 0.0,
-                        proposal_temperature: float | None = None, **config) -> np.ndarray:
-    """First `tokens` tokens of `count` seeded requests, through the native controller or `controller`:
-    decoded 64 at a time by the engine, or one by one by a one-slot engine (`batched=False`);
-    `config`: more GenerationConfig fields."""
+                        proposal_temperature: float | None = None, prompt: list[int] = SAMPLED_PROMPT,
+                        prompt_lookup: int | None = None, **config) -> np.ndarray:
+    """First `tokens` tokens of `count` seeded requests of `prompt`, through the native controller or
+    `controller`: decoded 64 at a time by the engine, or one by one by a one-slot engine
+    (`batched=False`); `config`: more GenerationConfig fields."""
     from trtspec.runtime.engine import EngineConfig, LocalEngine
     from trtspec.runtime.request import GenerationConfig
     from trtspec.runtime.runner import BatchRunner
@@ -464,10 +466,10 @@ def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, 
                for seed in range(count)]
     if not batched:
         one = single(*pair, **options)
-        return np.array([generate(one, SAMPLED_PROMPT, config).tokens for config in configs])
+        return np.array([generate(one, prompt, config).tokens for config in configs])
     local = LocalEngine(BatchRunner.eager(*pair, slots=SAMPLED_BATCH), config=EngineConfig(
-        max_running=SAMPLED_BATCH, proposal_temperature=proposal_temperature), **options)
-    return np.array([g.tokens for g in local.generate([SAMPLED_PROMPT] * count, configs)])
+        max_running=SAMPLED_BATCH, proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup), **options)
+    return np.array([g.tokens for g in local.generate([prompt] * count, configs)])
 
 
 def fit_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:

@@ -115,6 +115,9 @@ TOP_P = Limit("top-p", 0.0, 1.0, integer=False, low_open=True)
 SEED = Limit("seed", 0, SEED_MAX)
 # A sampled request's drafts are drawn at this fraction of its temperature (0: the drafter's argmax).
 PROPOSAL_TEMPERATURE = Limit("proposal temperature", 0.0, math.inf, integer=False)
+# Prompt lookup copies drafts where the text's last N or more tokens occurred before (0: off); it
+# looks up suffixes of at most 4 tokens (trtspec.runtime.lookup).
+PROMPT_LOOKUP = Limit("prompt lookup", 0, 4)
 # Requests and prompt sets.
 MAX_NEW_TOKENS = Limit("max new tokens", 1, INT32_MAX)
 MAX_CONTEXT = Limit("max context", 2, INT32_MAX)

@@ -10,7 +10,7 @@ from trtspec.perf.bench import BenchConfig, load_prompts, run_bench, write_json
 from trtspec import limits
 from trtspec.commands.options import (BlockSizesType, Ranged, backend_option, draft_vocab_options, engine_sizes,
                                       limit_option, load_pipeline, max_new_tokens_option, model_options,
-                                      output_option, policy_option, proposal_temperature_option, sampling_config,
+                                      output_option, policy_option, drafting_options, sampling_config,
                                       sampling_options)
 from trtspec.errors import TrtspecError
 
@@ -51,7 +51,7 @@ Examples:
 @policy_option
 @draft_vocab_options
 @sampling_options
-@proposal_temperature_option
+@drafting_options
 @max_new_tokens_option(DEFAULT.max_new_tokens)
 @limit_option
 @click.option("--repeats", type=Ranged(limits.COUNT), default=DEFAULT.repeats, show_default=True,
@@ -75,7 +75,7 @@ Examples:
               help="Send each prompt as a user message in the target's chat template (what an instruct model answers best).")
 @output_option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
 def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, policy, draft_vocab,
-          draft_counts, temperature, top_k, top_p, seed, proposal_temperature, max_new_tokens, limit, repeats, against_eager, against_engine,
+          draft_counts, temperature, top_k, top_p, seed, proposal_temperature, prompt_lookup, max_new_tokens, limit, repeats, against_eager, against_engine,
           profile, concurrency, chat, json_path) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
@@ -99,7 +99,8 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
                            "give --engine DIR")
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy, draft_vocab=draft_vocab,
                              draft_counts=draft_counts, backend=backend,
-                             block_sizes=engine_sizes(block_sizes), proposal_temperature=proposal_temperature)
+                             block_sizes=engine_sizes(block_sizes), proposal_temperature=proposal_temperature,
+                             prompt_lookup=prompt_lookup)
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
     if chat:  # the template's text; its special tokens are encoded as such, so every later step is unchanged
@@ -140,7 +141,8 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
             raise TrtspecError(f"--against-engine {against_engine} was built from other checkpoints than --engine "
                                f"{engine}; compare engines of one pair")
         reference = load_pipeline(None, None, dtype, device, engine=against_engine, policy=pipeline.policy_dir,
-                                  draft_vocab=pipeline.draft_vocab_size, proposal_temperature=proposal_temperature)
+                                  draft_vocab=pipeline.draft_vocab_size, proposal_temperature=proposal_temperature,
+                                  prompt_lookup=prompt_lookup)
     if against_eager:  # the engine's own sources, in its dtype: the default pair unless named
         from trtspec.assets import resolve_drafter, resolve_target
         from trtspec.engines.manifest import check_sources
@@ -149,7 +151,8 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
         reference = load_pipeline(target, drafter, str(pipeline.dtype).removeprefix("torch."), device,
                                   policy=pipeline.policy_dir, draft_vocab=pipeline.draft_vocab_size,
                                   draft_counts=Path(engine) / pipeline.runner.manifest.draft_vocab["dir"]
-                                  if pipeline.draft_vocab_size else None, proposal_temperature=proposal_temperature)
+                                  if pipeline.draft_vocab_size else None, proposal_temperature=proposal_temperature,
+                                  prompt_lookup=prompt_lookup)
     report = run_bench(pipeline, prompts, config, reference=reference, prompts_name=name)
     click.echo(report.format_table())
     if json_path:

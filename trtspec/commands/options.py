@@ -118,11 +118,18 @@ class BlockSizesType(click.ParamType):
 
 draft_vocab_options = _draft_vocab_options()
 
-proposal_temperature_option = click.option(
-    "--proposal-temperature", type=Ranged(limits.PROPOSAL_TEMPERATURE), default=None, metavar="F",
-    help="Sampled requests (T > 0) draw their drafts from the drafter at F x their temperature and verify them "
-         "by speculative sampling; 0 proposes the drafter's argmax (DFlash's rule). Either way the output follows "
-         "the target's distribution; only acceptance changes. [default: 0.7]")
+drafting_options = _stack(
+    click.option(
+        "--proposal-temperature", type=Ranged(limits.PROPOSAL_TEMPERATURE), default=None, metavar="F",
+        help="Sampled requests (T > 0) draw their drafts from the drafter at F x their temperature and verify them "
+             "by speculative sampling; 0 proposes the drafter's argmax (DFlash's rule). Either way the output "
+             "follows the target's distribution; only acceptance changes. [default: 0.7]"),
+    click.option(
+        "--prompt-lookup", type=Ranged(limits.PROMPT_LOOKUP), default=None, metavar="N",
+        help="Where the text's last N or more tokens (up to 4) occurred before, in the prompt or the output, "
+             "draft the tokens that followed them then instead of the drafter's (a restated signature, a "
+             "repeated name); the target verifies either, so output is unchanged. 0: the drafter's drafts "
+             "only. [default: 2]"))
 
 sampling_options = _stack(
     click.option("--temperature", type=Ranged(limits.TEMPERATURE), default=0.0, show_default=True,
@@ -213,11 +220,12 @@ def _limit_gpu_memory(device: str) -> None:
 def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: str, *,
                   with_drafter: bool = True, max_context: int | None = None, engine: str | None = None,
                   policy: str | None = None, draft_vocab: int | None = None, draft_counts: str | None = None,
-                  backend: str = "eager", block_sizes: tuple[int, ...] = (), proposal_temperature: float | None = None):
+                  backend: str = "eager", block_sizes: tuple[int, ...] = (), proposal_temperature: float | None = None,
+                  prompt_lookup: int | None = None):
     """Resolve model arguments (bundled names, defaults) and load them once. Without an engine,
     `backend` other than eager may build (or reuse) a cached one for the pair (`block_sizes`: the
-    sizes the command will ask for, beyond the cache's usual ones). `proposal_temperature`: the
-    pipeline's (None: its default)."""
+    sizes the command will ask for, beyond the cache's usual ones). `proposal_temperature` and
+    `prompt_lookup`: the pipeline's (None: its defaults)."""
     from trtspec.assets import resolve_drafter, resolve_pair, resolve_target
 
     _limit_gpu_memory(device)
@@ -230,7 +238,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
             resolve_target(target) if target else None, resolve_drafter(drafter, target) if drafter else None,
             engine=engine, policy=policy if with_drafter else None, device=device, max_context=max_context,
             draft_vocab=draft_vocab if with_drafter else None, draft_counts=draft_counts,
-            proposal_temperature=proposal_temperature)
+            proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup)
         built = str(pipeline.dtype).removeprefix("torch.")
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
@@ -242,7 +250,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
                              max_context=max_context, policy=policy if with_drafter else None,
                              draft_vocab=draft_vocab if with_drafter else None,
                              draft_counts=draft_counts if with_drafter else None,
-                             proposal_temperature=proposal_temperature)
+                             proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup)
 
 
 def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts) -> str | None:

@@ -11,7 +11,7 @@ from click.core import ParameterSource
 from trtspec import limits
 from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
                                       load_pipeline, max_new_tokens_option, model_options, policy_option,
-                                      proposal_temperature_option, sampling_config, sampling_options)
+                                      drafting_options, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 from trtspec.runtime.request import DEFAULT_MAX_TOKENS, GenerationConfig, check_room
 from trtspec.runtime.schedule import AR
@@ -60,7 +60,7 @@ Examples:
 @policy_option
 @draft_vocab_options
 @sampling_options
-@proposal_temperature_option
+@drafting_options
 @max_new_tokens_option(DEFAULT_MAX_TOKENS, "An asked-for count beyond the context's room after the prompt is "
                        "refused, as serve refuses a request's max_tokens; the default is capped at the context.")
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N", help="Cap on prompt + output tokens. [default: the model's]")
@@ -82,7 +82,7 @@ Examples:
 @click.option("--max-running", type=Ranged(limits.BATCH), default=8, show_default=True, metavar="N",
               help="With --batch: requests decoded together.")
 def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size, policy, draft_vocab, draft_counts,
-        temperature, top_k, top_p, seed, proposal_temperature, max_new_tokens, max_context, stop, stop_token_ids, chat, ar, compare_ar,
+        temperature, top_k, top_p, seed, proposal_temperature, prompt_lookup, max_new_tokens, max_context, stop, stop_token_ids, chat, ar, compare_ar,
         as_json, batch_file, max_running) -> None:
     """Generate a continuation of PROMPT_FILE ('-' reads stdin), or of every prompt of --batch FILE.
 
@@ -114,7 +114,7 @@ def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size
     pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context,
                              engine=engine, policy=policy, draft_vocab=draft_vocab, draft_counts=draft_counts,
                              backend=backend, block_sizes=engine_sizes([block_size] if block_size else []),
-                             proposal_temperature=proposal_temperature)
+                             proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup)
     if not ar and not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
     stops, single_token_stops = pipeline.codec.stop_strings(stop)

@@ -9,7 +9,7 @@ import click
 from trtspec import limits
 from trtspec.commands.options import (THREADS, BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
                                       load_pipeline, model_options, output_option, policy_option,
-                                      proposal_temperature_option)
+                                      drafting_options)
 from trtspec.errors import TrtspecError
 from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
 
@@ -40,7 +40,7 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
 @policy_option
 @backend_option
 @draft_vocab_options
-@proposal_temperature_option
+@drafting_options
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Listen address: loopback by default; every interface only when named (0.0.0.0 or ::, "
                    "with a warning on stderr); an empty host is refused.")
@@ -87,7 +87,7 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
               help="With --replicas: write a `serve deploy` config (YAML) for an existing cluster to FILE and exit.")
 @click.pass_context
 def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts,
-          proposal_temperature, host, port,
+          proposal_temperature, prompt_lookup, host, port,
           max_concurrency, max_queued, block_size, max_context, served_model_name, api_key, max_body_bytes,
           read_timeout, metrics_prefix, graceful_shutdown, replicas, ray_address, min_replicas, max_replicas,
           target_ongoing_requests, replica_cpus, replica_gpus, ray_config) -> None:
@@ -107,7 +107,7 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
     load = {"target": target, "drafter": drafter, "dtype": dtype, "device": device, "max_context": max_context,
             "engine": engine, "policy": policy, "draft_vocab": draft_vocab, "draft_counts": draft_counts,
             "backend": backend, "block_sizes": engine_sizes([block_size] if block_size else []),
-            "proposal_temperature": proposal_temperature}
+            "proposal_temperature": proposal_temperature, "prompt_lookup": prompt_lookup}
     if replicas is not None:
         from trtspec.serving import ray_options, ray_serve
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from trtspec import limits
-from trtspec.commands.options import Ranged, output_option, proposal_temperature_option
+from trtspec.commands.options import Ranged, drafting_options, output_option
 
 
 @click.command("triton-repo", epilog="""\b
@@ -22,14 +22,15 @@ Example:
 @click.option("--name", default="trtspec", show_default=True, help="Model name (NAME and NAME_stream).")
 @click.option("--instances", type=Ranged(limits.COUNT), default=1, show_default=True, help="Model instances (each loads the engine).")
 @click.option("--threads", type=Ranged(limits.NON_NEGATIVE), default=0, show_default=True, help="CPU threads per instance (0 = torch's choice).")
-@proposal_temperature_option
-def triton_repo(engine, output, name, instances, threads, proposal_temperature) -> None:
+@drafting_options
+def triton_repo(engine, output, name, instances, threads, proposal_temperature, prompt_lookup) -> None:
     """Generate a Triton model repository serving ENGINE (python backend, plain and streaming)."""
     from trtspec.runtime.engine import EngineConfig
     from trtspec.serving.triton import write_repository
 
     models = write_repository(Path(engine), Path(output), name, instances, threads,
-                              EngineConfig(proposal_temperature=proposal_temperature))
+                              EngineConfig(proposal_temperature=proposal_temperature,
+                                                           prompt_lookup=prompt_lookup))
     click.echo(f"wrote {output}: models {', '.join(models)} over {engine}")
 
 

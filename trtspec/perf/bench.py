@@ -141,6 +141,12 @@ class BenchRun:
         return sum(s.grown_cycles for s in self.stats) / cycles if cycles else 0.0
 
     @property
+    def copied_fraction(self) -> float:
+        """Fraction of cycles whose leading drafts prompt lookup copied from the text."""
+        cycles = sum(s.cycles for s in self.stats)
+        return sum(s.copied_cycles for s in self.stats) / cycles if cycles else 0.0
+
+    @property
     def chosen_block_sizes(self) -> dict[str, int]:
         """How often each schedule ran (the distribution BlockPilot chose, for auto)."""
         return schedule_counts(self.stats)
@@ -166,6 +172,7 @@ class BenchReport:
     agreement: list[dict] = field(default_factory=list)  # per block size: identical outputs vs reference
     draft_ids: torch.Tensor | None = None  # the draft vocabulary's ids (None: the full vocabulary)
     proposal_temperature: float | None = None  # sampled requests' drafts drawn at this x T (0: the drafter's argmax)
+    prompt_lookup: int = 0  # drafts copied where the text's last N tokens occurred before (0: off)
 
     def draft_coverage(self) -> float | None:
         """Share of AR's (the target's own) decoded tokens inside the draft vocabulary."""
@@ -201,6 +208,7 @@ class BenchReport:
                 "block_size": run.name,  # as every output spells it: "AR", "8", "4:8", "auto"
                 "grow_to": run.choice.grow_to,
                 "grown_cycle_fraction": run.grown_fraction,
+                "copied_cycle_fraction": run.copied_fraction,
                 "chosen_block_sizes": run.chosen_block_sizes,
                 "temperature": self.config.sampling.temperature,
                 "tau": run.tau,
@@ -232,6 +240,7 @@ class BenchReport:
             "n_prompts": self.n_prompts,
             "repeats": self.config.repeats,
             "max_new_tokens": self.config.max_new_tokens,
+            "prompt_lookup": self.prompt_lookup,
             "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                          "seed": sampling.seed, "proposal_temperature": self.proposal_temperature},
             **comparison,
@@ -251,11 +260,12 @@ class BenchReport:
         lines = [f"{self.prompts}: {self.n_prompts} prompts x {c.repeats} repeats, T={c.sampling.temperature:g}{drafts}, "
                  f"max {c.max_new_tokens} new tokens | {m['backend']} on {m['device']} {m['dtype']}, "
                  f"{m['torch_threads']} thread(s), torch {m['torch']}",
-                 f"{'B':>5}  {'tau':>6}  {'ceiling':>7}  {'decode tok/s':>12}  {'speed-up':>8}"]
+                 f"{'B':>5}  {'tau':>6}  {'ceiling':>7}  {'copied':>6}  {'decode tok/s':>12}  {'speed-up':>8}"]
         for run in self.runs:
             ar = run is self.ar
             ceiling = "-" if ar else f"{run.ceiling_fraction:.1%}"
-            lines.append(f"{run.name:>5}  {run.tau:>6.2f}  {ceiling:>7}  "
+            copied = "-" if ar or not self.prompt_lookup else f"{run.copied_fraction:.0%}"
+            lines.append(f"{run.name:>5}  {run.tau:>6.2f}  {ceiling:>7}  {copied:>6}  "
                          f"{run.tokens_per_s:>12.1f}  {self.speedup(run):>7.2f}x")
         same = [self.identical_to_ar(run) for run in self.spec]
         if same and same[0] is not None:
@@ -307,7 +317,8 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=No
             raise TrtspecError(NO_AR_TOKENS)
         reports.append(BenchReport(prompts=prompts_name, n_prompts=len(prompts), config=config, ar=backend_runs[0],
                                    spec=backend_runs[1:], machine=machine_info(backend),
-                                   proposal_temperature=backend.proposal_temperature))
+                                   proposal_temperature=backend.proposal_temperature,
+                                   prompt_lookup=backend.prompt_lookup))
     report = reports[0]
     report.draft_ids = pipeline.draft_ids
     if reference is not None:

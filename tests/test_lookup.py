@@ -1,0 +1,120 @@
+"""Prompt lookup: drafts copied from the request's own text (trtspec.runtime.lookup).
+
+The index against a plain scan of the text (the rule written out), then the engine: greedy output
+with lookup equals AR's token for token while lookup supplies drafts, and at T = 1 copied drafts
+(point masses among drawn ones) still sample the target's distribution, with a test that fails when
+the copies are verified against the drafter's distribution instead.
+"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import ALPHA, exact_distribution, predictable_pair, pvalues, sample_three_tokens
+from trtspec.api import Pipeline
+from trtspec.errors import TrtspecError
+from trtspec.runtime import engine as engine_module
+from trtspec.runtime.engine import EngineConfig
+from trtspec.runtime.lookup import MAX_MATCH, PromptLookup
+from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.schedule import AR, BlockChoice
+
+
+def scanned(text: list[int], width: int, min_match: int) -> list[int]:
+    """The rule, by scanning: the longest suffix (at most MAX_MATCH, at least min_match tokens) that
+    occurred earlier, and what followed its latest earlier occurrence."""
+    for n in range(min(MAX_MATCH, len(text) - 1), min_match - 1, -1):
+        suffix = text[len(text) - n:]
+        for begin in range(len(text) - n - 1, -1, -1):
+            if text[begin:begin + n] == suffix:
+                return text[begin + n:begin + n + width]
+    return []
+
+
+def test_the_longest_suffix_seen_before_gives_what_followed_its_latest_occurrence():
+    assert PromptLookup([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]).propose(3) == [8, 5, 1]
+    # a 3-token match earlier wins over a later 2-token one
+    assert PromptLookup([7, 1, 2, 3, 4, 0, 9, 2, 3, 5, 1, 2, 3]).propose(3) == [4, 0, 9]
+    assert PromptLookup([1, 2, 3, 4, 5, 3]).propose(4) == []               # (5, 3) never occurred before
+    assert PromptLookup([1, 2, 3, 4, 5, 3], min_match=1).propose(4) == [4, 5, 3]
+    assert PromptLookup([1, 2]).propose(4) == []                            # a suffix never matches itself
+    assert PromptLookup([5, 5, 5], min_match=1).propose(4) == [5]           # what followed, up to the text's end
+
+
+def test_the_index_follows_a_text_as_tokens_are_committed():
+    rng = random.Random(0)
+    for case in range(300):
+        min_match, vocab = rng.randint(1, MAX_MATCH), rng.randint(2, 6)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        committed: list[int] = []
+        lookup = PromptLookup(prompt, min_match)
+        for _ in range(rng.randint(1, 6)):
+            committed += [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+            lookup.catch_up(np.array(committed))
+            width = rng.randint(1, 8)
+            assert lookup.propose(width) == scanned(prompt + committed, width, min_match), (case, prompt, committed)
+
+
+def test_a_shortest_match_outside_its_range_is_refused():
+    with pytest.raises(TrtspecError, match=r"prompt lookup must be an integer in \[0, 4\], got 5"):
+        EngineConfig(prompt_lookup=5)
+
+
+# Prompts that restate themselves, so lookup has drafts to copy on the tiny random pair.
+REPEATING = ["the cat sat on the mat; the cat sat on the", "def f(x): return x + 1\ndef f(x): return",
+             "a b c d a b c d a b c d a b"]
+
+
+@pytest.fixture(scope="module")
+def tiny(target_dir, drafter_dir):
+    return Pipeline(target_dir, drafter_dir, dtype="float32")
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_greedy_output_with_copied_drafts_is_ars(tiny, block):
+    configs = [GenerationConfig(max_new_tokens=40, block=BlockChoice(block))] * len(REPEATING)
+    reference = tiny.autoregressive().generate_batch(REPEATING, [GenerationConfig(max_new_tokens=40, block=AR)] * 3)
+    for lookup, copies in ((1, True), (0, False)):
+        engine = tiny.stepped_engine(EngineConfig(max_running=3, prompt_lookup=lookup), load_aware=False)
+        ids = [tiny.codec.encode(prompt) for prompt in REPEATING]
+        generations = engine.generate(ids, configs)
+        assert [g.tokens for g in generations] == [r.tokens for r in reference]
+        copied = sum(g.stats.copied_cycles for g in generations)
+        assert (copied > 0) == copies, copied
+        assert all(g.stats.to_dict()["copied_cycles"] == g.stats.copied_cycles for g in generations)
+
+
+def test_the_pipeline_sets_its_engines_prompt_lookup(target_dir, drafter_dir, tiny):
+    assert tiny.stepped_engine(EngineConfig(max_running=1), load_aware=False).prompt_lookup == 2
+    off = Pipeline(target_dir, drafter_dir, prompt_lookup=0)
+    assert off.local_engine.prompt_lookup == 0
+    assert off.stepped_engine(EngineConfig(max_running=1, prompt_lookup=3), load_aware=False).prompt_lookup == 3
+
+
+# The predictable pair's target mostly continues with 7; the prompt holds a 7 followed by 3, 4, 5, so
+# after a sampled 7 lookup (shortest match 1) copies 3, 4, 5, which the target rarely draws: its
+# copies are rejected and resampled from the residual, or accepted, as their point masses say.
+LOOKUP_PROMPT = [2, 7, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def predictable():
+    return predictable_pair(vocab_size=8, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1)
+
+
+def test_sampling_with_copied_drafts_follows_the_target(predictable):
+    samples = sample_three_tokens(predictable, 3_000, prompt=LOOKUP_PROMPT, prompt_lookup=1)
+    assert np.mean(samples[:, 0] == 7) > 0.1  # lookup copies after these (and after any token the prompt holds)
+    results = pvalues(samples, exact_distribution(predictable[0], 3, prompt=LOOKUP_PROMPT))
+    assert min(results.values()) > ALPHA, results
+
+
+def test_copies_verified_against_the_drafters_distribution_are_detected(predictable, monkeypatch):
+    """Left as the drafter's q (which puts little mass on the copied 3), a copied draft is kept with
+    probability min(1, p/q) >> p: the test must see it."""
+    monkeypatch.setattr(engine_module, "point_masses", lambda q, columns: None)
+    samples = sample_three_tokens(predictable, 1_500, prompt=LOOKUP_PROMPT, prompt_lookup=1)
+    results = pvalues(samples, exact_distribution(predictable[0], 3, prompt=LOOKUP_PROMPT))
+    assert min(results.values()) < ALPHA, results
