@@ -542,7 +542,8 @@ class LocalEngine:
         if active.proposals is not None and active.stepper is None:
             columns = copied if self._draft_column is None else [self._draft_column.get(t) for t in copied]
             if None in columns:  # copy only the leading tokens the distributions can hold
-                copied = columns = copied[:columns.index(None)]
+                held = columns.index(None)
+                copied, columns = copied[:held], columns[:held]
                 if not copied:
                     return
             point_masses(active.proposals, columns)

@@ -111,6 +111,16 @@ def test_sampling_with_copied_drafts_follows_the_target(predictable):
     assert min(results.values()) > ALPHA, results
 
 
+def test_copies_beyond_the_draft_vocabulary_stop_where_it_does(predictable):
+    """With a draft vocabulary that holds 3 but not 4, the copy 3, 4, 5 is cut to 3 (q has no column
+    for 4): sampling still follows the target."""
+    target, drafter = predictable_pair(vocab_size=8, beta=0.5, hidden=16, layers=1, heads=2, kv_heads=1)
+    drafter.use_draft_vocab(torch.tensor([7, 3, 5, 0, 1]))
+    samples = sample_three_tokens((target, drafter), 2_000, prompt=LOOKUP_PROMPT, prompt_lookup=1)
+    results = pvalues(samples, exact_distribution(target, 3, prompt=LOOKUP_PROMPT))
+    assert min(results.values()) > ALPHA, results
+
+
 def test_copies_verified_against_the_drafters_distribution_are_detected(predictable, monkeypatch):
     """Left as the drafter's q (which puts little mass on the copied 3), a copied draft is kept with
     probability min(1, p/q) >> p: the test must see it."""
