@@ -510,45 +510,56 @@ class LocalEngine:
     def _draft(self, size: int, members: list[_Active]) -> None:
         """The group's proposals, into each controller's verify block (positions 1..B-1): a greedy
         request's are the drafter's argmax, a sampled request's are drawn from the drafter's
-        distribution under its sampling settings (kept for the verify's speculative sampling)."""
-        drafts, logits = self.runner.draft([a.slot for a in members], [a.context for a in members],
-                                           [a.controller.draft_block[:size] for a in members],
-                                           [a.controller.start for a in members])
-        drafts = drafts.tolist()
-        sampled = [row for row, active in enumerate(members) if active.stepper is None]
-        if sampled and self.proposal_temperature > 0:
-            chosen = logits if len(sampled) == len(members) else logits[sampled]
-            tokens, q = draw_proposals([members[row].sampler for row in sampled], chosen, self.runner.draft_ids,
-                                       self.proposal_temperature)
-            for row, proposed, distribution in zip(sampled, tokens.tolist(), q):
-                drafts[row], members[row].proposals = proposed, distribution
-        for row, active in enumerate(members):
-            if active.lookup is not None:
-                self._look_up(active, drafts[row])
+        distribution under its sampling settings (kept for the verify's speculative sampling). Prompt
+        lookup's copy, where it has one, replaces the leading ones; a request whose copy fills its
+        block and whose drafts are point masses (greedy, or proposal temperature 0) skips the drafter:
+        its context waits in `context` for the next draft."""
+        drawn = self.proposal_temperature > 0
+        copies = [self._copy(active, size - 1) if active.lookup is not None else [] for active in members]
+        drafts = [copied + [0] * (size - 1 - len(copied)) for copied in copies]
+        asking = [row for row, active in enumerate(members)
+                  if len(copies[row]) < size - 1 or (drawn and active.stepper is None)]
+        if asking:
+            asked = [members[row] for row in asking]
+            proposed, logits = self.runner.draft([a.slot for a in asked], [a.context for a in asked],
+                                                 [a.controller.draft_block[:size] for a in asked],
+                                                 [a.controller.start for a in asked])
+            proposed = proposed.tolist()
+            sampled = [i for i, active in enumerate(asked) if active.stepper is None]
+            if sampled and drawn:
+                chosen = logits if len(sampled) == len(asked) else logits[sampled]
+                tokens, q = draw_proposals([asked[i].sampler for i in sampled], chosen, self.runner.draft_ids,
+                                           self.proposal_temperature)
+                for i, proposal, distribution in zip(sampled, tokens.tolist(), q):
+                    proposed[i], asked[i].proposals = proposal, distribution
+            for i, row in enumerate(asking):
+                copied = copies[row]
+                drafts[row][len(copied):] = proposed[i][len(copied):]
+                if copied and asked[i].proposals is not None and asked[i].stepper is None:
+                    point_masses(asked[i].proposals, self._columns(copied))
+                asked[i].context = None  # the drafter cache holds it now
         for row, active in enumerate(members):
             active.controller.verify_block[1:size] = drafts[row]
-            active.context = None  # the drafter cache holds it now
+            active.stats.copied_cycles += bool(copies[row])
+        for row in sorted(set(range(len(members))) - set(asking)):  # a view of the verify output this iteration overwrites
+            members[row].context = members[row].context.clone()
 
-    def _look_up(self, active: _Active, drafts: list[int]) -> None:
-        """Replace the leading drafts by prompt lookup's proposal where it has one (in place). A
-        sampled request's replaced drafts become point masses in its proposal distributions, which
-        speculative sampling verifies like any other; one whose copied token lies outside the draft
-        vocabulary (where no distribution can hold it) keeps the drafter's."""
+    def _copy(self, active: _Active, width: int) -> list[int]:
+        """Prompt lookup's proposal for the request's next `width` drafts (maybe fewer, maybe none). A
+        sampled request whose drafts are drawn verifies copies as point masses in its proposal
+        distributions, which hold only the draft vocabulary: its copy stops at the first token outside."""
         controller = active.controller
         active.lookup.catch_up(controller.tokens[:controller.count])
-        copied = active.lookup.propose(len(drafts))
-        if not copied:
-            return
-        if active.proposals is not None and active.stepper is None:
-            columns = copied if self._draft_column is None else [self._draft_column.get(t) for t in copied]
-            if None in columns:  # copy only the leading tokens the distributions can hold
-                held = columns.index(None)
-                copied, columns = copied[:held], columns[:held]
-                if not copied:
-                    return
-            point_masses(active.proposals, columns)
-        drafts[:len(copied)] = copied
-        active.stats.copied_cycles += 1
+        copied = active.lookup.propose(width)
+        if copied and active.stepper is None and self.proposal_temperature > 0 and self._draft_column is not None:
+            columns = self._columns(copied)
+            if None in columns:
+                copied = copied[:columns.index(None)]
+        return copied
+
+    def _columns(self, tokens: list[int]) -> list[int | None]:
+        """Full-vocabulary ids as columns of the proposal distributions (None: not in the draft vocabulary)."""
+        return tokens if self._draft_column is None else [self._draft_column.get(t) for t in tokens]
 
     def _verify(self, width: int, members: list[_Active]) -> None:
         """The verify call of these requests, each block padded to `width` (the widest: logits of a
@@ -586,7 +597,9 @@ class LocalEngine:
             active.calls += 1
             active.shared += len(members)
             if sizes[row] > 1 and self.runner.mask_token_id is not None:  # read by the next iteration's drafts
-                active.context = features[row, :active.controller.accepted + 1]
+                verified = features[row, :active.controller.accepted + 1]
+                # a view of the output buffer, or after a cycle that skipped the drafter, joined to what waits
+                active.context = verified if active.context is None else torch.cat([active.context, verified])
 
     @staticmethod
     def _process(active: _Active, rows: torch.Tensor, size: int) -> tuple[torch.Tensor, int] | None:

@@ -73,16 +73,22 @@ def tiny(target_dir, drafter_dir):
 
 
 @pytest.mark.parametrize("block", [4, 8])
-def test_greedy_output_with_copied_drafts_is_ars(tiny, block):
+def test_greedy_output_with_copied_drafts_is_ars(tiny, block, monkeypatch):
+    """With lookup, some cycles copy, and those whose copy fills the block skip the drafter (its
+    context then waits for the next draft); the output is AR's either way."""
     configs = [GenerationConfig(max_new_tokens=40, block=BlockChoice(block))] * len(REPEATING)
     reference = tiny.autoregressive().generate_batch(REPEATING, [GenerationConfig(max_new_tokens=40, block=AR)] * 3)
     for lookup, copies in ((1, True), (0, False)):
         engine = tiny.stepped_engine(EngineConfig(max_running=3, prompt_lookup=lookup), load_aware=False)
+        drafted, draft = [], engine.runner.draft
+        monkeypatch.setattr(engine.runner, "draft", lambda slots, *rest: drafted.append(len(slots)) or draft(slots, *rest))
         ids = [tiny.codec.encode(prompt) for prompt in REPEATING]
         generations = engine.generate(ids, configs)
         assert [g.tokens for g in generations] == [r.tokens for r in reference]
         copied = sum(g.stats.copied_cycles for g in generations)
+        cycles = sum(g.stats.cycles for g in generations)
         assert (copied > 0) == copies, copied
+        assert (sum(drafted) < cycles) == copies, (sum(drafted), cycles)  # full copies skipped the drafter
         assert all(g.stats.to_dict()["copied_cycles"] == g.stats.copied_cycles for g in generations)
 
 
@@ -128,3 +134,30 @@ def test_copies_verified_against_the_drafters_distribution_are_detected(predicta
     samples = sample_three_tokens(predictable, 1_500, prompt=LOOKUP_PROMPT, prompt_lookup=1)
     results = pvalues(samples, exact_distribution(predictable[0], 3, prompt=LOOKUP_PROMPT))
     assert min(results.values()) < ALPHA, results
+
+
+def test_a_drafter_skipped_for_a_full_copy_later_sees_every_position(tiny, monkeypatch):
+    """The drafter's proposals at a start depend on every position before it: where full copies
+    skipped it, the next draft must bring the skipped cycles' features along. So at every start
+    drafted both with skips and without (copies cut short of the block), the proposal logits are
+    equal (up to rounding: the skipped positions' keys are projected together)."""
+    def logits_by_start(shorten: bool) -> dict[int, torch.Tensor]:
+        engine = tiny.stepped_engine(EngineConfig(max_running=1, prompt_lookup=1), load_aware=False)
+        if shorten:
+            copy = engine._copy
+            monkeypatch.setattr(engine, "_copy", lambda active, width: copy(active, width)[:width - 1])
+        seen, draft = {}, engine.runner.draft
+
+        def recording(slots, contexts, blocks, starts):
+            drafts, logits = draft(slots, contexts, blocks, starts)
+            seen.update(zip(starts, logits.clone()))
+            return drafts, logits
+        monkeypatch.setattr(engine.runner, "draft", recording)
+        engine.generate([tiny.codec.encode(REPEATING[2])], [GenerationConfig(max_new_tokens=60, block=BlockChoice(4))])
+        return seen
+
+    skipping, every = logits_by_start(False), logits_by_start(True)
+    common = sorted(set(skipping) & set(every))
+    assert len(common) >= 10 and len(skipping) < len(every)
+    for start in common:
+        assert torch.allclose(skipping[start], every[start], atol=1e-4), start
