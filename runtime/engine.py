@@ -541,8 +541,8 @@ class LocalEngine:
         for row, active in enumerate(members):
             active.controller.verify_block[1:size] = drafts[row]
             active.stats.copied_cycles += bool(copies[row])
-        for row in sorted(set(range(len(members))) - set(asking)):  # a view of the verify output this iteration overwrites
-            members[row].context = members[row].context.clone()
+            if row not in asking:  # its context may be a view of the verify output this iteration overwrites
+                active.context = active.context.clone()
 
     def _copy(self, active: _Active, width: int) -> list[int]:
         """Prompt lookup's proposal for the request's next `width` drafts (maybe fewer, maybe none). A
