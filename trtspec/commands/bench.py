@@ -8,10 +8,9 @@ import click
 
 from trtspec.perf.bench import BenchConfig, load_prompts, run_bench, write_json
 from trtspec import limits
-from trtspec.commands.options import (BlockSizesType, Ranged, backend_option, draft_vocab_options, engine_sizes,
-                                      limit_option, load_pipeline, max_new_tokens_option, model_options,
-                                      output_option, policy_option, drafting_options, sampling_config,
-                                      sampling_options)
+from trtspec.commands.options import (BlockSizesType, Ranged, backend_option, draft_vocab_options, drafting_options,
+                                      engine_sizes, limit_option, load_pipeline, max_new_tokens_option, model_options,
+                                      output_option, policy_option, sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 
 DEFAULT = BenchConfig()

@@ -9,9 +9,9 @@ import click
 from click.core import ParameterSource
 
 from trtspec import limits
-from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
-                                      load_pipeline, max_new_tokens_option, model_options, policy_option,
-                                      drafting_options, sampling_config, sampling_options)
+from trtspec.commands.options import (BlockSizeType, Ranged, backend_option, draft_vocab_options, drafting_options,
+                                      engine_sizes, load_pipeline, max_new_tokens_option, model_options, policy_option,
+                                      sampling_config, sampling_options)
 from trtspec.errors import TrtspecError
 from trtspec.runtime.request import DEFAULT_MAX_TOKENS, GenerationConfig, check_room
 from trtspec.runtime.schedule import AR

@@ -7,9 +7,9 @@ import os
 import click
 
 from trtspec import limits
-from trtspec.commands.options import (THREADS, BlockSizeType, Ranged, backend_option, draft_vocab_options, engine_sizes,
-                                      load_pipeline, model_options, output_option, policy_option,
-                                      drafting_options)
+from trtspec.commands.options import (THREADS, BlockSizeType, Ranged, backend_option, draft_vocab_options,
+                                      drafting_options, engine_sizes, load_pipeline, model_options, output_option,
+                                      policy_option)
 from trtspec.errors import TrtspecError
 from trtspec.serving.door import MAX_BODY_BYTES, READ_TIMEOUT_S
 
