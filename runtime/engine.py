@@ -502,7 +502,7 @@ class LocalEngine:
         active.controller.begin(bonus, len(request.prompt))
         active.stepper = Stepper(active.controller) if config.sampling.greedy else None
         active.context = context if choice.size > 1 else None
-        if self.prompt_lookup and self.runner.mask_token_id is not None:
+        if self.prompt_lookup and choice.size > 1:  # a request that drafts (none turns from AR to drafting)
             active.lookup = PromptLookup(request.prompt, self.prompt_lookup)
         active.features, active.tail_logits = [], None
         active.decoding_since = began
