@@ -557,6 +557,10 @@ def test_metrics_agree_with_the_responses(server):
     for e in spec:
         if ":" not in e["block_size"] and [o["block_size"] for o in spec].count(e["block_size"]) == 1:
             assert delta("trtspec_spec_decode_ceiling_cycles_total", block_size=e["block_size"]) == e["histogram"][-1]
+    for schedule in {e["block_size"] for e in spec}:
+        assert delta("trtspec_spec_decode_copied_cycles_total", block_size=schedule) == sum(
+            e["copied_cycles"] for e in spec if e["block_size"] == schedule)
+    assert sum(e["copied_cycles"] for e in spec) > 0  # prompt lookup copied somewhere, so the counter was read
     # AR: the AR request, and the auto one if load-aware BlockPilot turned speculation off for it.
     assert delta("trtspec_spec_decode_cycles_total", block_size="AR") == sum(
         e["cycles"] for _, e in served if e["block_size"] == "AR")

@@ -66,6 +66,9 @@ FAMILIES = (
            ("block_size",)),
     Family("spec_decode_ceiling_cycles", "counter",
            "Cycles that accepted their whole block, per block size schedule (the ceiling bin).", ("block_size",)),
+    Family("spec_decode_copied_cycles", "counter",
+           "Cycles whose leading drafts prompt lookup copied from the request's text, per block size schedule.",
+           ("block_size",)),
     Family("blockpilot_choices", "counter", "Requests whose block size schedule BlockPilot chose (auto).",
            ("block_size",)),
     Family("spec_decode_stranded_tau_estimate", "gauge",
@@ -223,6 +226,8 @@ class ServingMetrics:
                 if count:
                     m["spec_decode_num_accepted_tokens_per_pos"].labels(str(position)).inc(count)
             m["spec_decode_ceiling_cycles"].labels(schedule).inc(stats.ceiling_cycles)
+            if stats.copied_cycles:
+                m["spec_decode_copied_cycles"].labels(schedule).inc(stats.copied_cycles)
             if not stats.grow_to:  # the stranded estimate reads one block size's histogram
                 self._update_tau(stats.block_size, stats.histogram)
 
