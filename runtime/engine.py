@@ -158,7 +158,7 @@ class _Active:
     processor: RowProcessor | None = None  # min_tokens, penalties, biases, a grammar (None: none asked)
     context: torch.Tensor | None = None  # features the drafter cache lacks, [n, F]
     proposals: torch.Tensor | None = None  # a sampled request's: the distributions its drafts came from, [B-1, K]
-    lookup: PromptLookup | None = None  # its text indexed for prompt lookup (None: off, or no drafter)
+    lookup: PromptLookup | None = None  # its text indexed for prompt lookup (None: off, or it does not draft)
     stats: DecodeStats | None = None
     began: float = field(default_factory=time.perf_counter)  # admission
     prefill_s: float = 0.0

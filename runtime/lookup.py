@@ -10,7 +10,7 @@ proposal that is a point mass is verified as one).
 Measured on HumanEval in the chat template (the default pair, 40 prompts, 128 tokens, greedy, every
 cycle start along the AR output): the drafter alone accepts a mean 2.11 tokens a cycle at B = 4,
 lookup alone 1.91, and lookup where its match is at least 2 tokens long, the drafter elsewhere,
-2.57 (B = 16: 2.21 / 2.40 / 3.53). docs/engines.md has the table.
+2.57 (B = 16: 2.21 / 2.40 / 3.53). docs/architecture.md ("Prompt lookup") has the figures.
 """
 
 from __future__ import annotations
