@@ -35,9 +35,9 @@ import torch
 
 from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
-from trtspec.limits import CONCURRENCY, PROMPT_LOOKUP, PROPOSAL_TEMPERATURE
+from trtspec.limits import CONCURRENCY, DRAFT_WIDTH, PROMPT_LOOKUP, PROPOSAL_TEMPERATURE
 from trtspec.runtime.controller import Controller, ControllerFactory, Stepper, native_controller
-from trtspec.runtime.lookup import MIN_MATCH, PromptLookup
+from trtspec.runtime.lookup import MIN_MATCH, PromptLookup, cycle_width, default_draft_width
 from trtspec.runtime.output import OutputProcessor
 from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
@@ -70,6 +70,10 @@ class EngineConfig:
     # before, the drafter's elsewhere (runtime.lookup); 0: the drafter's only. None: the pipeline's, by
     # default lookup.MIN_MATCH.
     prompt_lookup: int | None = None
+    # with prompt lookup, a cycle whose copy is shorter verifies this many positions, the drafter's
+    # proposals filling them, and a longer copy widens it up to the block (runtime.lookup.cycle_width);
+    # 0: every cycle verifies its whole block. None: the pipeline's, by default 4 on a CPU and 0 elsewhere.
+    draft_width: int | None = None
 
     def __post_init__(self) -> None:
         CONCURRENCY.check(self.max_running, "concurrency (max-running)")  # their caches are also checked against memory (runtime.memory)
@@ -81,6 +85,8 @@ class EngineConfig:
             object.__setattr__(self, "proposal_temperature", PROPOSAL_TEMPERATURE.check(self.proposal_temperature))
         if self.prompt_lookup is not None:
             object.__setattr__(self, "prompt_lookup", PROMPT_LOOKUP.check(self.prompt_lookup))
+        if self.draft_width is not None:
+            object.__setattr__(self, "draft_width", DRAFT_WIDTH.check(self.draft_width))
 
 
 class Request:
@@ -208,6 +214,11 @@ class LocalEngine:
         self.proposal_temperature = (DEFAULT_PROPOSAL_TEMPERATURE if config.proposal_temperature is None
                                      else config.proposal_temperature)
         self.prompt_lookup = MIN_MATCH if config.prompt_lookup is None else config.prompt_lookup
+        self.draft_width = (default_draft_width(runner.device, runner.block_sizes) if config.draft_width is None
+                            else config.draft_width)
+        if self.draft_width > 1 and runner.block_sizes is not None and self.draft_width not in runner.block_sizes:
+            raise TrtspecError(f"the engine was built for block sizes {', '.join(map(str, runner.block_sizes))}; "
+                               f"draft width {self.draft_width} is not among them (0: whole blocks)")
         # a full-vocabulary id's column in the draft vocabulary's proposal distributions (None: the same)
         self._draft_column = None if runner.draft_ids is None else \
             {token: column for column, token in enumerate(runner.draft_ids.tolist())}
@@ -363,7 +374,7 @@ class LocalEngine:
         for (width, by_size), draft_s in zip(calls, drafted):
             began = time.perf_counter() if timed else 0.0
             members = [active for drafting in by_size.values() for active in drafting]
-            self._verify(width, members)
+            self._verify(members, own_features=len(calls) > 1)
             for active in members:
                 if not active.failed:
                     self._emit(active)
@@ -508,21 +519,24 @@ class LocalEngine:
         active.decoding_since = began
 
     def _draft(self, size: int, members: list[_Active]) -> None:
-        """The group's proposals, into each controller's verify block (positions 1..B-1): a greedy
-        request's are the drafter's argmax, a sampled request's are drawn from the drafter's
-        distribution under its sampling settings (kept for the verify's speculative sampling). Prompt
-        lookup's copy, where it has one, replaces the leading ones; a request whose copy fills its
-        block and whose drafts are point masses (greedy, or proposal temperature 0) skips the drafter:
-        its context waits in `context` for the next draft."""
+        """The group's proposals, into each controller's verify block (positions 1..W-1 of the cycle's
+        width W): a greedy request's are the drafter's argmax, a sampled request's are drawn from the
+        drafter's distribution under its sampling settings (kept for the verify's speculative
+        sampling). Prompt lookup's copy, where it has one, replaces the leading ones and sets the
+        cycle's width (`lookup.cycle_width`: narrowed below the block unless the copy is long). A
+        request whose copy fills its width and whose drafts are point masses (greedy, or proposal
+        temperature 0) skips the drafter: its context waits in `context` for the next draft."""
         drawn = self.proposal_temperature > 0
         copies = [self._copy(active, size - 1) if active.lookup is not None else [] for active in members]
-        drafts = [copied + [0] * (size - 1 - len(copied)) for copied in copies]
+        widths = [self._narrow(active, size, len(copied)) for active, copied in zip(members, copies)]
+        drafts = [copied[:width - 1] + [0] * (width - 1 - len(copied)) for copied, width in zip(copies, widths)]
         asking = [row for row, active in enumerate(members)
-                  if len(copies[row]) < size - 1 or (drawn and active.stepper is None)]
-        if asking:
-            asked = [members[row] for row in asking]
+                  if len(copies[row]) < widths[row] - 1 or (drawn and active.stepper is None and widths[row] > 1)]
+        for width in sorted({widths[row] for row in asking}):  # a draft call per width: rows draft alike
+            rows = [row for row in asking if widths[row] == width]
+            asked = [members[row] for row in rows]
             proposed, logits = self.runner.draft([a.slot for a in asked], [a.context for a in asked],
-                                                 [a.controller.draft_block[:size] for a in asked],
+                                                 [a.controller.draft_block[:width] for a in asked],
                                                  [a.controller.start for a in asked])
             proposed = proposed.tolist()
             sampled = [i for i, active in enumerate(asked) if active.stepper is None]
@@ -532,17 +546,28 @@ class LocalEngine:
                                            self.proposal_temperature)
                 for i, proposal, distribution in zip(sampled, tokens.tolist(), q):
                     proposed[i], asked[i].proposals = proposal, distribution
-            for i, row in enumerate(asking):
+            for i, row in enumerate(rows):
                 copied = copies[row]
                 drafts[row][len(copied):] = proposed[i][len(copied):]
                 if copied and asked[i].proposals is not None and asked[i].stepper is None:
                     point_masses(asked[i].proposals, self._columns(copied))
                 asked[i].context = None  # the drafter cache holds it now
         for row, active in enumerate(members):
-            active.controller.verify_block[1:size] = drafts[row]
+            active.controller.verify_block[1:widths[row]] = drafts[row]
             active.stats.copied_cycles += bool(copies[row])
             if row not in asking:  # its context may be a view of the verify output this iteration overwrites
                 active.context = active.context.clone()
+
+    def _narrow(self, active: _Active, size: int, copied: int) -> int:
+        """The width of the request's next cycle after a copy of `copied` tokens, narrowed in its
+        controller when below its block (only fixed blocks with prompt lookup: a growing block
+        grows on acceptance, which a narrowed cycle never reaches)."""
+        if active.lookup is None or active.stats.grow_to:
+            return size
+        width = cycle_width(size, copied, self.draft_width, self.runner.block_sizes)
+        if width < size:
+            active.controller.narrow(width)
+        return width
 
     def _copy(self, active: _Active, width: int) -> list[int]:
         """Prompt lookup's proposal for the request's next `width` drafts (maybe fewer, maybe none). A
@@ -561,11 +586,13 @@ class LocalEngine:
         """Full-vocabulary ids as columns of the proposal distributions (None: not in the draft vocabulary)."""
         return tokens if self._draft_column is None else [self._draft_column.get(t) for t in tokens]
 
-    def _verify(self, width: int, members: list[_Active]) -> None:
-        """The verify call of these requests, each block padded to `width` (the widest: logits of a
+    def _verify(self, members: list[_Active], own_features: bool = False) -> None:
+        """The verify call of these requests, each cycle's block padded to the widest (logits of a
         row's own positions are what they would be alone), then each request's step over its own
-        positions (processing, sampling, accept, commit)."""
-        sizes = [active.controller.block_size for active in members]  # before the step: a block may grow
+        positions (processing, sampling, accept, commit). `own_features`: the iteration makes other
+        verify calls, which may have this one's shape and so its output buffers (narrowed cycles of
+        different block sizes): the drafter's next context is copied out of them."""
+        sizes = [active.controller.next_width for active in members]  # the cycles' widths, before the step
         logits, features = self.runner.verify([a.slot for a in members],
                                               [a.controller.verify_block[:size] for a, size in zip(members, sizes)],
                                               [a.controller.start for a in members])
@@ -579,7 +606,7 @@ class LocalEngine:
             sampled = [row for row in live if sizes[row] == size and members[row].stepper is None]
             if not sampled:
                 continue
-            rows = logits if len(sampled) == len(members) and size == width else logits[sampled, :size]
+            rows = logits if len(sampled) == len(members) and size == logits.shape[1] else logits[sampled, :size]
             drafts = torch.from_numpy(np.stack([members[row].controller.verify_block[1:size] for row in sampled]))
             proposals = None
             if size > 1 and self.proposal_temperature > 0:
@@ -598,6 +625,8 @@ class LocalEngine:
             active.shared += len(members)
             if sizes[row] > 1 and self.runner.mask_token_id is not None:  # read by the next iteration's drafts
                 verified = features[row, :active.controller.accepted + 1]
+                if own_features:
+                    verified = verified.clone()
                 # a view of the output buffer, or after a cycle that skipped the drafter, joined to what waits
                 active.context = verified if active.context is None else torch.cat([active.context, verified])
 
@@ -651,7 +680,8 @@ class LocalEngine:
         """The request's cycles so far (acceptance histogram, grown cycles, ceilings) in its statistics."""
         stats, controller = active.stats, active.controller
         stats.histogram = controller.histogram[:max(stats.block_size, stats.grow_to)].tolist()
-        stats.grown_cycles, stats.ceilings = controller.grown_cycles, controller.ceilings
+        stats.grown_cycles, stats.ceilings, stats.draft_tokens = controller.grown_cycles, controller.ceilings, \
+            controller.drafts
 
     def _retire(self, active: _Active, error: BaseException | None = None) -> None:
         """Free the slot at once and finish the request (with its statistics, or its error)."""

@@ -66,13 +66,15 @@ class PythonController:
         self.output.finish_reason = "length"  # not begun: nothing to run
         self.stats = DecodeStats(block_size=block_size, grow_to=grow_to)
         self.block_size = block_size  # the next cycle's
-        self.grown_cycles = self.ceilings = self.start = self.accepted = self.committed = 0
+        self.grown_cycles = self.ceilings = self.start = self.accepted = self.committed = self.drafts = 0
+        self._narrowed: int | None = None  # the next cycle's width, when narrowed
 
     def begin(self, token: int, start: int) -> None:
         self.output = Output(self.limit, self.stop_ids)
         self.stats = DecodeStats(block_size=self.choice.size, grow_to=self.choice.grow_to)
         self.block_size = self.choice.size
-        self.grown_cycles = self.ceilings = self.accepted = 0
+        self.grown_cycles = self.ceilings = self.accepted = self.drafts = 0
+        self._narrowed = None
         self.committed = len(self._commit([token]))
         self.start = start
         self.verify_block[0] = self.draft_block[0] = token
@@ -82,6 +84,15 @@ class PythonController:
             raise ValueError(f"block size {size} is outside 1..{len(self.verify_block)}")
         self.choice = BlockChoice(size)
         self.block_size = size
+
+    def narrow(self, width: int) -> None:
+        if not 1 <= width <= self.block_size:
+            raise ValueError(f"width {width} is outside 1..{self.block_size}")
+        self._narrowed = width
+
+    @property
+    def next_width(self) -> int:
+        return self.block_size if self._narrowed is None else min(self.block_size, self._narrowed)
 
     def _commit(self, tokens: list[int]) -> list[int]:
         first = len(self.output.tokens)
@@ -96,7 +107,7 @@ class PythonController:
     def step(self, posterior) -> bool:
         if not self.running:
             return False
-        b, base = self.block_size, self.choice.size
+        b, base = self.next_width, self.choice.size
         row = torch.as_tensor(posterior)[:b]
         drafts = torch.from_numpy(self.verify_block[1:b])
         accepted = int(accepted_length(drafts, row)) if b > 1 else 0
@@ -105,9 +116,12 @@ class PythonController:
         self.committed = len(self._commit(drafts[:accepted].tolist() + [bonus]))
         self.start += accepted + 1
         self.accepted = accepted
-        # A growing block: a cycle that filled a base block makes the next one run grown.
-        self.grown_cycles += b != base
-        self.ceilings += accepted == b - 1
+        # A growing block: a cycle that filled a base block makes the next one run grown. A narrowed
+        # cycle is a ceiling only when it ran its whole block.
+        self.grown_cycles += self.block_size != base
+        self.ceilings += accepted == self.block_size - 1
+        self.drafts += b - 1
+        self._narrowed = None
         self.block_size = self.choice.next_size(accepted)
         self.verify_block[0] = self.draft_block[0] = bonus
         return self.running

@@ -47,6 +47,7 @@ class DecodeStats:
     ttft_s: float = 0.0     # submitted -> first token
     turned_ar_at: int = 0   # `auto` under load: tokens committed when it turned AR (0: it never did)
     copied_cycles: int = 0  # cycles whose leading drafts were copied from the text (prompt lookup)
+    draft_tokens: int = 0   # drafts verified, summed over cycles (B-1 each, fewer in a narrowed cycle)
 
     def __post_init__(self) -> None:
         if not self.histogram:
@@ -98,6 +99,7 @@ class DecodeStats:
             "cycles": self.cycles,
             "grown_cycles": self.grown_cycles,
             "copied_cycles": self.copied_cycles,
+            "draft_tokens": self.draft_tokens,
             "turned_ar_at": self.turned_ar_at,
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,

@@ -450,7 +450,7 @@ def break_acceptance_rule(monkeypatch, rule) -> None:
 def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, grow_to: int = 0,
                         tokens: int = 3, batched: bool = True, min_p: float = 0.0,
                         proposal_temperature: float | None = None, prompt: list[int] = SAMPLED_PROMPT,
-                        prompt_lookup: int | None = None, **config) -> np.ndarray:
+                        prompt_lookup: int | None = None, draft_width: int | None = None, **config) -> np.ndarray:
     """First `tokens` tokens of `count` seeded requests of `prompt`, through the native controller or
     `controller`: decoded 64 at a time by the engine, or one by one by a one-slot engine
     (`batched=False`); `config`: more GenerationConfig fields."""
@@ -468,7 +468,8 @@ def sample_three_tokens(pair, count: int, block_size: int = 4, controller=None, 
         one = single(*pair, **options)
         return np.array([generate(one, prompt, config).tokens for config in configs])
     local = LocalEngine(BatchRunner.eager(*pair, slots=SAMPLED_BATCH), config=EngineConfig(
-        max_running=SAMPLED_BATCH, proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup), **options)
+        max_running=SAMPLED_BATCH, proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup,
+        draft_width=draft_width), **options)
     return np.array([g.tokens for g in local.generate([prompt] * count, configs)])
 
 

@@ -37,9 +37,9 @@ def test_json_output_holds_the_documented_fields(spec_json):
     stats = result["stats"]
     assert set(result) == {"text", "tokens", "stats"}
     assert set(stats) == {"block_size", "grow_to", "block_size_auto", "tau", "histogram", "ceiling_fraction",
-                          "cycles", "grown_cycles", "copied_cycles", "turned_ar_at", "prompt_tokens", "new_tokens",
-                          "finish_reason", "prefill_s", "decode_s", "decode_tokens_per_s", "queue_s", "ttft_s",
-                          "batch_mean"}
+                          "cycles", "grown_cycles", "copied_cycles", "draft_tokens", "turned_ar_at", "prompt_tokens",
+                          "new_tokens", "finish_reason", "prefill_s", "decode_s", "decode_tokens_per_s", "queue_s",
+                          "ttft_s", "batch_mean"}
     assert stats["block_size"] == "8" and len(stats["histogram"]) == 8
     assert stats["new_tokens"] == len(result["tokens"]) and 1 <= len(result["tokens"]) <= 40
     assert isinstance(result["text"], str)

@@ -17,8 +17,8 @@ from trtspec.runtime.controller import native_controller
 VOCAB = 6  # few token ids, so drafts often match and stop ids often occur
 LOGITS_VOCAB = 37  # the greedy step's argmax runs eight lanes over 32 logits, then a tail of 5
 MASK = 99
-PROPERTIES = ("running", "block_size", "grown_cycles", "ceilings", "count", "start", "accepted", "committed",
-              "finish_reason", "cycles", "tau", "ceiling_fraction")
+PROPERTIES = ("running", "block_size", "next_width", "grown_cycles", "ceilings", "drafts", "count", "start",
+              "accepted", "committed", "finish_reason", "cycles", "tau", "ceiling_fraction")
 
 
 @st.composite
@@ -27,7 +27,7 @@ def requests(draw):
     grow_to = draw(st.sampled_from([0, *range(block_size + 1, 25)])) if block_size >= 2 else 0
     return (block_size, draw(st.integers(1, 60)), draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
             draw(st.integers(1, 500)), grow_to, draw(st.integers(0, 2**32 - 1)), draw(st.booleans()),
-            draw(st.integers(1, 6)))
+            draw(st.integers(1, 6)), draw(st.booleans()))
 
 
 def _propose(rng, posterior):
@@ -50,7 +50,7 @@ def _assert_same(native, oracle):
 @settings(max_examples=300, deadline=None)
 @given(requests())
 def test_native_controller_matches_the_python_oracle(request):
-    block_size, limit, stop_ids, start, grow_to, seed, greedy, turn_ar_at = request
+    block_size, limit, stop_ids, start, grow_to, seed, greedy, turn_ar_at, narrowing = request
     rng = np.random.default_rng(seed)
     width = max(block_size, grow_to)
     controllers = [make(block_size, limit, stop_ids, MASK, grow_to) for make in (native_controller, PythonController)]
@@ -70,6 +70,11 @@ def test_native_controller_matches_the_python_oracle(request):
         else:
             posterior = rng.integers(0, VOCAB, width)
         drafts = _propose(rng, posterior)
+        if narrowing and rng.random() < 0.5:  # this cycle verifies only its first positions
+            narrowed = int(rng.integers(1, controllers[1].block_size + 1))
+            for controller in controllers:
+                controller.narrow(narrowed)
+            _assert_same(*controllers)
         running = []
         for controller in controllers:
             controller.verify_block[1:] = drafts
@@ -108,6 +113,22 @@ def test_a_growing_block_follows_whether_the_base_block_was_full():
     assert controller.histogram.tolist() == [1, 0, 2, 0, 0, 0] and controller.ceiling_fraction == pytest.approx(1 / 3)
 
 
+def test_a_narrowed_cycle_verifies_only_its_width():
+    """Drafts past the width are never accepted (the target's tokens there are not read), the cycle
+    counts its own drafts and no ceiling, and the next cycle runs the whole block again."""
+    controller = native_controller(8, 100, [], MASK)
+    controller.begin(1, 0)
+    controller.narrow(4)
+    assert (controller.next_width, controller.block_size) == (4, 8)
+    controller.verify_block[1:8] = [2, 3, 4, 5, 6, 7, 8]
+    controller.step_greedy(np.eye(9, dtype=np.float32)[[2, 3, 4, 5]])  # 4 rows suffice: all 3 drafts, bonus 5
+    assert (controller.accepted, controller.drafts, controller.ceilings) == (3, 3, 0)
+    assert controller.tokens[:controller.count].tolist() == [1, 2, 3, 4, 5] and controller.next_width == 8
+    controller.verify_block[1:8] = [6, 7, 8, 9, 9, 9, 9]
+    controller.step(np.array([6, 7, 8, 9, 9, 9, 9, 3]))  # a whole block, all accepted: a ceiling
+    assert (controller.drafts, controller.ceilings, controller.histogram.tolist()) == (10, 1, [0, 0, 0, 1, 0, 0, 0, 1])
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError):
         native_controller(0, 5, [], MASK)
@@ -124,3 +145,9 @@ def test_bad_inputs_are_refused():
         controller.step(np.zeros(3, dtype=np.int64))  # fewer positions than the block
     with pytest.raises(ValueError):
         controller.step_greedy(np.zeros((3, 8), dtype=np.float32))
+    for width in (0, 5):  # a cycle narrows within its block
+        with pytest.raises(ValueError):
+            controller.narrow(width)
+    controller.narrow(2)
+    with pytest.raises(ValueError):
+        controller.step(np.zeros(1, dtype=np.int64))  # fewer positions than the narrowed cycle

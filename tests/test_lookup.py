@@ -1,9 +1,9 @@
 """Prompt lookup: drafts copied from the request's own text (trtspec.runtime.lookup).
 
 The index against a plain scan of the text (the rule written out), then the engine: greedy output
-with lookup equals AR's token for token while lookup supplies drafts, and at T = 1 copied drafts
-(point masses among drawn ones) still sample the target's distribution, with a test that fails when
-the copies are verified against the drafter's distribution instead.
+with lookup equals AR's token for token while lookup supplies drafts (and narrows or widens cycles),
+and at T = 1 copied drafts (point masses among drawn ones) still sample the target's distribution,
+with a test that fails when the copies are verified against the drafter's distribution instead.
 """
 
 import random
@@ -16,8 +16,8 @@ from helpers import ALPHA, exact_distribution, predictable_pair, pvalues, sample
 from trtspec.api import Pipeline
 from trtspec.errors import TrtspecError
 from trtspec.runtime import engine as engine_module
-from trtspec.runtime.engine import EngineConfig
-from trtspec.runtime.lookup import MAX_MATCH, PromptLookup
+from trtspec.runtime.engine import EngineConfig, LocalEngine
+from trtspec.runtime.lookup import CPU_DRAFT_WIDTH, MAX_MATCH, PromptLookup, cycle_width, default_draft_width
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.schedule import AR, BlockChoice
 
@@ -72,14 +72,16 @@ def tiny(target_dir, drafter_dir):
     return Pipeline(target_dir, drafter_dir, dtype="float32")
 
 
-@pytest.mark.parametrize("block", [4, 8])
-def test_greedy_output_with_copied_drafts_is_ars(tiny, block, monkeypatch):
-    """With lookup, some cycles copy, and those whose copy fills the block skip the drafter (its
-    context then waits for the next draft); the output is AR's either way."""
+@pytest.mark.parametrize("block, width", [(4, 0), (8, 0), (8, 3), (16, 4)])
+def test_greedy_output_with_copied_drafts_is_ars(tiny, block, width, monkeypatch):
+    """With lookup, some cycles copy, and those whose copy fills the cycle skip the drafter (its
+    context then waits for the next draft); with a draft width below the block, cycles without a long
+    copy are narrowed. The output is AR's either way."""
     configs = [GenerationConfig(max_new_tokens=40, block=BlockChoice(block))] * len(REPEATING)
     reference = tiny.autoregressive().generate_batch(REPEATING, [GenerationConfig(max_new_tokens=40, block=AR)] * 3)
     for lookup, copies in ((1, True), (0, False)):
-        engine = tiny.stepped_engine(EngineConfig(max_running=3, prompt_lookup=lookup), load_aware=False)
+        engine = tiny.stepped_engine(EngineConfig(max_running=3, prompt_lookup=lookup, draft_width=width),
+                                     load_aware=False)
         drafted, draft = [], engine.runner.draft
         monkeypatch.setattr(engine.runner, "draft", lambda slots, *rest: drafted.append(len(slots)) or draft(slots, *rest))
         ids = [tiny.codec.encode(prompt) for prompt in REPEATING]
@@ -89,14 +91,36 @@ def test_greedy_output_with_copied_drafts_is_ars(tiny, block, monkeypatch):
         cycles = sum(g.stats.cycles for g in generations)
         assert (copied > 0) == copies, copied
         assert (sum(drafted) < cycles) == copies, (sum(drafted), cycles)  # full copies skipped the drafter
+        drafts = sum(g.stats.draft_tokens for g in generations)
+        assert (drafts < cycles * (block - 1)) == (copies and width > 0), drafts  # narrowed cycles (lookup only)
+        if copies and width:
+            assert drafts > cycles * (width - 1)  # ... and long copies widened some
         assert all(g.stats.to_dict()["copied_cycles"] == g.stats.copied_cycles for g in generations)
 
 
 def test_the_pipeline_sets_its_engines_prompt_lookup(target_dir, drafter_dir, tiny):
     assert tiny.stepped_engine(EngineConfig(max_running=1), load_aware=False).prompt_lookup == 2
-    off = Pipeline(target_dir, drafter_dir, prompt_lookup=0)
-    assert off.local_engine.prompt_lookup == 0
-    assert off.stepped_engine(EngineConfig(max_running=1, prompt_lookup=3), load_aware=False).prompt_lookup == 3
+    off = Pipeline(target_dir, drafter_dir, prompt_lookup=0, draft_width=0)
+    assert (off.local_engine.prompt_lookup, off.local_engine.draft_width) == (0, 0)
+    engine = off.stepped_engine(EngineConfig(max_running=1, prompt_lookup=3, draft_width=6), load_aware=False)
+    assert (engine.prompt_lookup, engine.draft_width) == (3, 6)
+    assert tiny.local_engine.draft_width == CPU_DRAFT_WIDTH  # eager on a CPU: any width
+
+
+def test_a_cycle_is_as_wide_as_its_copy_within_the_block():
+    assert [cycle_width(16, copied, 4, None) for copied in (0, 2, 3, 5, 15)] == [4, 4, 4, 6, 16]
+    assert [cycle_width(16, copied, 4, (4, 8, 16)) for copied in (3, 4, 9)] == [4, 8, 16]  # built widths
+    assert (cycle_width(16, 5, 0, None), cycle_width(3, 0, 4, None), cycle_width(8, 0, 1, None)) == (16, 3, 1)
+    assert default_draft_width(torch.device("cpu"), None) == CPU_DRAFT_WIDTH
+    assert default_draft_width(torch.device("cpu"), (8, 16)) == 8 and default_draft_width(torch.device("cpu"), (3,)) == 0
+    assert default_draft_width(torch.device("cuda"), None) == 0  # a GPU verifies 16 positions for about one's cost
+
+
+def test_a_draft_width_the_engine_was_not_built_for_is_refused(tiny):
+    runner = tiny.runner.with_slots(1, 64)
+    runner.block_sizes = (4, 8, 16)  # as a built engine records them
+    with pytest.raises(TrtspecError, match="draft width 5 is not among them"):
+        LocalEngine(runner, config=EngineConfig(max_running=1, draft_width=5))
 
 
 # The predictable pair's target mostly continues with 7; the prompt holds a 7 followed by 3, 4, 5, so
@@ -113,6 +137,15 @@ def predictable():
 def test_sampling_with_copied_drafts_follows_the_target(predictable):
     samples = sample_three_tokens(predictable, 3_000, prompt=LOOKUP_PROMPT, prompt_lookup=1)
     assert np.mean(samples[:, 0] == 7) > 0.1  # lookup copies after these (and after any token the prompt holds)
+    results = pvalues(samples, exact_distribution(predictable[0], 3, prompt=LOOKUP_PROMPT))
+    assert min(results.values()) > ALPHA, results
+
+
+def test_sampling_in_narrowed_cycles_follows_the_target(predictable):
+    """At B = 8 with draft width 2, a cycle without a copy verifies one draft and draws its next token
+    from the target at the second position; a copy widens it. Both follow the target."""
+    samples = sample_three_tokens(predictable, 3_000, block_size=8, prompt=LOOKUP_PROMPT, prompt_lookup=1,
+                                  draft_width=2)
     results = pvalues(samples, exact_distribution(predictable[0], 3, prompt=LOOKUP_PROMPT))
     assert min(results.values()) > ALPHA, results
 

@@ -118,6 +118,9 @@ PROPOSAL_TEMPERATURE = Limit("proposal temperature", 0.0, math.inf, integer=Fals
 # Prompt lookup copies drafts where the text's last N or more tokens occurred before (0: off); it
 # looks up suffixes of at most 4 tokens (trtspec.runtime.lookup).
 PROMPT_LOOKUP = Limit("prompt lookup", 0, 4)
+# With prompt lookup, a cycle whose copy is shorter verifies this many positions, the drafter filling
+# them (0: every cycle verifies its whole block; 1: cycles without a copy are autoregressive steps).
+DRAFT_WIDTH = Limit("draft width", 0, MAX_BLOCK_SIZE)
 # Requests and prompt sets.
 MAX_NEW_TOKENS = Limit("max new tokens", 1, INT32_MAX)
 MAX_CONTEXT = Limit("max context", 2, INT32_MAX)

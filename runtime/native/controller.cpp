@@ -1,6 +1,7 @@
 #include "controller.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <stdexcept>
 #include <string>
 
@@ -50,7 +51,7 @@ int64_t argmax(const float* row, size_t n) {
 
 Controller::Controller(int64_t block_size, int64_t limit, std::vector<int64_t> stop_ids, int64_t mask_token_id,
                        int64_t grow_to)
-    : block_size_(block_size), limit_(limit), grow_to_(grow_to), active_(block_size), stop_ids_(std::move(stop_ids)) {
+    : block_size_(block_size), limit_(limit), grow_to_(grow_to), active_(block_size), narrow_(INT64_MAX), stop_ids_(std::move(stop_ids)) {
     if (block_size_ < 1 || limit_ < 1) throw std::invalid_argument("block size and limit must be >= 1");
     if (grow_to_ != 0 && (block_size_ < 2 || grow_to_ <= block_size_))
         throw std::invalid_argument("a block grows from B >= 2 to a larger size");
@@ -78,8 +79,9 @@ void Controller::push(int64_t token) {
 
 void Controller::begin(int64_t token, int64_t start) {
     std::fill(histogram_.begin(), histogram_.end(), 0);
-    count_ = accepted_ = cycles_ = grown_cycles_ = ceilings_ = 0;
+    count_ = accepted_ = cycles_ = grown_cycles_ = ceilings_ = drafts_ = 0;
     active_ = block_size_;
+    narrow_ = INT64_MAX;
     finish_ = Finish::running;
     push(token);
     committed_ = 1;
@@ -93,19 +95,27 @@ void Controller::set_block_size(int64_t size) {
     block_size_ = grow_to_ = active_ = size;
 }
 
-// Accept the longest prefix of drafts that the target agrees with (draft k against the target's
-// token for its position, posterior(k-1)), commit it and the bonus posterior(a), choose the next
-// cycle's block size, move on.
+void Controller::narrow(int64_t width) {
+    if (width < 1 || width > active_)
+        throw std::invalid_argument("width " + std::to_string(width) + " is outside 1.." + std::to_string(active_));
+    narrow_ = width;
+}
+
+// Accept the longest prefix of the cycle's drafts that the target agrees with (draft k against the
+// target's token for its position, posterior(k-1)), commit it and the bonus posterior(a), choose
+// the next cycle's block size, move on.
 template <typename Posterior>
 void Controller::cycle(Posterior posterior) {
-    const int64_t b = active_, base = block_size_;
+    const int64_t b = next_width(), base = block_size_;
     int64_t* block = verify_block_.data();
     int64_t a = 0, bonus = posterior(0);
     while (a < b - 1 && block[a + 1] == bonus) bonus = posterior(++a);
     histogram_[a] += 1;
     cycles_ += 1;
-    grown_cycles_ += b != base;
-    ceilings_ += a == b - 1;
+    drafts_ += b - 1;
+    grown_cycles_ += active_ != base;
+    ceilings_ += a == active_ - 1;
+    narrow_ = INT64_MAX;
     active_ = a >= base - 1 ? grow_to_ : base;
     const int64_t before = count_;
     for (int64_t k = 1; k <= a + 1 && finish_ == Finish::running; ++k) push(k <= a ? block[k] : bonus);
@@ -117,14 +127,15 @@ void Controller::cycle(Posterior posterior) {
 
 bool Controller::step(const int64_t* posterior, size_t count, int64_t stride) {
     if (!running()) return false;
-    if (count < static_cast<size_t>(active_)) throw std::invalid_argument("the posterior is shorter than the block");
+    if (count < static_cast<size_t>(next_width())) throw std::invalid_argument("the posterior is shorter than the cycle");
     cycle([&](int64_t k) { return posterior[k * stride]; });
     return running();
 }
 
 bool Controller::step_greedy(const float* logits, size_t rows, int64_t row_stride, size_t vocab) {
     if (!running()) return false;
-    if (rows < static_cast<size_t>(active_)) throw std::invalid_argument("the logits hold fewer positions than the block");
+    if (rows < static_cast<size_t>(next_width()))
+        throw std::invalid_argument("the logits hold fewer positions than the cycle");
     cycle([&](int64_t k) { return argmax(logits + k * row_stride, vocab); });
     return running();
 }

@@ -10,9 +10,15 @@
 // accepts at least B-1 drafts (it filled a base block) makes the next cycle run at G, any other
 // cycle makes the next one run at B. The choice depends only on committed tokens, so every cycle
 // is still an exact speculative step and the output keeps the target's distribution.
+//
+// A cycle may also be narrowed: it verifies only its first W positions (the bonus and W-1 drafts),
+// as when prompt lookup's copy is short and the drafter's later proposals are rarely accepted. The
+// width is chosen before the drafts are drawn, from committed tokens only, so a narrowed cycle is an
+// exact speculative step too; it counts as a ceiling only when it ran its whole block.
 #pragma once
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -34,6 +40,10 @@ public:
     // committed, the position and the statistics so far stay.
     void set_block_size(int64_t size);
 
+    // The next cycle verifies only its first `width` positions (1..its block size); the one after
+    // runs its whole block again unless narrowed too.
+    void narrow(int64_t width);
+
     // One cycle from the posterior tokens of block positions 0..B-1 (`stride` apart); the drafts
     // are those in the verify block. Returns whether the request still runs.
     bool step(const int64_t* posterior, size_t count, int64_t stride);
@@ -47,6 +57,8 @@ public:
     bool running() const { return finish_ == Finish::running; }
 
     int64_t block_size() const { return active_; }  // the next cycle's block size
+    int64_t next_width() const { return std::min(active_, narrow_); }  // the positions the next cycle verifies
+    int64_t drafts() const { return drafts_; }              // drafts verified, summed over cycles
     int64_t grown_cycles() const { return grown_cycles_; }  // cycles run at the grown size
     int64_t ceilings() const { return ceilings_; }          // cycles that accepted every draft
     int64_t count() const { return count_; }
@@ -70,11 +82,11 @@ private:
     template <typename Posterior>
     void cycle(Posterior posterior);
 
-    int64_t block_size_, limit_, grow_to_, active_;
+    int64_t block_size_, limit_, grow_to_, active_, narrow_;
     std::vector<int64_t> stop_ids_;
     size_t width_ = 1;
     std::vector<int64_t> verify_block_, draft_block_, tokens_, histogram_;
-    int64_t count_ = 0, start_ = 0, accepted_ = 0, committed_ = 0, cycles_ = 0, grown_cycles_ = 0, ceilings_ = 0;
+    int64_t count_ = 0, start_ = 0, accepted_ = 0, committed_ = 0, cycles_ = 0, grown_cycles_ = 0, ceilings_ = 0, drafts_ = 0;
     Finish finish_ = Finish::length;  // not begun: nothing to run
 };
 

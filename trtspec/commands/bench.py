@@ -74,8 +74,8 @@ Examples:
               help="Send each prompt as a user message in the target's chat template (what an instruct model answers best).")
 @output_option("--json", "json_path", metavar="OUT", help="Also write the results to OUT as JSON (atomically).")
 def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_sizes, policy, draft_vocab,
-          draft_counts, temperature, top_k, top_p, seed, proposal_temperature, prompt_lookup, max_new_tokens, limit, repeats, against_eager, against_engine,
-          profile, concurrency, chat, json_path) -> None:
+          draft_counts, temperature, top_k, top_p, seed, max_new_tokens, limit, repeats, against_eager, against_engine,
+          profile, concurrency, chat, json_path, **drafting) -> None:
     """Measure tau, acceptance and decode speed-up vs autoregressive decoding.
 
     Every repeat runs AR and then each block size over all prompts (same backend and loop;
@@ -98,8 +98,7 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
                            "give --engine DIR")
     pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, policy=policy, draft_vocab=draft_vocab,
                              draft_counts=draft_counts, backend=backend,
-                             block_sizes=engine_sizes(block_sizes), proposal_temperature=proposal_temperature,
-                             prompt_lookup=prompt_lookup)
+                             block_sizes=engine_sizes(block_sizes), **drafting)
     if not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR: bench compares speculative decoding with the target alone")
     if chat:  # the template's text; its special tokens are encoded as such, so every later step is unchanged
@@ -140,8 +139,7 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
             raise TrtspecError(f"--against-engine {against_engine} was built from other checkpoints than --engine "
                                f"{engine}; compare engines of one pair")
         reference = load_pipeline(None, None, dtype, device, engine=against_engine, policy=pipeline.policy_dir,
-                                  draft_vocab=pipeline.draft_vocab_size, proposal_temperature=proposal_temperature,
-                                  prompt_lookup=prompt_lookup)
+                                  draft_vocab=pipeline.draft_vocab_size, **drafting)
     if against_eager:  # the engine's own sources, in its dtype: the default pair unless named
         from trtspec.assets import resolve_drafter, resolve_target
         from trtspec.engines.manifest import check_sources
@@ -150,8 +148,7 @@ def bench(target, drafter, engine, dtype, device, backend, prompts_spec, block_s
         reference = load_pipeline(target, drafter, str(pipeline.dtype).removeprefix("torch."), device,
                                   policy=pipeline.policy_dir, draft_vocab=pipeline.draft_vocab_size,
                                   draft_counts=Path(engine) / pipeline.runner.manifest.draft_vocab["dir"]
-                                  if pipeline.draft_vocab_size else None, proposal_temperature=proposal_temperature,
-                                  prompt_lookup=prompt_lookup)
+                                  if pipeline.draft_vocab_size else None, **drafting)
     report = run_bench(pipeline, prompts, config, reference=reference, prompts_name=name)
     click.echo(report.format_table())
     if json_path:

@@ -118,6 +118,7 @@ class BlockSizesType(click.ParamType):
 
 draft_vocab_options = _draft_vocab_options()
 
+# The pipeline's drafting settings; a command takes them as **drafting and hands them to load_pipeline.
 drafting_options = _stack(
     click.option(
         "--proposal-temperature", type=Ranged(limits.PROPOSAL_TEMPERATURE), default=None, metavar="F",
@@ -129,7 +130,13 @@ drafting_options = _stack(
         help="Where the text's last N or more tokens (up to 4) occurred before, in the prompt or the output, "
              "draft the tokens that followed them then instead of the drafter's (a restated signature, a "
              "repeated name); the target verifies either, so output is unchanged. 0: the drafter's drafts "
-             "only. [default: 2]"))
+             "only. [default: 2]"),
+    click.option(
+        "--draft-width", type=Ranged(limits.DRAFT_WIDTH), default=None, metavar="W",
+        help="With prompt lookup, a cycle whose copy is shorter verifies only W positions (the drafter's first "
+             "W-1 proposals, which it gets right most often), and a longer copy widens it up to the block "
+             "size: on a CPU each verified position costs time. Output is unchanged. 0: every cycle verifies "
+             "its whole block. [default: 4 on a CPU, 0 on a GPU]"))
 
 sampling_options = _stack(
     click.option("--temperature", type=Ranged(limits.TEMPERATURE), default=0.0, show_default=True,
@@ -221,11 +228,11 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
                   with_drafter: bool = True, max_context: int | None = None, engine: str | None = None,
                   policy: str | None = None, draft_vocab: int | None = None, draft_counts: str | None = None,
                   backend: str = "eager", block_sizes: tuple[int, ...] = (), proposal_temperature: float | None = None,
-                  prompt_lookup: int | None = None):
+                  prompt_lookup: int | None = None, draft_width: int | None = None):
     """Resolve model arguments (bundled names, defaults) and load them once. Without an engine,
     `backend` other than eager may build (or reuse) a cached one for the pair (`block_sizes`: the
-    sizes the command will ask for, beyond the cache's usual ones). `proposal_temperature` and
-    `prompt_lookup`: the pipeline's (None: its defaults)."""
+    sizes the command will ask for, beyond the cache's usual ones). `proposal_temperature`,
+    `prompt_lookup` and `draft_width`: the pipeline's (None: its defaults)."""
     from trtspec.assets import resolve_drafter, resolve_pair, resolve_target
 
     _limit_gpu_memory(device)
@@ -238,7 +245,8 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
             resolve_target(target) if target else None, resolve_drafter(drafter, target) if drafter else None,
             engine=engine, policy=policy if with_drafter else None, device=device, max_context=max_context,
             draft_vocab=draft_vocab if with_drafter else None, draft_counts=draft_counts,
-            proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup)
+            proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup,
+            draft_width=draft_width)
         built = str(pipeline.dtype).removeprefix("torch.")
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
@@ -250,7 +258,8 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
                              max_context=max_context, policy=policy if with_drafter else None,
                              draft_vocab=draft_vocab if with_drafter else None,
                              draft_counts=draft_counts if with_drafter else None,
-                             proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup)
+                             proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup,
+                             draft_width=draft_width)
 
 
 def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts) -> str | None:

@@ -82,8 +82,8 @@ Examples:
 @click.option("--max-running", type=Ranged(limits.BATCH), default=8, show_default=True, metavar="N",
               help="With --batch: requests decoded together.")
 def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size, policy, draft_vocab, draft_counts,
-        temperature, top_k, top_p, seed, proposal_temperature, prompt_lookup, max_new_tokens, max_context, stop, stop_token_ids, chat, ar, compare_ar,
-        as_json, batch_file, max_running) -> None:
+        temperature, top_k, top_p, seed, max_new_tokens, max_context, stop, stop_token_ids, chat, ar, compare_ar,
+        as_json, batch_file, max_running, **drafting) -> None:
     """Generate a continuation of PROMPT_FILE ('-' reads stdin), or of every prompt of --batch FILE.
 
     Text streams to stdout as it is committed and statistics go to stderr; with --json one
@@ -114,7 +114,7 @@ def run(prompt_file, target, drafter, engine, dtype, device, backend, block_size
     pipeline = load_pipeline(target, drafter, dtype, device, with_drafter=not ar, max_context=max_context,
                              engine=engine, policy=policy, draft_vocab=draft_vocab, draft_counts=draft_counts,
                              backend=backend, block_sizes=engine_sizes([block_size] if block_size else []),
-                             proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup)
+                             **drafting)
     if not ar and not pipeline.has_drafter:
         raise TrtspecError("give --drafter DIR for speculative decoding, or --ar for the target alone")
     stops, single_token_stops = pipeline.codec.stop_strings(stop)

@@ -86,11 +86,10 @@ response carries a "trtspec" object with the block size run, tau, histogram and 
 @output_option("--ray-config", type=click.Path(dir_okay=False), metavar="FILE",
               help="With --replicas: write a `serve deploy` config (YAML) for an existing cluster to FILE and exit.")
 @click.pass_context
-def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts,
-          proposal_temperature, prompt_lookup, host, port,
+def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vocab, draft_counts, host, port,
           max_concurrency, max_queued, block_size, max_context, served_model_name, api_key, max_body_bytes,
           read_timeout, metrics_prefix, graceful_shutdown, replicas, ray_address, min_replicas, max_replicas,
-          target_ongoing_requests, replica_cpus, replica_gpus, ray_config) -> None:
+          target_ongoing_requests, replica_cpus, replica_gpus, ray_config, **drafting) -> None:
     """Serve the model over HTTP with OpenAI's API (completions, chat completions, streaming),
     plus /health and Prometheus /metrics, until Ctrl-C or SIGTERM."""
     from pathlib import Path
@@ -107,7 +106,7 @@ def serve(ctx, target, drafter, engine, dtype, device, backend, policy, draft_vo
     load = {"target": target, "drafter": drafter, "dtype": dtype, "device": device, "max_context": max_context,
             "engine": engine, "policy": policy, "draft_vocab": draft_vocab, "draft_counts": draft_counts,
             "backend": backend, "block_sizes": engine_sizes([block_size] if block_size else []),
-            "proposal_temperature": proposal_temperature, "prompt_lookup": prompt_lookup}
+            **drafting}
     if replicas is not None:
         from trtspec.serving import ray_options, ray_serve
 

@@ -23,14 +23,13 @@ Example:
 @click.option("--instances", type=Ranged(limits.COUNT), default=1, show_default=True, help="Model instances (each loads the engine).")
 @click.option("--threads", type=Ranged(limits.NON_NEGATIVE), default=0, show_default=True, help="CPU threads per instance (0 = torch's choice).")
 @drafting_options
-def triton_repo(engine, output, name, instances, threads, proposal_temperature, prompt_lookup) -> None:
+def triton_repo(engine, output, name, instances, threads, **drafting) -> None:
     """Generate a Triton model repository serving ENGINE (python backend, plain and streaming)."""
     from trtspec.runtime.engine import EngineConfig
     from trtspec.serving.triton import write_repository
 
     models = write_repository(Path(engine), Path(output), name, instances, threads,
-                              EngineConfig(proposal_temperature=proposal_temperature,
-                                                           prompt_lookup=prompt_lookup))
+                              EngineConfig(**drafting))
     click.echo(f"wrote {output}: models {', '.join(models)} over {engine}")
 
 

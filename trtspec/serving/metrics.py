@@ -55,7 +55,7 @@ class Family:
 FAMILIES = (
     Family("spec_decode_num_drafts", "counter", "Speculative cycles (one draft block proposed and verified each).",
            vllm=True),
-    Family("spec_decode_num_draft_tokens", "counter", "Draft tokens proposed (B-1 per cycle of block size B).",
+    Family("spec_decode_num_draft_tokens", "counter", "Draft tokens verified (B-1 per cycle of block size B, fewer in a narrowed one).",
            vllm=True),
     Family("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted by the target.", vllm=True),
     Family("spec_decode_num_accepted_tokens_per_pos", "counter",
@@ -113,14 +113,6 @@ FAMILIES = (
     Family("request_generation_tokens", "histogram", "Generated tokens per finished request.",
            buckets=LENGTH_BUCKETS, vllm=True),
 )
-
-
-def draft_tokens(stats: DecodeStats) -> int:
-    """Draft tokens proposed: B-1 per cycle at B, G-1 per grown cycle (none for autoregressive)."""
-    if stats.block_size <= 1:
-        return 0
-    grown = stats.grown_cycles if stats.grow_to else 0
-    return (stats.cycles - grown) * (stats.block_size - 1) + grown * (stats.grow_to - 1)
 
 
 def accepted_per_position(histogram: list[int]) -> list[int]:
@@ -220,7 +212,7 @@ class ServingMetrics:
                 return
             accepted = committed_tokens(stats.histogram) - stats.cycles  # the bonus tokens are not drafts
             m["spec_decode_num_drafts"].inc(stats.cycles)
-            m["spec_decode_num_draft_tokens"].inc(draft_tokens(stats))
+            m["spec_decode_num_draft_tokens"].inc(stats.draft_tokens)
             m["spec_decode_num_accepted_tokens"].inc(accepted)
             for position, count in enumerate(accepted_per_position(stats.histogram)):
                 if count:

@@ -65,7 +65,7 @@ from trtspec.serving.triton_model import TritonPythonModel  # noqa: F401
 
 # EngineConfig fields, as model parameters (a field left None is not written: the pipeline's default)
 ENGINE_PARAMETERS = {"max_running": int, "max_queued": int, "prefill_chunk": int, "proposal_temperature": float,
-                     "prompt_lookup": int}
+                     "prompt_lookup": int, "draft_width": int}
 
 
 def model_config(name: str, engine_dir: Path, instances: int, decoupled: bool, threads: int,
