@@ -118,25 +118,30 @@ class BlockSizesType(click.ParamType):
 
 draft_vocab_options = _draft_vocab_options()
 
+def _pipeline_setting(flag: str, limit, metavar: str, help: str):
+    """An option whose absence (None) leaves the pipeline's default, named at the end of `help`."""
+    return click.option(flag, type=Ranged(limit), default=None, metavar=metavar, help=help)
+
+
 # The pipeline's drafting settings; a command takes them as **drafting and hands them to load_pipeline.
 drafting_options = _stack(
-    click.option(
-        "--proposal-temperature", type=Ranged(limits.PROPOSAL_TEMPERATURE), default=None, metavar="F",
-        help="Sampled requests (T > 0) draw their drafts from the drafter at F x their temperature and verify them "
-             "by speculative sampling; 0 proposes the drafter's argmax (DFlash's rule). Either way the output "
-             "follows the target's distribution; only acceptance changes. [default: 0.7]"),
-    click.option(
-        "--prompt-lookup", type=Ranged(limits.PROMPT_LOOKUP), default=None, metavar="N",
-        help="Where the text's last N or more tokens (up to 4) occurred before, in the prompt or the output, "
-             "draft the tokens that followed them then instead of the drafter's (a restated signature, a "
-             "repeated name); the target verifies either, so output is unchanged. 0: the drafter's drafts "
-             "only. [default: 2]"),
-    click.option(
-        "--draft-width", type=Ranged(limits.DRAFT_WIDTH), default=None, metavar="W",
-        help="With prompt lookup, a cycle whose copy is shorter verifies only W positions (the drafter's first "
-             "W-1 proposals, which it gets right most often), and a longer copy widens it up to the block "
-             "size: on a CPU each verified position costs time. Output is unchanged. 0: every cycle verifies "
-             "its whole block. [default: 4 on a CPU, 0 on a GPU]"))
+    _pipeline_setting(
+        "--proposal-temperature", limits.PROPOSAL_TEMPERATURE, "F",
+        "Sampled requests (T > 0) draw their drafts from the drafter at F x their temperature and verify them "
+        "by speculative sampling; 0 proposes the drafter's argmax (DFlash's rule). Either way the output "
+        "follows the target's distribution; only acceptance changes. [default: 0.7]"),
+    _pipeline_setting(
+        "--prompt-lookup", limits.PROMPT_LOOKUP, "N",
+        "Where the text's last N or more tokens (up to 4) occurred before, in the prompt or the output, "
+        "draft the tokens that followed them then instead of the drafter's (a restated signature, a "
+        "repeated name); the target verifies either, so output is unchanged. 0: the drafter's drafts "
+        "only. [default: 2]"),
+    _pipeline_setting(
+        "--draft-width", limits.DRAFT_WIDTH, "W",
+        "With prompt lookup, a cycle whose copy is shorter verifies only W positions (the drafter's first "
+        "W-1 proposals, which it gets right most often), and a longer copy widens it up to the block "
+        "size: on a CPU each verified position costs time. Output is unchanged. 0: every cycle verifies "
+        "its whole block. [default: 4 on a CPU, 0 on a GPU]"))
 
 sampling_options = _stack(
     click.option("--temperature", type=Ranged(limits.TEMPERATURE), default=0.0, show_default=True,
