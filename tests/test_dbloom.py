@@ -90,7 +90,8 @@ def preflight_run(target_dir, drafter_dir, tmp_path_factory):
     """One `trtspec preflight` with --json and --plot, read by the tests of each of its outputs."""
     tmp_path = tmp_path_factory.mktemp("preflight")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):\n", "import os\n"]))
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def add(a, b):\n", "import os\n",
+                                                                            "a b c d a b c d a b c d a b"]))
     out, png = tmp_path / "pre.json", tmp_path / "pre.png"
     result = trtspec_in_process("preflight", "--target", target_dir, "--drafter", drafter_dir, "--prompts", prompts,
                                 "--block-size", 8, "--max-new-tokens", 24, "--json", out, "--plot", png)
@@ -105,8 +106,11 @@ def test_preflight_command_writes_the_documented_json(preflight_run):
                          "stranded_tau_estimate", "recommendation", "requests"}
     assert data["block_size"] == 8 and len(data["histogram"]) == 8 and len(data["per_position_acceptance"]) == 7
     assert data["stranded_tau_estimate"] >= data["tau"] >= 1.0
-    assert len(data["requests"]) == 2 and all(r["cycles"] >= 1 for r in data["requests"])
+    assert len(data["requests"]) == 3 and all(r["cycles"] >= 1 for r in data["requests"])
     assert [sum(r["histogram"][a] for r in data["requests"]) for a in range(8)] == data["histogram"]
+    # the drafter's own blocks, whole: prompt lookup (which would copy in the repeating prompt) and its
+    # narrowed cycles are off
+    assert all(r["draft_tokens"] == 7 * r["cycles"] for r in data["requests"])
 
 
 def test_preflight_command_writes_the_plot(preflight_run):

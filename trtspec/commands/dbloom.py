@@ -46,7 +46,8 @@ def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, 
     if teacher_forced and engine is not None:
         raise TrtspecError("--teacher-forced runs the checkpoints: give --target and --drafter, not --engine")
     name, prompts = load_prompts(prompts_spec, limit)
-    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine)
+    # the drafter's own acceptance over whole blocks: no copies from the text, no narrowed cycles
+    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, prompt_lookup=0, draft_width=0)
     if not pipeline.has_drafter:
         raise TrtspecError("preflight inspects a drafter's acceptance; give --drafter DIR")
     if block_size is None:

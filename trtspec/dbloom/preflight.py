@@ -58,7 +58,8 @@ def run_preflight(pipeline, prompts: list[str], block_size: int, max_new_tokens:
 def _request(stats: DecodeStats, **extra) -> dict:
     """One request's line in the report."""
     return {"tau": stats.tau, "cycles": stats.cycles, "ceiling_fraction": stats.ceiling_fraction,
-            "new_tokens": stats.new_tokens, "histogram": stats.histogram, **extra}
+            "new_tokens": stats.new_tokens, "histogram": stats.histogram, "draft_tokens": stats.draft_tokens,
+            **extra}
 
 
 ANCHORS_PER_PASS = 32  # blocks per packed drafter pass when teacher forcing (bounds the attention mask)
@@ -104,7 +105,8 @@ def run_teacher_forced(pipeline, prompts: list[str], block_size: int, max_new_to
                 matches = drafts == batch.labels.view(-1, block_size)[:, 1:]
                 accepted += matches.int().cumprod(dim=1).sum(dim=1).tolist()
             counts = [accepted.count(a) for a in range(block_size)]
-            stats.append(DecodeStats(block_size, new_tokens=len(continuation), histogram=counts))
+            stats.append(DecodeStats(block_size, new_tokens=len(continuation), histogram=counts,
+                                     draft_tokens=len(accepted) * (block_size - 1)))
             accepted_counts.append(accepted)
     requests = [_request(s, accepted=accepted) for s, accepted in zip(stats, accepted_counts)]
     return Preflight(block_size, pooled_histogram(stats), mean_tau(stats), requests)
