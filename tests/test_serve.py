@@ -576,8 +576,10 @@ def test_metrics_agree_with_the_responses(server):
     assert delta("vllm:request_generation_tokens_count") == 5 and delta("vllm:request_prefill_time_seconds_count") == 5
     # one observation per token after each request's first commit (which may hold several tokens)
     assert 0 < delta("vllm:inter_token_latency_seconds_count") <= sum(r.usage.completion_tokens - 1 for r, _ in served)
-    assert after[series("trtspec_spec_decode_stranded_tau_estimate", block_size="8")] >= \
-        after[series("trtspec_spec_decode_tau", block_size="8")] >= 1
+    assert after[series("trtspec_spec_decode_tau", block_size="8")] >= 1
+    # the stranded estimate pools only requests that ran whole blocks: a narrowed one (the CPU's draft width) is left out
+    narrowed = [e for e in spec if e["block_size"] == "8" and e["draft_tokens"] < 7 * e["cycles"]]
+    assert (series("trtspec_spec_decode_stranded_tau_estimate", block_size="8") in after) != bool(narrowed)
 
 
 def test_an_idle_server_reports_no_load(server):
@@ -706,13 +708,17 @@ def test_serving_metrics_render_finished_requests_by_block_size():
 
     served = ServingMetrics(model_name="m")
     served.observe_finished(_grown(), latency_s=0.5, ttft_s=0.1)
-    served.observe_finished(DecodeStats(block_size=4, histogram=[0, 1, 0, 3], finish_reason="length"), latency_s=1)
+    served.observe_finished(DecodeStats(block_size=4, histogram=[0, 1, 0, 3], finish_reason="length", draft_tokens=12),
+                            latency_s=1)
+    served.observe_finished(DecodeStats(block_size=8, histogram=[2] + [0] * 7, draft_tokens=6), latency_s=1)  # narrowed
     served.observe_load(2, 3, (4, 4, 8))
     text = served.render().decode()
     assert 'trtspec_spec_decode_ceiling_cycles_total{block_size="4:8",engine="0",model_name="m"} 2.0' in text
-    assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 8.0' in text
+    assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0' in text
     assert 'trtspec_num_requests_running_by_block_size{block_size="4",engine="0",model_name="m"} 2.0' in text
     assert 'trtspec_spec_decode_stranded_tau_estimate{block_size="4",engine="0",model_name="m"}' in text
+    assert 'trtspec_spec_decode_tau{block_size="8",engine="0",model_name="m"} 1.0' in text
+    assert 'trtspec_spec_decode_stranded_tau_estimate{block_size="8"' not in text
 
 
 def test_a_cycle_of_several_tokens_shares_its_latency_among_them():

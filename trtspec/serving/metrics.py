@@ -73,7 +73,8 @@ FAMILIES = (
            ("block_size",)),
     Family("spec_decode_stranded_tau_estimate", "gauge",
            "DBloom's stranded-tau estimate from the pooled histogram of the fixed block size so far: tau plus the "
-           "tokens the ceiling cycles would have added had the block continued.", ("block_size",)),
+           "tokens the ceiling cycles would have added had the block continued (requests that ran whole blocks "
+           "only: a narrowed cycle cannot reach the ceiling).", ("block_size",)),
     Family("spec_decode_tau", "gauge", "Committed tokens per cycle (bonus included) of the pooled histogram so far.",
            ("block_size",)),
     Family("request_success", "counter", "Requests finished, by finish reason (stop, length).", ("finished_reason",),
@@ -162,6 +163,7 @@ class ServingMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._lock = threading.Lock()
         self._pooled: dict[int, list[int]] = {}   # fixed block size -> pooled histogram
+        self._whole: dict[int, list[int]] = {}    # ... of the requests that ran whole blocks (no narrowed cycle)
         self._running_sizes: set[str] = set()
         self.families = {}
         for family in FAMILIES:
@@ -221,17 +223,24 @@ class ServingMetrics:
             if stats.copied_cycles:
                 m["spec_decode_copied_cycles"].labels(schedule).inc(stats.copied_cycles)
             if not stats.grow_to:  # the stranded estimate reads one block size's histogram
-                self._update_tau(stats.block_size, stats.histogram)
+                self._update_tau(stats.block_size, stats.histogram,
+                                 whole=stats.draft_tokens == stats.cycles * (stats.block_size - 1))
 
-    def _update_tau(self, block_size: int, histogram: list[int]) -> None:
+    def _update_tau(self, block_size: int, histogram: list[int], whole: bool) -> None:
+        """The pooled tau of the block size, and its stranded-tau estimate from the requests whose
+        cycles all ran whole blocks (`whole`): in a narrowed cycle (prompt lookup's `--draft-width`)
+        the ceiling is out of reach and the last positions are reached only by copies."""
         from trtspec.dbloom.histogram import Preflight
 
-        pooled = self._pooled[block_size] = pool_histograms([self._pooled.get(block_size, []),
-                                                             cut_histogram(histogram, block_size)])
-        tau = histogram_tau(pooled)
-        self.families["spec_decode_tau"].labels(str(block_size)).set(tau)
-        estimate = Preflight(block_size, list(pooled), tau).stranded_tau_estimate
-        self.families["spec_decode_stranded_tau_estimate"].labels(str(block_size)).set(estimate)
+        def pool(into: dict[int, list[int]]) -> list[int]:
+            into[block_size] = pool_histograms([into.get(block_size, []), cut_histogram(histogram, block_size)])
+            return into[block_size]
+
+        self.families["spec_decode_tau"].labels(str(block_size)).set(histogram_tau(pool(self._pooled)))
+        if whole:
+            pooled = pool(self._whole)
+            estimate = Preflight(block_size, list(pooled), histogram_tau(pooled)).stranded_tau_estimate
+            self.families["spec_decode_stranded_tau_estimate"].labels(str(block_size)).set(estimate)
 
     def observe_failed(self, reason: str) -> None:
         """A request that did not finish: "cancelled", "rejected" (queue full) or "error"."""
