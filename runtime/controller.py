@@ -70,7 +70,7 @@ class Stepper:
 
     def __init__(self, controller: Controller):
         self.controller = controller
-        self._views: dict[int, tuple[torch.Tensor, np.ndarray | None]] = {}  # per buffer (one per block size)
+        self._views: dict[int, tuple[torch.Tensor, np.ndarray | None]] = {}  # per buffer (one per verify width)
 
     def __call__(self, logits: torch.Tensor, row: int) -> None:
         """A step from row `row` of a verify's logits [R, B, V]."""

@@ -529,9 +529,11 @@ class LocalEngine:
         drawn = self.proposal_temperature > 0
         copies = [self._copy(active, size - 1) if active.lookup is not None else [] for active in members]
         widths = [self._narrow(active, size, len(copied)) for active, copied in zip(members, copies)]
-        drafts = [copied[:width - 1] + [0] * (width - 1 - len(copied)) for copied, width in zip(copies, widths)]
+        # a copy always fits its cycle (cycle_width is at least the copy and its bonus, or the block it was cut to)
+        drafts = [copied + [0] * (width - 1 - len(copied)) for copied, width in zip(copies, widths)]
         asking = [row for row, active in enumerate(members)
                   if len(copies[row]) < widths[row] - 1 or (drawn and active.stepper is None and widths[row] > 1)]
+        skipped = set(range(len(members))).difference(asking)
         for width in sorted({widths[row] for row in asking}):  # a draft call per width: rows draft alike
             rows = [row for row in asking if widths[row] == width]
             asked = [members[row] for row in rows]
@@ -555,7 +557,7 @@ class LocalEngine:
         for row, active in enumerate(members):
             active.controller.verify_block[1:widths[row]] = drafts[row]
             active.stats.copied_cycles += bool(copies[row])
-            if row not in asking:  # its context may be a view of the verify output this iteration overwrites
+            if row in skipped:  # its context may be a view of the verify output this iteration overwrites
                 active.context = active.context.clone()
 
     def _narrow(self, active: _Active, size: int, copied: int) -> int:

@@ -577,7 +577,8 @@ def test_metrics_agree_with_the_responses(server):
     # one observation per token after each request's first commit (which may hold several tokens)
     assert 0 < delta("vllm:inter_token_latency_seconds_count") <= sum(r.usage.completion_tokens - 1 for r, _ in served)
     assert after[series("trtspec_spec_decode_tau", block_size="8")] >= 1
-    # the stranded estimate pools only requests that ran whole blocks: a narrowed one (the CPU's draft width) is left out
+    # the stranded estimate pools only requests that ran whole blocks: a narrowed one (the CPU's draft width)
+    # is left out
     stranded = series("trtspec_spec_decode_stranded_tau_estimate", block_size="8")
     if any(e["block_size"] == "8" and e["draft_tokens"] < 7 * e["cycles"] for e in spec):
         assert after.get(stranded) == before.get(stranded)  # narrowed: left out of the estimate

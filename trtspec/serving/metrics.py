@@ -55,8 +55,8 @@ class Family:
 FAMILIES = (
     Family("spec_decode_num_drafts", "counter", "Speculative cycles (one draft block proposed and verified each).",
            vllm=True),
-    Family("spec_decode_num_draft_tokens", "counter", "Draft tokens verified (B-1 per cycle of block size B, fewer in a narrowed one).",
-           vllm=True),
+    Family("spec_decode_num_draft_tokens", "counter",
+           "Draft tokens verified (B-1 per cycle of block size B, fewer in a narrowed one).", vllm=True),
     Family("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted by the target.", vllm=True),
     Family("spec_decode_num_accepted_tokens_per_pos", "counter",
            "Cycles whose draft at this position (0-based) was accepted; a block's last position is its ceiling bin.",
