@@ -20,6 +20,7 @@ import torch
 
 from trtspec.engines.capture import BindingKey, binding_key
 from trtspec.engines.executor import PREFILL, ProfileKey
+from trtspec.export.bindings import TARGET
 from trtspec.errors import TrtspecError
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
@@ -46,6 +47,23 @@ def available() -> bool:
     return True
 
 
+def _options(ort, threads: int, spinning: bool):
+    """A session's options. Each session has its own pool of intra-op threads. The target's pool
+    spins while it waits for work, so its parallel sections start at once (its graph is most of a
+    cycle's time); the drafter's pool sleeps, or the target's spinning threads and its own would take
+    turns on the same cores between the two graphs. Measured on a 2-core host (docs/engines.md,
+    "Threads"): the target spinning alone took AR 5% faster and speculation 2%, both pools spinning
+    speculation 27% slower."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    # Errors only: the float graphs are exported unfolded (export_onnx), and the CPU provider's
+    # constant folding says, per node, which CastLike it leaves to run time.
+    options.log_severity_level = 3
+    return options
+
+
 class OnnxRuntimeExecutor:
     backend = "onnxruntime"
 
@@ -53,16 +71,7 @@ class OnnxRuntimeExecutor:
                  cuda_graphs: bool = False):
         ort = _import_onnxruntime()
         self.device = device
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or torch.get_num_threads()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # Idle pool threads sleep rather than spin: between graph runs the decode loop's host work
-        # (controller, torch ops) needs those cores, and spinning threads take them (how much:
-        # docs/benchmarks.md, "A new user's bench").
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # Errors only: the float graphs are exported unfolded (export_onnx), and the CPU provider's
-        # constant folding says, per node, which CastLike it leaves to run time.
-        options.log_severity_level = 3
+        threads = threads or torch.get_num_threads()
         if device.type == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise TrtspecError("CUDA device requested but this onnxruntime has no CUDA execution provider "
@@ -74,7 +83,8 @@ class OnnxRuntimeExecutor:
         else:
             providers = ["CPUExecutionProvider"]
         try:
-            self.sessions = {name: ort.InferenceSession(str(path), options, providers=providers)
+            self.sessions = {name: ort.InferenceSession(str(path), _options(ort, threads, spinning=name == TARGET),
+                                                        providers=providers)
                              for name, path in graphs.items()}
         except Exception as error:  # e.g. a graph with nodes ONNX Runtime keeps on the CPU cannot be captured
             raise TrtspecError(f"ONNX Runtime cannot open the engine's graphs: {error}") from None

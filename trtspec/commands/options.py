@@ -199,8 +199,8 @@ SMALL_MODEL_BYTES = 256 << 20
 def _choose_threads(weights: list[Path]) -> None:
     """Without --threads, run a small model in eager PyTorch on one CPU thread: its matrix products
     are too small to split, and torch's spinning threads only contend with the loop's host work
-    (measured: docs/benchmarks.md). ONNX Runtime engines keep every core: their idle threads sleep
-    (engines/onnxruntime.py)."""
+    (measured: docs/benchmarks.md). ONNX Runtime engines keep every core (engines/onnxruntime.py:
+    only the target graph's pool spins)."""
     context = click.get_current_context(silent=True)
     if context is None or context.meta.get(THREADS) is not None:
         return
