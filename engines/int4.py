@@ -148,7 +148,8 @@ def keep_gguf_blocks(model) -> list[str]:
     for node in graph.node:
         weight_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
         tensor = initializers.get(weight_name)
-        x, rank = node.input[0], ranks.get(node.input[0]) if tensor is not None else None
+        x = node.input[0] if tensor is not None else None
+        rank = ranks.get(x) if x is not None else None
         weight = numpy_helper.to_array(tensor) if rank is not None and rank >= 2 else None
         grid = weight is not None and (q4_1_blocks(weight) or q8_0_blocks(weight))
         if not grid:
