@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, GraphSpec
-from trtspec.export.fusion import fuse_shared_matmuls
+from trtspec.export.fusion import fuse_file
 from trtspec.export.steps import DraftStep, TargetStep
 from trtspec.models import DFlashDrafter, Qwen3Target
 
@@ -111,8 +111,6 @@ def export_onnx(module: torch.nn.Module, spec: GraphSpec, max_context: int, dtyp
             onnxscript.optimizer.fold_constants(program.model, onnx_shape_inference=False,
                                                 input_size_limit=SMALL_CONSTANT, output_size_limit=SMALL_CONSTANT)
     program.save(str(path))
-    model = onnx.load(str(path))
-    if fuse_shared_matmuls(model):  # q/k/v, gate/up: one product each (export/fusion.py)
-        onnx.save_model(model, str(path))
+    fuse_file(path)  # q/k/v, gate/up: one product each (export/fusion.py)
     onnx.checker.check_model(str(path), full_check=True)
 

@@ -15,8 +15,25 @@ quantizer, TensorRT's parser) gets it, and the models keep their checkpoints' la
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
+
+
+def fuse_file(path: Path) -> int:
+    """`fuse_shared_matmuls` on the graph at `path`, rewritten in place when anything merged. A graph
+    whose weights lie outside its file (ONNX's external data: models over 2 GB) is left as it is:
+    rewriting it would mean loading every weight, and at that size the products are long anyway."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+
+    model = onnx.load(str(path), load_external_data=False)
+    if any(uses_external_data(weight) for weight in model.graph.initializer):
+        return 0
+    merged = fuse_shared_matmuls(model)
+    if merged:
+        onnx.save_model(model, str(path))
+    return merged
 
 
 def fuse_shared_matmuls(model) -> int:
@@ -41,7 +58,7 @@ def fuse_shared_matmuls(model) -> int:
         arrays = [numpy_helper.to_array(weights[n.input[1]]) for n in nodes]
         if len(nodes) < 2 or len({(a.shape[0], a.dtype) for a in arrays}) > 1:
             continue
-        first = nodes[0].name
+        first = nodes[0].name or nodes[0].output[0]  # names the new tensors (an output's name is unique)
         fused = numpy_helper.from_array(np.concatenate(arrays, axis=1), f"{first}.fused.weight")
         sizes = numpy_helper.from_array(np.array([a.shape[1] for a in arrays], dtype=np.int64), f"{first}.fused.sizes")
         graph.initializer.extend([fused, sizes])

@@ -7,7 +7,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from trtspec.export.fusion import fuse_shared_matmuls
+from trtspec.export.fusion import fuse_file, fuse_shared_matmuls
 
 
 def _graph() -> onnx.ModelProto:
@@ -44,3 +44,13 @@ def test_projections_of_one_input_become_one_matmul_with_the_same_outputs():
     for expected, got in zip(before, _run(model, x), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
     assert fuse_shared_matmuls(model) == 0  # nothing left to merge
+
+
+def test_a_graph_file_is_rewritten_in_place_unless_its_weights_lie_outside_it(tmp_path):
+    inline, external = tmp_path / "inline.onnx", tmp_path / "external.onnx"
+    onnx.save_model(_graph(), str(inline))
+    onnx.save_model(_graph(), str(external), save_as_external_data=True, location="external.data",
+                    size_threshold=0)
+    assert fuse_file(inline) == 2 and [n.op_type for n in onnx.load(str(inline)).graph.node].count("Split") == 1
+    before = external.read_bytes()
+    assert fuse_file(external) == 0 and external.read_bytes() == before
