@@ -66,7 +66,7 @@ def run(pipeline, ids: list[list[int]], configs: list[GenerationConfig], batch: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--batch", type=int, default=8, help="Requests decoded at once (even).")
     parser.add_argument("--block-size", type=int, default=8, help="The greedy requests' block size.")
     parser.add_argument("--max-new-tokens", type=int, default=96, help="Tokens every request generates.")
