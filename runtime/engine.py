@@ -37,7 +37,8 @@ from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.limits import CONCURRENCY, DRAFT_WIDTH, PROMPT_LOOKUP, PROPOSAL_TEMPERATURE
 from trtspec.runtime.controller import Controller, ControllerFactory, Stepper, native_controller
-from trtspec.runtime.lookup import MIN_MATCH, PromptLookup, cycle_width, default_draft_width
+from trtspec.runtime.lookup import (MIN_MATCH, WIDTH_SAMPLES, PromptLookup, cycle_width, default_draft_width,
+                                    widening_pays)
 from trtspec.runtime.output import OutputProcessor
 from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
@@ -232,6 +233,7 @@ class LocalEngine:
         self.closed = False
         self._recent, self._recent_at = 0.0, time.perf_counter()
         self._chosen: BlockChoice | None = None  # the latest `auto` admission's block, for the chooser's switches
+        self._width_ms: dict[int, deque[float]] = {}  # verify calls of one request, ms by width: what widening costs
 
     # ---- front-end side ------------------------------------------------------------------------
 
@@ -372,9 +374,13 @@ class LocalEngine:
                     self._draft(size, drafting)
             drafted.append(time.perf_counter() - began if timed else 0.0)
         for (width, by_size), draft_s in zip(calls, drafted):
-            began = time.perf_counter() if timed else 0.0
+            began = time.perf_counter()
             members = [active for drafting in by_size.values() for active in drafting]
+            alone = members[0].controller.next_width if len(members) == 1 else 0
             self._verify(members, own_features=len(calls) > 1)
+            if alone > 1:  # one request's call: its width's cost, for widening (_widening_pays)
+                self._width_ms.setdefault(alone, deque(maxlen=4 * WIDTH_SAMPLES)).append(
+                    (time.perf_counter() - began) * 1e3)
             for active in members:
                 if not active.failed:
                     self._emit(active)
@@ -529,7 +535,7 @@ class LocalEngine:
         drawn = self.proposal_temperature > 0
         copies = [self._copy(active, size - 1) if active.lookup is not None else [] for active in members]
         widths = [self._narrow(active, size, len(copied)) for active, copied in zip(members, copies)]
-        # a copy always fits its cycle (cycle_width is at least the copy and its bonus, or the block it was cut to)
+        copies = [copied[:width - 1] for copied, width in zip(copies, widths)]  # cut where widening did not pay
         drafts = [copied + [0] * (width - 1 - len(copied)) for copied, width in zip(copies, widths)]
         asking = [row for row, active in enumerate(members)
                   if len(copies[row]) < widths[row] - 1 or (drawn and active.stepper is None and widths[row] > 1)]
@@ -567,9 +573,25 @@ class LocalEngine:
         if active.lookup is None or active.stats.grow_to:
             return size
         width = cycle_width(size, copied, self.draft_width, self.runner.block_sizes)
+        narrow = cycle_width(size, 0, self.draft_width, self.runner.block_sizes)
+        if narrow < width and not self._widening_pays(active, narrow, width):
+            width = narrow  # the copy is cut to it
         if width < size:
             active.controller.narrow(width)
         return width
+
+    def _widening_pays(self, active: _Active, narrow: int, wide: int) -> bool:
+        """Whether a greedy request decoding alone widens a cycle for its copy: by this engine's own
+        verify calls of both widths (lookup.widening_pays), once it has made WIDTH_SAMPLES of each
+        (until then it widens, and so measures). Sampled requests and batches widen as the copy asks:
+        a sampled request's cycles stay a function of its text and seed, whatever the machine's timing
+        (a greedy one's output is the target's whatever its widths)."""
+        if active.stepper is None or len(self._active) > 1:
+            return True
+        costs = [self._width_ms.get(width, ()) for width in (narrow, wide)]
+        if min(len(ms) for ms in costs) < WIDTH_SAMPLES:
+            return True
+        return widening_pays(narrow, wide, *(float(np.median(ms)) for ms in costs))
 
     def _copy(self, active: _Active, width: int) -> list[int]:
         """Prompt lookup's proposal for the request's next `width` drafts (maybe fewer, maybe none). A

@@ -32,6 +32,19 @@ MAX_MATCH = int(PROMPT_LOOKUP.high)  # the longest suffix looked up: a longer ma
 # step (the default pair, one thread: 40.6 ms for 1 position, 47.5 for 4, 88.0 for 16): B = 4 is the
 # fastest fixed block there. On a GPU a block of 16 costs about one position: cycles keep their block.
 CPU_DRAFT_WIDTH = 4
+# Widening a cycle for a copy verifies more positions. It paid on the float32 engine, where each extra
+# position over a 4-wide verify costs 0.07 of that verify (B = 16 widening 2.30x AR, capped at 8 2.21x),
+# and not on the 4-bit target, where it costs 0.15 (B = 16 widening 1.06x, capped at 8 1.21x, B = 4
+# 1.27x): a cycle widens while an extra position costs at most WIDEN_COST of the narrow one, between
+# the two (docs/architecture.md, "Narrowed cycles").
+WIDEN_COST = 0.1
+WIDTH_SAMPLES = 8  # an engine's own calls of a width before their median counts as its cost
+
+
+def widening_pays(narrow: int, wide: int, narrow_ms: float, wide_ms: float) -> bool:
+    """Whether a cycle `wide` positions wide (verified in `wide_ms`) is worth it beside a `narrow`
+    one (`narrow_ms`): each extra position costs at most WIDEN_COST of the narrow cycle."""
+    return wide_ms - narrow_ms <= WIDEN_COST * narrow_ms * (wide - narrow)
 
 
 def default_draft_width(device: torch.device, built: Sequence[int] | None) -> int:

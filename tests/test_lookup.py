@@ -7,6 +7,7 @@ with a test that fails when the copies are verified against the drafter's distri
 """
 
 import random
+from collections import deque
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from trtspec.api import Pipeline
 from trtspec.errors import TrtspecError
 from trtspec.runtime import engine as engine_module
 from trtspec.runtime.engine import EngineConfig, LocalEngine
-from trtspec.runtime.lookup import CPU_DRAFT_WIDTH, MAX_MATCH, PromptLookup, cycle_width, default_draft_width
+from trtspec.runtime.lookup import (CPU_DRAFT_WIDTH, MAX_MATCH, WIDTH_SAMPLES, PromptLookup, cycle_width,
+                                   default_draft_width, widening_pays)
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.schedule import AR, BlockChoice
 
@@ -115,6 +117,32 @@ def test_a_cycle_is_as_wide_as_its_copy_within_the_block():
     assert default_draft_width(torch.device("cpu"), (8, 16)) == 8  # rounded up to a built width
     assert default_draft_width(torch.device("cpu"), (3,)) == 0
     assert default_draft_width(torch.device("cuda"), None) == 0  # a GPU verifies 16 positions for about one's cost
+
+
+def test_a_cycle_widens_where_its_extra_positions_cost_little():
+    # verify ms over 300 cached positions, 1 thread (docs/engines.md): float32 4 -> 16 positions 47.8
+    # -> 86.8, the 4-bit target 31.3 -> 89.4 (and 51.0 at 8)
+    assert widening_pays(4, 16, 47.8, 86.8) and widening_pays(4, 8, 47.8, 65.4)
+    assert not widening_pays(4, 16, 31.3, 89.4) and not widening_pays(4, 8, 31.3, 51.0)
+
+
+def test_a_greedy_request_alone_widens_only_where_this_engines_calls_say_it_pays(tiny):
+    """Alone, a greedy request's copies widen its cycles until the engine has timed both widths; where
+    the wide calls cost too much for their positions the copies are cut to the narrow width instead.
+    The output is AR's either way."""
+    configs = [GenerationConfig(max_new_tokens=40, block=BlockChoice(16))] * len(REPEATING)
+    reference = tiny.autoregressive().generate_batch(REPEATING, [GenerationConfig(max_new_tokens=40, block=AR)] * 3)
+    ids = [tiny.codec.encode(prompt) for prompt in REPEATING]
+    for dear in (False, True):
+        engine = tiny.stepped_engine(EngineConfig(max_running=1, prompt_lookup=1, draft_width=4), load_aware=False)
+        if dear:  # as if timed: each position beyond 4 costs a third of a 4-wide call
+            engine._width_ms = {width: deque([30.0 + 10.0 * (width - 4)] * WIDTH_SAMPLES, maxlen=4 * WIDTH_SAMPLES)
+                                for width in range(4, 17)}
+        generations = engine.generate(ids, configs)
+        assert [g.tokens for g in generations] == [r.tokens for r in reference]
+        cycles, drafts = (sum(getattr(g.stats, name) for g in generations) for name in ("cycles", "draft_tokens"))
+        assert sum(g.stats.copied_cycles for g in generations) > 0
+        assert (drafts == 3 * cycles) == dear, (drafts, cycles)  # every cycle 4 wide, or some widened
 
 
 def test_a_draft_width_the_engine_was_not_built_for_is_refused(tiny):
