@@ -1,7 +1,6 @@
 #include "controller.hpp"
 
 #include <algorithm>
-#include <climits>
 #include <stdexcept>
 #include <string>
 
@@ -51,7 +50,7 @@ int64_t argmax(const float* row, size_t n) {
 
 Controller::Controller(int64_t block_size, int64_t limit, std::vector<int64_t> stop_ids, int64_t mask_token_id,
                        int64_t grow_to)
-    : block_size_(block_size), limit_(limit), grow_to_(grow_to), active_(block_size), narrow_(INT64_MAX), stop_ids_(std::move(stop_ids)) {
+    : block_size_(block_size), limit_(limit), grow_to_(grow_to), active_(block_size), stop_ids_(std::move(stop_ids)) {
     if (block_size_ < 1 || limit_ < 1) throw std::invalid_argument("block size and limit must be >= 1");
     if (grow_to_ != 0 && (block_size_ < 2 || grow_to_ <= block_size_))
         throw std::invalid_argument("a block grows from B >= 2 to a larger size");

@@ -17,8 +17,8 @@
 // exact speculative step too; it counts as a ceiling only when it ran its whole block.
 #pragma once
 
-#include <cstddef>
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -82,7 +82,8 @@ private:
     template <typename Posterior>
     void cycle(Posterior posterior);
 
-    int64_t block_size_, limit_, grow_to_, active_, narrow_;
+    int64_t block_size_, limit_, grow_to_, active_;
+    int64_t narrow_ = INT64_MAX;  // the next cycle's width when narrowed (INT64_MAX: its whole block)
     std::vector<int64_t> stop_ids_;
     size_t width_ = 1;
     std::vector<int64_t> verify_block_, draft_block_, tokens_, histogram_;
