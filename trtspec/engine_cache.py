@@ -37,8 +37,8 @@ BACKENDS = ("auto", "eager", "onnxruntime")
 # ONNX Runtime graphs are shape-dynamic, so every block size a user is likely to ask for is built in:
 # a size costs only its line in the manifest and its self-check.
 BLOCK_SIZES = tuple(range(3, 33))
-BACKEND_HELP = ("auto: on a CPU with onnxruntime installed, in float32 (--dtype auto on a CPU without AMX or "
-                "AVX512-BF16), an ONNX Runtime engine built on first use into the "
+BACKEND_HELP = ("auto: on a CPU with onnxruntime installed, in float32 (--dtype auto on a CPU without AMX), "
+                "an ONNX Runtime engine built on first use into the "
                 f"cache (${CACHE_ENV}, default ~/.cache/trtspec) and reused after; eager otherwise (on CUDA replayed "
                 "from CUDA graphs; a compiled engine: trtspec build --backend tensorrt|inductor). eager: the "
                 "checkpoints in PyTorch. Env TRTSPEC_BACKEND.")
