@@ -45,16 +45,15 @@ def _axis_ranges(graph: str, key: ProfileKey, max_context: int, max_batch: int) 
     half = max(1, max_context // 2)
     batch = (1, max(1, max_batch // 2), max_batch)
     slots = {"slots": (1, max_batch, max_batch)}
-    single = {"single": (0, 0, max_batch)}  # rows attending with their first query alone (an AR row in a verify call)
     if graph == TARGET and key == PREFILL:
         tokens = (1, min(PREFILL_OPT_TOKENS, max_context), max_context)
-        return {"batch": (1, 1, max_batch), "wide": (1, 1, max_batch), "tokens": tokens, "past": (0, 0, capacity),
+        return {"batch": (1, 1, max_batch), "tokens": tokens, "past": (0, 0, capacity),
                 "positions": (1, tokens[1], max_batch * max_context), "scored": (1, 1, max_batch * max_context),
-                **single, **slots}
+                **slots}
     if graph == TARGET:  # a decode call computes and scores the same positions
         positions = (1, batch[1] * key, max_batch * key)
-        return {"batch": batch, "wide": batch, "tokens": (key, key, key), "past": (1, half, capacity),
-                "positions": positions, "scored": positions, **single, **slots}
+        return {"batch": batch, "tokens": (key, key, key), "past": (1, half, capacity),
+                "positions": positions, "scored": positions, **slots}
     return {"batch": batch, "block": (key, key, key), "context": (1, key, max_context), "past": (0, half, capacity),
             **slots}
 

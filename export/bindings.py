@@ -14,11 +14,7 @@ Two graphs cover the whole decode loop, for a batch of requests at once:
   real positions (flat, row * T + t): the stack runs on those alone, packed (attention alone sees
   the padded rows). `scored` picks, among the computed positions (indices into `computed`), those
   whose logits the call returns, [scored, vocab]: every one for verify, the last for a prompt
-  chunk (the LM head over a whole prompt would be a fifth of a small model's prefill). In
-  attention the rows form two groups: `wide_rows` attend with all T queries, `single_rows` (rows
-  with one real position in a wider call) with their first alone, and `attended` picks each
-  computed position's output among the groups' (the wide rows' w x T positions, then the single
-  rows' s), so an AR row's padding costs nothing.
+  chunk (the LM head over a whole prompt would be a fifth of a small model's prefill).
 * `draft` projects each request's new context features into the drafter's cache and proposes
   B-1 tokens for its block [bonus, MASK x (B-1)] starting at starts[r]. Context rows are
   left-padded to the batch's longest: row r's last counts[r] entries are real.
@@ -87,9 +83,6 @@ def target_graph(config: Qwen3Config, num_features: int) -> GraphSpec:
         TensorSpec("past_v", "model", cache),
         TensorSpec("computed", "int64", ("positions",)),
         TensorSpec("scored", "int64", ("scored",)),
-        TensorSpec("wide_rows", "int64", ("wide",)),
-        TensorSpec("single_rows", "int64", ("single",)),
-        TensorSpec("attended", "int64", ("positions",)),
     ), outputs=(
         TensorSpec("logits", "model", ("scored", config.vocab_size)),
         TensorSpec("features", "model", ("batch", "tokens", num_features * config.hidden_size)),

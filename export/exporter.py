@@ -24,7 +24,7 @@ from trtspec.models import DFlashDrafter, Qwen3Target
 # Example sizes for tracing: any values inside the ranges that are not 0 or 1 (which torch.export
 # would treat as special) and differ from each other, so no two axes get unified by accident.
 EXAMPLE_SIZES = {"tokens": 5, "past": 7, "context": 3, "block": 4, "batch": 2, "slots": 6, "positions": 9,
-                 "scored": 8, "wide": 10, "single": 11}
+                 "scored": 8}
 
 
 # torch.export specialises axes of size 1, and a block of 2 makes the proposals axis (B - 1) one;
@@ -46,8 +46,6 @@ def dim_ranges(max_context: int) -> dict[str, tuple[int, int]]:
         "slots": (1, MAX_BATCH),               # cache slots (concurrent requests) of the runtime's buffers
         "positions": (1, MAX_BATCH * max_context),  # a target call's real (unpadded) positions
         "scored": (1, MAX_BATCH * max_context),     # ... and those of them whose logits it returns
-        "wide": (1, MAX_BATCH),                # rows attending with all their queries ...
-        "single": (0, MAX_BATCH),              # ... and with their first alone (an AR row in a verify call)
     }
 
 
@@ -66,10 +64,6 @@ def _example(spec: GraphSpec, dtype: torch.dtype, device: torch.device) -> tuple
             tensors.append(torch.full(shape, EXAMPLE_SIZES["context"], device=device))
         elif t.name in ("computed", "scored"):  # real positions among batch x tokens (all but the last),
             tensors.append(torch.arange(shape[0], device=device))  # scored ones among them (all but the last)
-        elif t.name in ("wide_rows", "single_rows"):  # rows of the batch (repeated: any rows trace the graph)
-            tensors.append(torch.arange(shape[0], device=device) % EXAMPLE_SIZES["batch"])
-        elif t.name == "attended":  # positions among the groups' outputs (wide x tokens + single of them)
-            tensors.append(torch.arange(shape[0], device=device))
         elif t.name == "slots":
             tensors.append(torch.arange(shape[0], device=device) % EXAMPLE_SIZES["slots"])
         elif t.dtype == "int64":

@@ -40,35 +40,6 @@ def _attend_past(past_k: torch.Tensor, past_v: torch.Tensor, slots: torch.Tensor
     return hook
 
 
-class RowGroups:
-    """A padded target call's attention in two groups of rows: the `wide` rows attend with all T of
-    their queries, the `single` rows (one real position beside longer blocks: an AR row in a verify
-    call) with their first alone. A padded query costs what a real one does in attention (it reads
-    every cached key of its row), so an AR row padded to B = 4 would read its cache four times:
-    that padding was most of what a mixed greedy/sampled batch cost over the same requests split
-    by kind (scripts/batch_mix.py, docs/serving.md). Each group reads its rows' cache slots
-    straight from the buffer; `attended` [N] picks each computed position's output from the
-    groups' outputs joined (the wide rows' [w x T], then the single rows' [s]). It records every
-    layer's new keys and values (all rows) as the plain hook does."""
-
-    def __init__(self, past_k, past_v, slots, mask, wide, single, attended, new_k: list, new_v: list):
-        self.past_k, self.past_v, self.attended, self.new_k, self.new_v = past_k, past_v, attended, new_k, new_v
-        self.groups = [(rows, slots.index_select(0, rows), mask.index_select(0, rows)) for rows in (wide, single)]
-
-    def __call__(self, i: int, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.new_k.append(k)
-        self.new_v.append(v)
-        outputs = []
-        for group, (rows, slots, mask) in enumerate(self.groups):
-            queries = q.index_select(0, rows)
-            if group == 1:  # single rows: their first query alone
-                queries, mask = queries[:, :, :1], mask[:, :, :1]
-            keys = (_layer_past(self.past_k, slots, i).to(k.dtype), k.index_select(0, rows))
-            values = (_layer_past(self.past_v, slots, i).to(v.dtype), v.index_select(0, rows))
-            outputs.append(attn.attention(queries, keys, values, mask).flatten(0, 1))
-        return torch.cat(outputs).index_select(0, self.attended)[None]
-
-
 def _position_major(per_layer: list[torch.Tensor]) -> torch.Tensor:
     """Layers' [b, kv_heads, T, D] -> [b, T, layers, kv_heads, D] (rows of the cache layout)."""
     return torch.stack(per_layer, dim=1).permute(0, 3, 1, 2, 4).contiguous()
@@ -80,35 +51,26 @@ def _below(past: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 class TargetStep(nn.Module):
-    """target(tokens, starts, slots, past_k, past_v, computed, scored, wide_rows, single_rows, attended)
-    -> logits, features, new_k, new_v.
+    """target(tokens, starts, slots, past_k, past_v, computed, scored) -> logits, features, new_k, new_v.
 
     `computed` [N]: the real positions among batch x tokens (flat), where rows of shorter blocks are
     padded to the call's width: every projection and feed-forward runs on those N alone
     (`DecoderTarget.decode`); features at the padding are zeros. `scored` [S]: which of them (indices
-    into `computed`; without it, into batch x tokens) get logits, [S, vocab] in that order.
-    `wide_rows`, `single_rows`, `attended`: the rows' groups for attention (`RowGroups`); without
-    them every row attends with all T queries."""
+    into `computed`; without it, into batch x tokens) get logits, [S, vocab] in that order."""
 
     def __init__(self, target: Qwen3Target, feature_layers: tuple[int, ...]):
         super().__init__()
         self.target, self.feature_layers = target, tuple(feature_layers)
 
-    def forward(self, tokens, starts, slots, past_k, past_v, computed=None, scored=None,
-                wide_rows=None, single_rows=None, attended=None):
+    def forward(self, tokens, starts, slots, past_k, past_v, computed=None, scored=None):
         batch, count = tokens.shape
         offsets = torch.arange(count, device=tokens.device)
         positions = starts[:, None] + offsets[None, :]                                   # [b, T]
         causal = (offsets[None, :] <= offsets[:, None])[None].expand(batch, count, count)
         mask = torch.cat((_below(past_k, starts)[:, None, :].expand(batch, count, past_k.shape[0]), causal), dim=2)
         new_k, new_v = [], []
-        if wide_rows is not None:
-            grouped = RowGroups(past_k, past_v, slots, mask[:, None], wide_rows, single_rows, attended, new_k, new_v)
-            hidden, features = self.target.decode(tokens, positions, None, None, self.feature_layers, computed,
-                                                  attend=grouped)
-        else:
-            hook = _attend_past(past_k, past_v, slots, new_k, new_v)
-            hidden, features = self.target.decode(tokens, positions, hook, mask[:, None], self.feature_layers, computed)
+        hook = _attend_past(past_k, past_v, slots, new_k, new_v)
+        hidden, features = self.target.decode(tokens, positions, hook, mask[:, None], self.feature_layers, computed)
         if features is None:  # a target without a drafter: no features, an empty axis keeps the outputs fixed
             features = hidden.new_zeros(*hidden.shape[:2], 0)
         if computed is not None:  # packed [1, N, F]: back to the call's [b, T] rows

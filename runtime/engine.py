@@ -179,7 +179,6 @@ class _Active:
 # Measured on the AMD host (float32 ONNX Runtime, 300 cached positions; docs/serving.md): one padded
 # call beat a call per size for every mix of B = 4 and AR rows (1+7, 2+6, 3+5: 0.78-0.88 of the two
 # calls' time, held up to 2.9x the positions computed) and lost at one B = 16 beside 4 AR rows (4x).
-# Since AR rows attend with their one query (export.steps.RowGroups), only longer rows count as padded.
 PADDED_PER_COMPUTED = 3
 
 
@@ -187,19 +186,17 @@ def verify_calls(groups: dict[int, list["_Active"]]) -> list[tuple[int, dict[int
     """An iteration's verify calls, as (width, its requests by block size), from all requests by
     block size: one call over all of them at the widest size, shorter blocks padded, so a batch of
     several sizes reads the weights once (on a CPU or a small batch the call's cost is mostly that
-    read; scripts/batch_mix.py measures it, docs/serving.md has the figures). An AR row costs its
-    one position (an engine's graph attends with its one query); a longer block's padding costs only its
-    attention (the stack runs on the real positions), but a padded query still reads every cached
-    key: a call per size instead when the call would hold more than PADDED_PER_COMPUTED times the
-    positions computed (e.g. many B = 4 requests beside one B = 16)."""
+    read; scripts/batch_mix.py measures it, docs/serving.md has the figures). The padding costs
+    only its attention (the stack runs on the real positions), but a zero query still reads every
+    cached key: a call per size instead when the call would hold more than PADDED_PER_COMPUTED
+    times the positions computed (e.g. many AR requests beside one B = 16)."""
     if len(groups) <= 1:
         return [(size, groups) for size in groups]
-    width = max(groups)
-    held = sum((width if size > 1 else 1) * len(members) for size, members in groups.items())
+    requests = sum(len(members) for members in groups.values())
     computed = sum(size * len(members) for size, members in groups.items())
-    if held > PADDED_PER_COMPUTED * computed:
+    if max(groups) * requests > PADDED_PER_COMPUTED * computed:
         return [(size, {size: members}) for size, members in sorted(groups.items())]
-    return [(width, dict(sorted(groups.items())))]
+    return [(max(groups), dict(sorted(groups.items())))]
 
 
 class LocalEngine:

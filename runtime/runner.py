@@ -27,23 +27,11 @@ from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec
 from trtspec.runtime.memory import cache_bytes, check_cache_fits
 
-# The target's index inputs into its own positions and rows (not one entry per row)
-PACKING = ("computed", "scored", "wide_rows", "single_rows", "attended")
+PACKING = ("computed", "scored")  # the target's index inputs into its own positions (not per row)
 SHORT_CONTEXT = 32  # draft rows with at most this many new context entries share a (padded) call
 # Static mode pads a call's batch to one of these (vLLM's and SGLang's capture sizes), so one CUDA
 # graph per (graph, block size, bucket) serves every batch; beyond the last, multiples of it.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def row_groups(lengths: list[int], width: int) -> tuple[list[int], list[int], np.ndarray]:
-    """A target call's rows grouped for attention (export.steps.RowGroups): in a call wider than
-    one position, a row of one real position (an AR row) attends with that query alone (`single`),
-    the rest with all `width` (`wide`); `attended`: each real position's place (rows in order, then
-    positions) among the groups' outputs joined, the wide rows' w x width, then the single rows' s."""
-    single = [r for r, n in enumerate(lengths) if n == 1 < width]
-    wide = [r for r, n in enumerate(lengths) if not n == 1 < width]
-    place = {r: i * width for i, r in enumerate(wide)} | {r: len(wide) * width + i for i, r in enumerate(single)}
-    return wide, single, np.concatenate([place[r] + np.arange(n) for r, n in enumerate(lengths)])
 
 
 def bucket(count: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> int:
@@ -198,9 +186,8 @@ class BatchRunner:
                         (sizes["batch"], *t.shape[1:]), dtype=t.dtype, device=self.device)
                     for name, t in inputs.items() if name not in PACKING}
                 for name in PACKING:  # a replayed call computes and scores every position of its padded batch
-                    if name in inputs:  # (every row attending with all its queries)
-                        count = {"wide_rows": sizes["batch"], "single_rows": 0}.get(name, sizes["batch"] * sizes["tokens"])
-                        bound[name] = torch.arange(count, device=self.device)
+                    if name in inputs:
+                        bound[name] = torch.arange(sizes["batch"] * sizes["tokens"], device=self.device)
             for name, tensor in inputs.items():
                 if name not in PACKING:
                     bound[name][:rows].copy_(tensor, non_blocking=True)
@@ -282,27 +269,21 @@ class BatchRunner:
                         max(starts), {"tokens": tokens, "starts": self._long("starts", starts),
                                       "slots": self._long("slots", slots),
                                       "computed": self._computed([count] * batch, count),
-                                      "scored": self._index("scored", [range(count - scored, count)] * batch, count),
-                                      **self._row_groups([count] * batch, count)},
+                                      "scored": self._index("scored", [range(count - scored, count)] * batch, count)},
                         slots, starts)
         return out["logits"].view(batch, scored, -1), out["features"]
 
-    def _kept(self, key: tuple, make):
-        """The target's index inputs (`make()`), kept per content (`key`, led by its name): their few
-        shapes recur. Mixes of lengths need not, so what is kept is bounded."""
+    def _index(self, name: str, rows: list[range], width: int) -> torch.Tensor:
+        """Flat positions (row * width + t for t in rows[row]) as an int64 tensor, kept per content:
+        the index inputs of the target graph, whose few shapes recur."""
+        key = (name, width, tuple((r.start, r.stop) for r in rows))
         known = self._staged.get(key)
         if known is None:
-            if len(self._staged) > 4096:
+            if len(self._staged) > 4096:  # shapes recur; mixes of lengths need not: bound what is kept
                 self._staged = {k: v for k, v in self._staged.items() if k[0] not in PACKING}
-            known = self._staged[key] = make(), None
-        return known[0]
-
-    def _index(self, name: str, rows: list[range], width: int) -> torch.Tensor:
-        """Flat positions (row * width + t for t in rows[row]) as an int64 tensor."""
-        def make() -> torch.Tensor:
             flat = np.concatenate([row * width + np.arange(r.start, r.stop) for row, r in enumerate(rows)])
-            return torch.from_numpy(flat).to(self.device)
-        return self._kept((name, width, tuple((r.start, r.stop) for r in rows)), make)
+            known = self._staged[key] = torch.from_numpy(flat).to(self.device), None
+        return known[0]
 
     def _computed(self, lengths: list[int], width: int) -> torch.Tensor | None:
         """The target graph's `computed` input: the flat positions (row * width + t) of each row's
@@ -311,22 +292,6 @@ class BatchRunner:
         if self.manifest is None and all(n == width for n in lengths):
             return None
         return self._index("computed", [range(n) for n in lengths], width)
-
-    def _row_groups(self, lengths: list[int], width: int) -> dict[str, torch.Tensor | None]:
-        """The target graph's `wide_rows`, `single_rows` and `attended` inputs (`row_groups`); None
-        for the eager modules, where the groups' extra operators cost more dispatch than the padded
-        queries they save (3 B = 4 rows beside 5 AR rows, 100-180 cached positions, one thread, on
-        the Zen 4 host: eager bfloat16 118 -> 133 ms; ONNX Runtime float32 101 -> 94)."""
-        if self.manifest is None:
-            return dict.fromkeys(("wide_rows", "single_rows", "attended"))
-
-        def make() -> dict[str, torch.Tensor]:
-            wide, single, attended = row_groups(lengths, width)
-            # an empty index still points into a buffer of its own (a binding needs an address)
-            tensors = {"wide_rows": torch.tensor(wide), "single_rows": torch.tensor(single or [0])[:len(single)],
-                       "attended": torch.from_numpy(attended)}
-            return {name: t.to(self.device) for name, t in tensors.items()}
-        return self._kept(("wide_rows", width, tuple(lengths)), make)
 
     def verify(self, slots: list[int], blocks: Sequence[np.ndarray],
                starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,7 +312,7 @@ class BatchRunner:
         scored = None if computed is None else self._index("scored", [range(real)], 0)  # every computed position
         out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots, "scored": real}, max(starts),
                         {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots),
-                         "computed": computed, "scored": scored, **self._row_groups(lengths, width)}, slots, starts)
+                         "computed": computed, "scored": scored}, slots, starts)
         logits = out["logits"]
         if logits.shape[0] == batch * size:  # nothing padded (or a replayed call, which computes the padding)
             return logits.view(batch, size, -1), out["features"]

@@ -2,7 +2,7 @@
 of `trtspec serve --replicas` (docs/serving.md, "Routing") and issue 59's bar on mixed batches.
 
 One engine (the one `trtspec serve` loads for `--backend`: with `auto`, the cached ONNX Runtime
-engine of the bundled pair where the run is float32, eager bfloat16 where the CPU has it) decodes
+engine of the bundled pair where the run is float32, eager bfloat16 on a CPU with AMX) decodes
 a stream of `--requests` requests, `--batch` at a time (each finished request's slot going to the
 next, as on a server), three ways, alternating rounds:
 
@@ -10,10 +10,10 @@ next, as on a server), three ways, alternating rounds:
 * `ar`:    every request sampled at T = 1, autoregressive;
 * `mixed`: alternating one and the other, as a router that looks only at queue lengths hands a replica.
 
-The engine verifies a mixed batch in one call at the wider block (runtime.engine.verify_calls);
-in an engine's graph the AR rows attend with their one query (export.steps.RowGroups). `mixed /
-split` compares two replicas that each get the mix against two that each get one kind (the sum of
-the two kinds' rates): below 1, a router that knows each replica's block sizes would serve more.
+The engine verifies a mixed batch in one call at the wider block (runtime.engine.verify_calls),
+the AR rows' padding computing only attention. `mixed / split` compares two replicas that each get
+the mix against two that each get one kind (the sum of the two kinds' rates): below 1, a router that
+knows each replica's block sizes would serve more.
 
 Two rates per batch. *Whole run*: every output token over the run's time, which charges the mix
 for its drain: greedy requests finish first, so a mixed run ends with sampled requests alone in a

@@ -146,10 +146,9 @@ def test_seeded_requests_draw_in_a_batch_what_they_draw_alone():
 
 def test_a_batch_of_several_block_sizes_verifies_in_one_call(monkeypatch):
     """AR, B = 4 and B = 8 requests side by side run one verify call per iteration (at 8, the
-    shorter blocks padded; seven AR rows beside one B = 8 too, since an AR row attends with its one
-    query), with each request's tokens what it decodes alone; a batch where the padded call would
-    hold more than three times the positions computed (seven B = 3 requests beside one B = 16: 128
-    for 37) runs a call per size. (Whole blocks: draft width 0.)"""
+    shorter blocks padded), with each request's tokens what it decodes alone; a batch where the
+    padded call would hold more than three times the positions computed (seven AR requests beside
+    one B = 8: 64 for 15) runs a call per size. (Whole blocks: draft width 0.)"""
     pair = predictable_pair(vocab_size=64, beta=0.5)
     runner = BatchRunner.eager(*pair, slots=8)
     widths = []
@@ -159,7 +158,7 @@ def test_a_batch_of_several_block_sizes_verifies_in_one_call(monkeypatch):
     alone = LocalEngine(BatchRunner.eager(*pair, slots=1), config=EngineConfig(max_running=1))
     engine = LocalEngine(runner, config=EngineConfig(max_running=8, draft_width=0))
     for sizes, calls in (((1, 4, 8, 1, 4, 8), {(6, 8)}), ((4, 4) + (1,) * 6, {(8, 4)}),  # 32 for 14: one call
-                         ((1,) * 7 + (8,), {(8, 8)}), ((3,) * 7 + (16,), {(7, 3), (1, 16)})):
+                         ((1,) * 7 + (8,), {(7, 1), (1, 8)})):
         widths.clear()
         configs = [GenerationConfig(block=BlockChoice(size), max_new_tokens=30) for size in sizes]
         prompts = [[2, 3, 4 + i] for i in range(len(sizes))]

@@ -24,7 +24,6 @@ from trtspec.export.steps import DraftStep, TargetStep
 from trtspec.engines.manifest import MANIFEST_FILE, read_manifest
 from trtspec.models import load_drafter, load_target
 from trtspec.runtime.request import GenerationConfig
-from trtspec.runtime.runner import row_groups
 from trtspec.runtime.schedule import BlockChoice
 
 BLOCK_SIZES = (4, 8)
@@ -133,8 +132,8 @@ def test_onnxruntime_greedy_equals_eager(ort_engine, pair, block_size):
 
 def test_ar_rows_beside_blocks_in_one_engine_call_decode_like_eager(ort_engine, pair):
     """AR and greedy B = 4 / B = 8 requests batched through the ONNX Runtime engine: the engine's
-    verify calls hold AR rows beside wider blocks (attending with their one query, the target
-    graph's `single_rows`), and every request's tokens are what eager decoding gives it alone."""
+    verify calls hold AR rows padded beside wider blocks (the target graph's `computed`), and every
+    request's tokens are what eager decoding gives it alone."""
     from trtspec.runtime.engine import EngineConfig, LocalEngine
     from trtspec.runtime.runner import BatchRunner
 
@@ -230,33 +229,6 @@ def test_a_target_step_computes_only_the_computed_positions(pair):
     for got, want in ((features, want_features), (new_k, want_k), (new_v, want_v)):
         assert all(torch.allclose(got[row, where], want[row, where], atol=1e-5) for row, where in real)
         assert (got[0, 1:] == 0).all() and not (want[0, 1:] == 0).all()
-
-
-def test_ar_rows_in_a_verify_call_attend_with_their_one_query(pair):
-    """Rows grouped for attention (`row_groups`: AR rows attend with their one query, blocks with
-    all of theirs) give every real position what the padded call gives it: logits, features and
-    new keys; and the groups come as `row_groups` lays them out (rows 0 and 2 single, outputs of
-    the wide row first)."""
-    target, drafter = pair
-    step = TargetStep(target, tuple(drafter.config.target_layer_ids))
-    generator = torch.Generator().manual_seed(5)
-    tokens = torch.randint(2, target.config.vocab_size, (3, 4), generator=generator)
-    starts, slots = torch.tensor([3, 6, 5]), torch.tensor([2, 0, 1])
-    shape = (10, 3, target.config.num_hidden_layers, target.config.num_key_value_heads, target.config.head_dim)
-    past_k, past_v = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
-    lengths = [1, 4, 1]
-    computed = torch.tensor([0, 4, 5, 6, 7, 8])
-    wide, single, attended = row_groups(lengths, 4)
-    assert (wide, single, attended.tolist()) == ([1], [0, 2], [4, 0, 1, 2, 3, 5])
-    assert row_groups([1, 1], 1)[:2] == ([0, 1], [])  # an AR call: every row attends with all (one) of its queries
-    with torch.inference_mode():
-        want = step(tokens, starts, slots, past_k[:7], past_v[:7], computed)
-        got = step(tokens, starts, slots, past_k[:7], past_v[:7], computed, None,
-                   torch.tensor(wide), torch.tensor(single), torch.from_numpy(attended))
-    assert torch.allclose(got[0], want[0], atol=1e-5)  # logits of the computed positions
-    real = [(0, slice(0, 1)), (1, slice(0, 4)), (2, slice(0, 1))]
-    for got_tensor, want_tensor in zip(got[1:], want[1:]):  # features, new keys, new values
-        assert all(torch.allclose(got_tensor[row, where], want_tensor[row, where], atol=1e-5) for row, where in real)
 
 
 def test_training_data_generated_through_an_engine_equals_eager(target_dir, ort_engine, tmp_path):

@@ -23,13 +23,10 @@ from torch import nn
 
 from trtspec.models.checkpoint import build_empty, checkpoint_dir, load_into, load_state_dict, read_json
 from trtspec.models.config import Qwen3Config, target_config_from_dict
-from trtspec.models.layers import Attention, DecoderLayer, Keys, KVCache, RMSNorm, RotaryEmbedding
+from trtspec.models.layers import DecoderLayer, Keys, KVCache, RMSNorm, RotaryEmbedding
 
 # (layer index, new keys, new values) -> the keys and values those tokens attend to (whole or in parts)
 KVHook = Callable[[int, torch.Tensor, torch.Tensor], tuple[Keys, Keys]]
-# (layer index, its attention module, queries, new keys, new values [b, heads, T, D]) -> the attention
-# output before o_proj, packed [1, N, heads * head_dim]: a packed call's attention done its own way
-AttendHook = Callable[[int, Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Backbone(nn.Module):
@@ -134,9 +131,9 @@ class DecoderTarget(nn.Module):
         return self.decode(tokens, positions, lambda i, k, v: (k, v), causal, feature_layers,
                            depth=max(feature_layers) + 1)[1]
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attend_kv: KVHook | None, mask: torch.Tensor | None,
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attend_kv: KVHook, mask: torch.Tensor | None,
                feature_layers: tuple[int, ...] = (), computed: torch.Tensor | None = None, depth: int | None = None,
-               attend: AttendHook | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack: final hidden states [b, T, H] (before the final norm) and the
         tapped layers' features (HF `hidden_states[i + 1]`, see the module docstring).
 
@@ -148,9 +145,7 @@ class DecoderTarget(nn.Module):
         N alone, packed, and only attention sees the [b, T] layout (padding there has zero
         queries, keys and values; the mask keeps real positions off it); the hidden states and
         features come back packed, [1, N, ...] in `computed`'s order. `depth`: run only the first
-        `depth` layers (the hidden states returned are then not the stack's last). `attend` (with
-        `computed`): the call's own attention, in place of `attend_kv` and `mask` (the step graph's
-        rows grouped by how many queries they attend with, export.steps.RowGroups).
+        `depth` layers (the hidden states returned are then not the stack's last).
         """
         packing = Packing(tokens.shape, computed) if computed is not None else None
         if packing is not None:
@@ -166,12 +161,8 @@ class DecoderTarget(nn.Module):
             q, (k, v) = attn.project_q(x, cos, sin), attn.project_kv(x, cos, sin)
             if packing is not None:
                 q, k, v = packing.unpack_heads(q), packing.unpack_heads(k), packing.unpack_heads(v)
-            if attend is not None:
-                out = attend(i, attn, q, k, v)
-            else:
-                out = attn.attention(q, *attend_kv(i, k, v), mask)
-                out = out if packing is None else packing.pack(out)
-            h = layer.feed_forward(h + attn.o_proj(out))
+            out = attn.attention(q, *attend_kv(i, k, v), mask)
+            h = layer.feed_forward(h + attn.o_proj(out if packing is None else packing.pack(out)))
             if i in wanted:  # HF's hidden_states[i + 1]: the last entry is already normalised
                 taps[i] = self.model.norm(h) if i == last else h
         features = torch.cat([taps[i] for i in feature_layers], dim=-1) if feature_layers else None
