@@ -1,6 +1,6 @@
-"""What `--dtype auto` means: bfloat16 where it is the fastest way to decode (eager PyTorch on AMX,
-or on AVX512-BF16 without onnxruntime), float32 for CPU engines and elsewhere, and what
-TRTSPEC_DTYPE says where set."""
+"""What `--dtype auto` means: bfloat16 where its matrix products are fast (for eager PyTorch),
+float32 for CPU engines, which `--backend auto` runs everywhere but on AMX; and what TRTSPEC_DTYPE
+says where set."""
 
 import platform
 from pathlib import Path
@@ -16,22 +16,23 @@ from trtspec.errors import TrtspecError
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("flags, onnxruntime, compiled, expected", [
-    ({"avx512_bf16", "amx_bf16"}, True, False, torch.bfloat16),  # AMX: eager bfloat16
-    ({"avx512_bf16", "amx_bf16"}, True, True, torch.float32),    # an engine compiled for the CPU
-    ({"avx512_bf16"}, True, False, torch.float32),               # AVX512-BF16 alone: the float32 engine
-    ({"avx512_bf16"}, False, False, torch.bfloat16),             # ... unless there is none
-    ({"avx2"}, True, False, torch.float32), ({"avx2"}, False, False, torch.float32)])
-def test_auto_follows_the_cpu(monkeypatch, flags, onnxruntime, compiled, expected):
+@pytest.mark.parametrize("flags, onnxruntime, eager, engine", [
+    ({"avx512_bf16", "amx_bf16"}, True, torch.bfloat16, False),  # AMX: eager bfloat16, no engine
+    ({"avx512_bf16"}, True, torch.bfloat16, True),   # AVX512-BF16 alone: the float32 engine where there is one
+    ({"avx512_bf16"}, False, torch.bfloat16, False),  # ... and eager bfloat16 where there is none
+    ({"avx2"}, True, torch.float32, True), ({"avx2"}, False, torch.float32, False)])
+def test_auto_follows_the_cpu(monkeypatch, flags, onnxruntime, eager, engine):
     from trtspec.engines import onnxruntime as ort_engine
 
     monkeypatch.delenv(DTYPE_ENV, raising=False)
     monkeypatch.setattr(device_module, "cpu_flags", lambda: flags)
     monkeypatch.setattr(ort_engine, "available", lambda: onnxruntime)
-    assert resolve_dtype("auto", CPU, compiled=compiled) == expected
+    assert resolve_dtype("auto", CPU) == eager  # what eager modules run in
+    assert resolve_dtype("auto", CPU, compiled=True) == torch.float32  # an engine compiled for the CPU
     assert resolve_dtype("float32", CPU) == torch.float32  # an explicit dtype is never changed
-    # backend auto builds an ONNX Runtime engine only where auto means float32 (and onnxruntime is there)
-    assert wants_engine("auto", CPU, "auto", (16,)) == (onnxruntime and resolve_dtype("auto", CPU) == torch.float32)
+    assert wants_engine("auto", CPU, "auto", (16,)) == engine  # what backend auto runs
+    assert wants_engine("auto", CPU, "bfloat16", (16,)) is False  # an explicit bfloat16 stays eager
+    assert wants_engine("auto", CPU, "float32", (16,)) == onnxruntime
 
 
 def test_the_environment_sets_what_auto_means(monkeypatch):

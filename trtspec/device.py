@@ -31,39 +31,33 @@ DTYPE_ENV = "TRTSPEC_DTYPE"  # what `auto` means, where set (the test suite pins
 
 
 def resolve_dtype(dtype: str, device: torch.device, compiled: bool = False) -> torch.dtype:
-    """auto: bfloat16 where it is the fastest way to run here (`bfloat16_first`), float32
-    elsewhere and for engines `compiled` for a CPU (ONNX Runtime's CPU kernels are float32)."""
+    """auto: bfloat16 where its matrix products are fast (CUDA; a CPU with AMX or AVX512-BF16, for
+    eager PyTorch), float32 elsewhere and for engines `compiled` for a CPU (ONNX Runtime's CPU
+    kernels are float32). Whether `--backend auto` runs eager or a float32 engine: `engine_first`."""
     if dtype == "auto":
         dtype = os.environ.get(DTYPE_ENV) or "auto"
     if dtype == "auto":
-        return torch.bfloat16 if bfloat16_first(device, compiled) else torch.float32
+        fast = fast_bfloat16(device) and (device.type == "cuda" or not compiled)
+        return torch.bfloat16 if fast else torch.float32
     if dtype not in MODEL_DTYPES:
         raise TrtspecError(f"dtype must be one of auto, {', '.join(MODEL_DTYPES)}; got {dtype!r}"
                            + (f" (from {DTYPE_ENV})" if os.environ.get(DTYPE_ENV) == dtype else ""))
     return MODEL_DTYPES[dtype]
 
 
-def bfloat16_first(device: torch.device, compiled: bool = False) -> bool:
-    """Whether decoding runs fastest in bfloat16 here: on CUDA where it is supported; on a CPU with
-    AMX (eager PyTorch, where verifying a block then costs little more than one step); on a CPU
-    with AVX512-BF16 alone only without onnxruntime, since there the float32 ONNX Runtime engine
-    is faster (an AMD EPYC Zen 4, one thread, 8 chat prompts: AR 27.4 tok/s and B = 16 52.4 against
-    eager bfloat16's 17.5 and 40.4, and exact; docs/benchmarks.md)."""
-    if device.type == "cuda":
-        return fast_bfloat16(device)
-    if compiled or not fast_bfloat16(device):
-        return False
-    if "amx_bf16" in cpu_flags():
-        return True
-    from trtspec.engines import onnxruntime as ort_engine
-
-    return not ort_engine.available()
+def engine_first(device: torch.device) -> bool:
+    """Whether `--dtype auto` decodes faster through a float32 engine compiled for this CPU than
+    eagerly in bfloat16: everywhere but on AMX, where verifying a block in eager bfloat16 costs
+    little more than one step. With AVX512-BF16 alone, eager bfloat16 beats eager float32 but not
+    the float32 ONNX Runtime engine (an AMD EPYC Zen 4, one thread, 8 chat prompts: AR 27.4 tok/s
+    and B = 16 52.4 through the engine, 17.5 and 40.4 eager in bfloat16; docs/benchmarks.md)."""
+    return device.type == "cpu" and "amx_bf16" not in cpu_flags()
 
 
 def fast_bfloat16(device: torch.device) -> bool:
     """Whether bfloat16 matrix products are fast here: a CUDA device that supports them, or a CPU
     with AMX-BF16 or AVX512-BF16 (torch's oneDNN kernels use them; elsewhere bfloat16 on a CPU is
-    emulated and slower than float32). Training's autocast follows this."""
+    emulated and slower than float32)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     flags = cpu_flags()

@@ -27,7 +27,7 @@ import torch
 
 from trtspec import __version__
 from trtspec.engines.manifest import MANIFEST_VERSION, checkpoint_sha256, read_manifest, record_artifacts
-from trtspec.device import resolve_dtype
+from trtspec.device import engine_first, resolve_dtype
 from trtspec.errors import TrtspecError
 from trtspec.fileio import CACHE_ENV, ENGINE, cache_root, key_digest, output_kind
 
@@ -37,8 +37,8 @@ BACKENDS = ("auto", "eager", "onnxruntime")
 # ONNX Runtime graphs are shape-dynamic, so every block size a user is likely to ask for is built in:
 # a size costs only its line in the manifest and its self-check.
 BLOCK_SIZES = tuple(range(3, 33))
-BACKEND_HELP = ("auto: on a CPU with onnxruntime installed, in float32 (--dtype auto on a CPU without AMX), "
-                "an ONNX Runtime engine built on first use into the "
+BACKEND_HELP = ("auto: on a CPU with onnxruntime installed, in float32 (--dtype auto on a CPU without AMX, "
+                "where it beats eager bfloat16), an ONNX Runtime engine built on first use into the "
                 f"cache (${CACHE_ENV}, default ~/.cache/trtspec) and reused after; eager otherwise (on CUDA replayed "
                 "from CUDA graphs; a compiled engine: trtspec build --backend tensorrt|inductor). eager: the "
                 "checkpoints in PyTorch. Env TRTSPEC_BACKEND.")
@@ -51,7 +51,9 @@ def wants_engine(backend: str, device: torch.device, dtype: str, block_sizes: tu
 
     if backend == "onnxruntime":
         return True
-    usable = device.type == "cpu" and resolve_dtype(dtype, device) == torch.float32 and ort_engine.available()
+    # auto: float32 where an engine beats eager bfloat16 (device.engine_first), or where that is the dtype anyway
+    float32 = resolve_dtype(dtype, device, compiled=engine_first(device)) == torch.float32
+    usable = device.type == "cpu" and float32 and ort_engine.available()
     return backend == "auto" and usable and all(b >= BLOCK_SIZES[0] for b in block_sizes)  # B = 2: eager only
 
 

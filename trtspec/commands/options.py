@@ -46,9 +46,9 @@ drafter_option = click.option(
          "[default: smollm2-b16 with the default target]")
 device_options = _stack(
     click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-                 show_default=True, help="auto = bfloat16 on CUDA, on CPUs with AMX, and on CPUs with AVX512-BF16 "
-                 "where onnxruntime is missing (eager; greedy output can then part from AR's at near-ties); "
-                 "float32 elsewhere and for ONNX Runtime engines. Env TRTSPEC_DTYPE sets what auto means."),
+                 show_default=True, help="auto = bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16 (eager; greedy "
+                 "output can then part from AR's at near-ties), float32 elsewhere and for ONNX Runtime engines, "
+                 "which --backend auto runs on a CPU without AMX. Env TRTSPEC_DTYPE sets what auto means."),
     click.option("--device", default="auto", show_default=True, callback=lambda ctx, param, value:
                  limits.check_device(value, "--device"), help="auto, cpu, cuda or cuda:N."),
     click.option("--gpu-memory-fraction", type=Ranged(limits.GPU_MEMORY_FRACTION), default=0.9, show_default=True,
