@@ -7,7 +7,8 @@ The same prompts, thread count and token budget, greedy, through five systems on
 * `llama.cpp`:        llama-cpp-python's plain greedy decode (`Llama.create_completion`, temperature 0);
 * `llama.cpp-lookup`: the same with llama.cpp's prompt-lookup speculation
                       (`LlamaPromptLookupDecoding(num_pred_tokens=10)` as its draft model);
-* `transformers`:     `AutoModelForCausalLM.generate` (do_sample=False) in trtspec's dtype.
+* `transformers`:     `AutoModelForCausalLM.generate` (do_sample=False) in trtspec's dtype (or
+                      `--transformers-dtype`).
 
 Every system's speed is counted the same way: tokens generated / wall time of one generate call
 (prefill included), median over prompts x repeats; `vs llama.cpp` is the median over calls of each
@@ -308,6 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=4, help="trtspec's speculative block size (default: 4).")
     parser.add_argument("--dtype", default="auto", help="trtspec's and transformers' dtype (default: auto, "
                                                         "bfloat16 on a CPU with AMX).")
+    parser.add_argument("--transformers-dtype", choices=("float32", "bfloat16"),
+                        help="transformers' own dtype (default: trtspec's, so their greedy outputs compare; issue "
+                             "59's bar names transformers in bfloat16).")
     parser.add_argument("--backend", default=os.environ.get("TRTSPEC_BACKEND", "auto"),
                         help="trtspec's backend, as trtspec bench's (default: auto, or TRTSPEC_BACKEND: eager "
                              "bfloat16 on a CPU with AMX, else ONNX Runtime float32).")
@@ -350,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     if {"llama.cpp", "llama.cpp-lookup"} & set(args.systems):
         systems += llama_cpp_systems(source if is_gguf(source) else None, args.threads, n_ctx)
     if "transformers" in args.systems:
-        systems.append(transformers_system(source, pipeline.dtype))
+        dtype = getattr(torch, args.transformers_dtype) if args.transformers_dtype else pipeline.dtype
+        systems.append(transformers_system(source, dtype))
     systems = [s for s in systems if s.name in args.systems]
     measure(systems, prompts, args.repeats, args.max_new_tokens)
 

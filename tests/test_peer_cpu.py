@@ -2,6 +2,7 @@
 speculative and transformers `generate` measured for real, llama-cpp-python made absent (its import
 blocked in the child process), so it is reported as skipped with the command that installs it."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -52,3 +53,19 @@ def test_peer_benchmark_measures_trtspec_and_transformers_and_skips_a_missing_ll
     hint = "CMAKE_ARGS=" if "amx_tile" in cpu_flags() else "pip install"  # AMX's kernels miscompile: built without
     assert f"skipped llama.cpp, llama.cpp-lookup: llama_cpp is not installed: {hint}" in table
     assert "trtspec-spec vs trtspec-ar: identical output on 2/2 prompts" in table
+
+
+def test_transformers_runs_in_its_own_dtype_when_asked(target_dir, drafter_dir, tmp_path, monkeypatch):
+    """--transformers-dtype bfloat16 (issue 59's bar) while trtspec runs float32: the table names it.
+    In-process (the script's main), so no second interpreter's imports."""
+    spec = importlib.util.spec_from_file_location("peer_cpu", SCRIPT)
+    peer_cpu = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "peer_cpu", peer_cpu)  # its dataclasses look their module up
+    spec.loader.exec_module(peer_cpu)
+    out = tmp_path / "peer.json"
+    peer_cpu.main(list(map(str, ["--target", target_dir, "--drafter", drafter_dir, "--limit", "1", "--max-new-tokens",
+                                 "4", "--repeats", "1", "--dtype", "float32", "--transformers-dtype", "bfloat16",
+                                 "--systems", "trtspec-ar,transformers", "--json", out])))
+    systems = {s["name"]: s for s in json.loads(out.read_text())["systems"]}
+    assert systems["transformers"]["label"] == "transformers generate (bfloat16)"
+    assert systems["transformers"]["tokens_per_s"] > 0
