@@ -37,8 +37,7 @@ from trtspec.errors import Cancelled, TrtspecError
 from trtspec.export.bindings import PREFILL_LOGITS
 from trtspec.limits import CONCURRENCY, DRAFT_WIDTH, PROMPT_LOOKUP, PROPOSAL_TEMPERATURE
 from trtspec.runtime.controller import Controller, ControllerFactory, Stepper, native_controller
-from trtspec.runtime.lookup import (MIN_MATCH, WIDTH_SAMPLES, PromptLookup, cycle_width, default_draft_width,
-                                    widening_pays)
+from trtspec.runtime.lookup import MIN_MATCH, PromptLookup
 from trtspec.runtime.output import OutputProcessor
 from trtspec.runtime.processing import RowProcessor
 from trtspec.runtime.request import Generation, GenerationConfig, TokenLogprob, check_built_sizes, check_request
@@ -47,6 +46,7 @@ from trtspec.runtime.sampling import DEFAULT_PROPOSAL_TEMPERATURE, Sampler, draw
     point_masses, sample_requests
 from trtspec.runtime.schedule import BlockChoice, BlockChooser, BlockPolicy, Load
 from trtspec.runtime.stats import DecodeStats
+from trtspec.runtime.widths import VerifyCosts, confident_width, cycle_width, default_draft_width, widening_pays
 
 RECENT_S = 1.0  # time constant of Load.recent, the engine's recent running count
 
@@ -72,9 +72,13 @@ class EngineConfig:
     # default lookup.MIN_MATCH.
     prompt_lookup: int | None = None
     # with prompt lookup, a cycle whose copy is shorter verifies this many positions, the drafter's
-    # proposals filling them, and a longer copy widens it up to the block (runtime.lookup.cycle_width);
+    # proposals filling them, and a longer copy widens it up to the block (runtime.widths.cycle_width);
     # 0: every cycle verifies its whole block. None: the pipeline's, by default 4 on a CPU and 0 elsewhere.
     draft_width: int | None = None
+    # a greedy request decoding alone verifies, of what it drafted, the width its drafter's confidence
+    # and the engine's timing say pays (runtime.widths.confident_width); False: the width above.
+    # None: the pipeline's, by default on.
+    confident_width: bool | None = None
 
     def __post_init__(self) -> None:
         CONCURRENCY.check(self.max_running, "concurrency (max-running)")  # their caches are also checked against memory (runtime.memory)
@@ -233,7 +237,8 @@ class LocalEngine:
         self.closed = False
         self._recent, self._recent_at = 0.0, time.perf_counter()
         self._chosen: BlockChoice | None = None  # the latest `auto` admission's block, for the chooser's switches
-        self._width_ms: dict[int, deque[float]] = {}  # verify calls of one request, ms by width: what widening costs
+        self.confident_width = config.confident_width is not False
+        self._costs = VerifyCosts()  # one request's verify calls by width: what widening or narrowing costs
 
     # ---- front-end side ------------------------------------------------------------------------
 
@@ -368,19 +373,19 @@ class LocalEngine:
         # output it came from (no copy), which the next verify of that shape overwrites.
         drafted = []
         for _, by_size in calls:
-            began = time.perf_counter() if timed else 0.0
+            began = time.perf_counter()
             for size, drafting in by_size.items():  # a draft call per block size: each drafts its own block
                 if size > 1:
                     self._draft(size, drafting)
-            drafted.append(time.perf_counter() - began if timed else 0.0)
+            drafted.append(time.perf_counter() - began)
         for (width, by_size), draft_s in zip(calls, drafted):
             began = time.perf_counter()
             members = [active for drafting in by_size.values() for active in drafting]
             alone = members[0].controller.next_width if len(members) == 1 else 0
             self._verify(members, own_features=len(calls) > 1)
-            if alone > 1:  # one request's call: its width's cost, for widening (_widening_pays)
-                self._width_ms.setdefault(alone, deque(maxlen=4 * WIDTH_SAMPLES)).append(
-                    (time.perf_counter() - began) * 1e3)
+            if alone:  # one request's call: its width's cost, for widening and narrowing (runtime.widths)
+                self._costs.observe(alone, (time.perf_counter() - began) * 1e3,
+                                    draft_s * 1e3 if max(by_size) > 1 else None)
             for active in members:
                 if not active.failed:
                     self._emit(active)
@@ -529,7 +534,8 @@ class LocalEngine:
         width W): a greedy request's are the drafter's argmax, a sampled request's are drawn from the
         drafter's distribution under its sampling settings (kept for the verify's speculative
         sampling). Prompt lookup's copy, where it has one, replaces the leading ones and sets the
-        cycle's width (`lookup.cycle_width`: narrowed below the block unless the copy is long). A
+        cycle's width (`widths.cycle_width`: narrowed below the block unless the copy is long; a greedy
+        request alone may verify fewer of the drafter's proposals: `widths.confident_width`). A
         request whose copy fills its width and whose drafts are point masses (greedy, or proposal
         temperature 0) skips the drafter: its context waits in `context` for the next draft."""
         drawn = self.proposal_temperature > 0
@@ -560,8 +566,10 @@ class LocalEngine:
                 if copied and asked[i].proposals is not None and asked[i].stepper is None:
                     point_masses(asked[i].proposals, self._columns(copied))
                 asked[i].context = None  # the drafter cache holds it now
+                if not copied and self._narrows_by_confidence(asked[i]):
+                    widths[row] = self._confident(asked[i], width, logits[i])
         for row, active in enumerate(members):
-            active.controller.verify_block[1:widths[row]] = drafts[row]
+            active.controller.verify_block[1:widths[row]] = drafts[row][:widths[row] - 1]
             active.stats.copied_cycles += bool(copies[row])
             if row in skipped:  # its context may be a view of the verify output this iteration overwrites
                 active.context = active.context.clone()
@@ -580,18 +588,37 @@ class LocalEngine:
             active.controller.narrow(width)
         return width
 
+    def _narrows_by_confidence(self, active: _Active) -> bool:
+        """Whether the request's cycle may verify fewer of its drafts than it drew: a greedy request
+        (whose output is the target's whatever its widths) decoding alone (a batch's call is as wide
+        as its widest row), with a fixed block (a growing one grows on full acceptance)."""
+        return (self.confident_width and active.stepper is not None and len(self._active) == 1
+                and not active.stats.grow_to)
+
+    def _confident(self, active: _Active, width: int, logits: torch.Tensor) -> int:
+        """The width the request's cycle verifies of the `width` it drafted (runtime.widths): by the
+        drafter's probabilities of its proposals (`logits` [>= width-1, K]) and this engine's timing of
+        each width, once it has timed `width` and a narrower one (until then the cycle runs one of
+        those, so it does). The controller verifies that many positions."""
+        allowed = self.runner.verify_widths(width)
+        chosen = self._costs.untimed(width, allowed)
+        if chosen is None:
+            confidence = torch.softmax(logits[:width - 1].float(), dim=-1).amax(dim=-1).cpu().numpy()
+            chosen = confident_width(confidence, self._costs.curve(width), self._costs.overhead_ms(), allowed)
+        if chosen < width:
+            active.controller.narrow(chosen)
+        return chosen
+
     def _widening_pays(self, active: _Active, narrow: int, wide: int) -> bool:
         """Whether a greedy request decoding alone widens a cycle for its copy: by this engine's own
-        verify calls of both widths (lookup.widening_pays), once it has made WIDTH_SAMPLES of each
+        verify calls of both widths (widths.widening_pays), once it has made WIDTH_SAMPLES of each
         (until then it widens, and so measures). Sampled requests and batches widen as the copy asks:
         a sampled request's cycles stay a function of its text and seed, whatever the machine's timing
         (a greedy one's output is the target's whatever its widths)."""
         if active.stepper is None or len(self._active) > 1:
             return True
-        costs = [self._width_ms.get(width, ()) for width in (narrow, wide)]
-        if min(len(ms) for ms in costs) < WIDTH_SAMPLES:
-            return True
-        return widening_pays(narrow, wide, *(float(np.median(ms)) for ms in costs))
+        costs = [self._costs.verify_ms(width) for width in (narrow, wide)]
+        return None in costs or widening_pays(narrow, wide, *costs)
 
     def _copy(self, active: _Active, width: int) -> list[int]:
         """Prompt lookup's proposal for the request's next `width` drafts (maybe fewer, maybe none). A
@@ -647,7 +674,7 @@ class LocalEngine:
                 self._record_logprobs(active, *asked[row])
             active.calls += 1
             active.shared += len(members)
-            if sizes[row] > 1 and self.runner.mask_token_id is not None:  # read by the next iteration's drafts
+            if active.controller.block_size > 1 and self.runner.mask_token_id is not None:  # the next drafts read it
                 verified = features[row, :active.controller.accepted + 1]
                 if own_features:
                     verified = verified.clone()

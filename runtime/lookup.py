@@ -12,59 +12,19 @@ cycle start along the AR output): the drafter alone accepts a mean 2.11 tokens a
 lookup alone 1.91, and lookup where its match is at least 2 tokens long, the drafter elsewhere,
 2.57 (B = 16: 2.21 / 2.40 / 3.53). docs/architecture.md ("Prompt lookup") has the figures.
 
-The copy also sets a cycle's width (`cycle_width`): where a verify costs more for every position it
-checks (a CPU), a cycle without a long copy checks only the drafter's first few proposals, the
-ones it gets right most often, and a long copy widens the cycle up to the block size. The width
-depends on committed tokens only, never on the drafts, so each cycle stays an exact speculative step.
+The copy also sets a cycle's width (trtspec.runtime.widths): where a verify costs more for every
+position it checks (a CPU), a cycle without a long copy checks only the drafter's first few
+proposals, and a long copy widens the cycle up to the block size.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
 from trtspec.limits import PROMPT_LOOKUP
 
 MIN_MATCH = 2  # the default shortest match: one token matched earlier predicts the next ones far less often
 MAX_MATCH = int(PROMPT_LOOKUP.high)  # the longest suffix looked up: a longer match rarely continues differently
-# A cycle's width without a long copy on a CPU, where one more verified position costs ~1-3% of a
-# step (the default pair, one thread: 40.6 ms for 1 position, 47.5 for 4, 88.0 for 16): B = 4 is the
-# fastest fixed block there. On a GPU a block of 16 costs about one position: cycles keep their block.
-CPU_DRAFT_WIDTH = 4
-# Widening a cycle for a copy verifies more positions. It paid on the float32 engine, where each extra
-# position over a 4-wide verify costs 0.07 of that verify (B = 16 widening 2.30x AR, capped at 8 2.21x),
-# and not on the 4-bit target, where it costs 0.15 (B = 16 widening 1.06x, capped at 8 1.21x, B = 4
-# 1.27x): a cycle widens while an extra position costs at most WIDEN_COST of the narrow one, between
-# the two (docs/architecture.md, "Narrowed cycles").
-WIDEN_COST = 0.1
-WIDTH_SAMPLES = 8  # an engine's own calls of a width before their median counts as its cost
-
-
-def widening_pays(narrow: int, wide: int, narrow_ms: float, wide_ms: float) -> bool:
-    """Whether a cycle `wide` positions wide (verified in `wide_ms`) is worth it beside a `narrow`
-    one (`narrow_ms`): each extra position costs at most WIDEN_COST of the narrow cycle."""
-    return wide_ms - narrow_ms <= WIDEN_COST * narrow_ms * (wide - narrow)
-
-
-def default_draft_width(device: torch.device, built: Sequence[int] | None) -> int:
-    """The draft width where none is asked: CPU_DRAFT_WIDTH on a CPU (or the next width the engine
-    was built for, `built`; None: any), 0 (whole blocks) elsewhere."""
-    if device.type != "cpu":
-        return 0
-    return CPU_DRAFT_WIDTH if built is None else min((b for b in built if b >= CPU_DRAFT_WIDTH), default=0)
-
-
-def cycle_width(block_size: int, copied: int, draft_width: int, built: Sequence[int] | None) -> int:
-    """The positions a cycle of `block_size` verifies after a copy of `copied` tokens: `draft_width`
-    (0: the whole block), or the copy and its bonus where that is wider, at most the block; rounded up
-    to a width the engine was built for (`built`; None: any)."""
-    if not draft_width or draft_width >= block_size:
-        return block_size
-    width = max(draft_width, copied + 1)
-    if built is not None and width > 1:
-        width = min((size for size in built if size >= width), default=block_size)
-    return min(width, block_size)
 
 
 class PromptLookup:

@@ -156,6 +156,14 @@ class BatchRunner:
                            self.block_sizes, self.mask_token_id if drafter else None, self.static, self.manifest,
                            self.draft_ids)
 
+    def verify_widths(self, widest: int) -> list[int]:
+        """The widths up to `widest` a verify call can run: every one for the eager modules and an
+        ONNX Runtime engine (dynamic shapes), else 1 and the block sizes the engine was built for
+        (TensorRT's optimization profiles, captured CUDA graphs)."""
+        if self.block_sizes is None or (self.executor.backend == "onnxruntime" and not self.static):
+            return list(range(1, widest + 1))
+        return [1] + [size for size in self.block_sizes if 1 < size <= widest]
+
     # ---- running a graph ---------------------------------------------------------------------------
 
     def _run(self, graph: str, profile: ProfileKey, sizes: dict[str, int], past: int, inputs: dict[str, torch.Tensor],

@@ -269,13 +269,17 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 
 
-def local_engine_of(runner, *, controller=None, policy=None, prompt_lookup: int | None = None):
+def local_engine_of(runner, *, controller=None, policy=None, prompt_lookup: int | None = None,
+                    confident_width: bool = False):
     """A local engine of one slot over `runner`: one request at a time, stepped on the caller's
-    thread (what `Pipeline.generate` uses); `prompt_lookup` 0 leaves every draft to the drafter."""
+    thread (what `Pipeline.generate` uses); `prompt_lookup` 0 leaves every draft to the drafter.
+    Its greedy cycles are not narrowed by the drafter's confidence unless `confident_width`: that
+    choice follows the machine's timing, and these engines' statistics are compared exactly."""
     from trtspec.runtime.controller import native_controller
     from trtspec.runtime.engine import EngineConfig, LocalEngine
 
-    return LocalEngine(runner, policy, EngineConfig(max_running=1, prefill_chunk=0, prompt_lookup=prompt_lookup),
+    return LocalEngine(runner, policy, EngineConfig(max_running=1, prefill_chunk=0, prompt_lookup=prompt_lookup,
+                                                    confident_width=confident_width),
                       controller=controller or native_controller)
 
 

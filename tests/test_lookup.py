@@ -7,7 +7,6 @@ with a test that fails when the copies are verified against the drafter's distri
 """
 
 import random
-from collections import deque
 
 import numpy as np
 import pytest
@@ -18,8 +17,8 @@ from trtspec.api import Pipeline
 from trtspec.errors import TrtspecError
 from trtspec.runtime import engine as engine_module
 from trtspec.runtime.engine import EngineConfig, LocalEngine
-from trtspec.runtime.lookup import (CPU_DRAFT_WIDTH, MAX_MATCH, WIDTH_SAMPLES, PromptLookup, cycle_width,
-                                   default_draft_width, widening_pays)
+from trtspec.runtime.lookup import MAX_MATCH, PromptLookup
+from trtspec.runtime.widths import CPU_DRAFT_WIDTH, WIDTH_SAMPLES, VerifyCosts
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.schedule import AR, BlockChoice
 
@@ -82,8 +81,8 @@ def test_greedy_output_with_copied_drafts_is_ars(tiny, block, width, monkeypatch
     configs = [GenerationConfig(max_new_tokens=40, block=BlockChoice(block))] * len(REPEATING)
     reference = tiny.autoregressive().generate_batch(REPEATING, [GenerationConfig(max_new_tokens=40, block=AR)] * 3)
     for lookup, copies in ((1, True), (0, False)):
-        engine = tiny.stepped_engine(EngineConfig(max_running=3, prompt_lookup=lookup, draft_width=width),
-                                     load_aware=False)
+        engine = tiny.stepped_engine(EngineConfig(max_running=3, prompt_lookup=lookup, draft_width=width,
+                                                  confident_width=False), load_aware=False)
         drafted, draft = [], engine.runner.draft
         monkeypatch.setattr(engine.runner, "draft", lambda slots, *rest: drafted.append(len(slots)) or draft(slots, *rest))
         ids = [tiny.codec.encode(prompt) for prompt in REPEATING]
@@ -109,23 +108,6 @@ def test_the_pipeline_sets_its_engines_prompt_lookup(target_dir, drafter_dir, ti
     assert tiny.local_engine.draft_width == CPU_DRAFT_WIDTH  # eager on a CPU: any width
 
 
-def test_a_cycle_is_as_wide_as_its_copy_within_the_block():
-    assert [cycle_width(16, copied, 4, None) for copied in (0, 2, 3, 5, 15)] == [4, 4, 4, 6, 16]
-    assert [cycle_width(16, copied, 4, (4, 8, 16)) for copied in (3, 4, 9)] == [4, 8, 16]  # built widths
-    assert (cycle_width(16, 5, 0, None), cycle_width(3, 0, 4, None), cycle_width(8, 0, 1, None)) == (16, 3, 1)
-    assert default_draft_width(torch.device("cpu"), None) == CPU_DRAFT_WIDTH
-    assert default_draft_width(torch.device("cpu"), (8, 16)) == 8  # rounded up to a built width
-    assert default_draft_width(torch.device("cpu"), (3,)) == 0
-    assert default_draft_width(torch.device("cuda"), None) == 0  # a GPU verifies 16 positions for about one's cost
-
-
-def test_a_cycle_widens_where_its_extra_positions_cost_little():
-    # verify ms over 300 cached positions, 1 thread (docs/engines.md): float32 4 -> 16 positions 47.8
-    # -> 86.8, the 4-bit target 31.3 -> 89.4 (and 51.0 at 8)
-    assert widening_pays(4, 16, 47.8, 86.8) and widening_pays(4, 8, 47.8, 65.4)
-    assert not widening_pays(4, 16, 31.3, 89.4) and not widening_pays(4, 8, 31.3, 51.0)
-
-
 def test_a_greedy_request_alone_widens_only_where_this_engines_calls_say_it_pays(tiny):
     """Alone, a greedy request's copies widen its cycles until the engine has timed both widths; where
     the wide calls cost too much for their positions the copies are cut to the narrow width instead.
@@ -134,10 +116,13 @@ def test_a_greedy_request_alone_widens_only_where_this_engines_calls_say_it_pays
     reference = tiny.autoregressive().generate_batch(REPEATING, [GenerationConfig(max_new_tokens=40, block=AR)] * 3)
     ids = [tiny.codec.encode(prompt) for prompt in REPEATING]
     for dear in (False, True):
-        engine = tiny.stepped_engine(EngineConfig(max_running=1, prompt_lookup=1, draft_width=4), load_aware=False)
+        engine = tiny.stepped_engine(EngineConfig(max_running=1, prompt_lookup=1, draft_width=4, confident_width=False),
+                                     load_aware=False)
         if dear:  # as if timed: each position beyond 4 costs a third of a 4-wide call
-            engine._width_ms = {width: deque([30.0 + 10.0 * (width - 4)] * WIDTH_SAMPLES, maxlen=4 * WIDTH_SAMPLES)
-                                for width in range(4, 17)}
+            engine._costs = VerifyCosts()
+            for width in range(4, 17):
+                for _ in range(WIDTH_SAMPLES):
+                    engine._costs.observe(width, 30.0 + 10.0 * (width - 4))
         generations = engine.generate(ids, configs)
         assert [g.tokens for g in generations] == [r.tokens for r in reference]
         cycles, drafts = (sum(getattr(g.stats, name) for g in generations) for name in ("cycles", "draft_tokens"))
@@ -204,7 +189,8 @@ def test_a_drafter_skipped_for_a_full_copy_later_sees_every_position(tiny, monke
     drafted both with skips and without (copies cut short of the block), the proposal logits are
     equal (up to rounding: the skipped positions' keys are projected together)."""
     def logits_by_start(shorten: bool) -> dict[int, torch.Tensor]:
-        engine = tiny.stepped_engine(EngineConfig(max_running=1, prompt_lookup=1), load_aware=False)
+        engine = tiny.stepped_engine(EngineConfig(max_running=1, prompt_lookup=1, confident_width=False),
+                                     load_aware=False)
         if shorten:
             copy = engine._copy
             monkeypatch.setattr(engine, "_copy", lambda active, width: copy(active, width)[:width - 1])

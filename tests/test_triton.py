@@ -650,11 +650,17 @@ def test_triton_repo_sizes_each_instance_engine(tmp_path, ort_engine_dir):
     from trtspec.runtime.engine import EngineConfig
     from trtspec.serving.triton import write_repository
 
-    write_repository(ort_engine_dir, tmp_path / "repo", engine=EngineConfig(max_running=3, max_queued=5))
+    from trtspec.serving.triton import ENGINE_PARAMETERS
+
+    write_repository(ort_engine_dir, tmp_path / "repo",
+                     engine=EngineConfig(max_running=3, max_queued=5, confident_width=False))
     for model in ("trtspec", "trtspec_stream"):
         assert _engine_parameter(tmp_path / "repo", "max_running", model) == 3
         assert _engine_parameter(tmp_path / "repo", "max_queued", model) == 5
-        assert "proposal_temperature" not in (tmp_path / "repo" / model / "config.pbtxt").read_text()  # unset
+        config = (tmp_path / "repo" / model / "config.pbtxt").read_text()
+        assert "proposal_temperature" not in config  # unset
+        written = re.search(r'key: "confident_width" value { string_value: "(\w+)" }', config)[1]
+        assert ENGINE_PARAMETERS["confident_width"](written) is False  # as the model reads it back
 
 
 def test_triton_repo_refuses_more_running_requests_than_the_engine_batches(tmp_path, ort_engine_dir):

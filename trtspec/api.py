@@ -64,19 +64,22 @@ class Pipeline:
     `proposal_temperature` x their temperature (0: its argmax, DFlash's rule), in every engine this
     pipeline makes whose EngineConfig leaves it unset; likewise `prompt_lookup` (runtime.lookup: drafts
     copied where the text's last N tokens occurred before; 0: off) and `draft_width` (with lookup, the
-    positions a cycle without a long copy verifies; 0: whole blocks; default: 4 on a CPU, 0 elsewhere)."""
+    positions a cycle without a long copy verifies; 0: whole blocks; default: 4 on a CPU, 0 elsewhere) and
+    `confident_width` (a greedy request decoding alone verifies as many of its drafts as the drafter's
+    confidence and the engine's timing say pay: runtime.widths; default on)."""
 
     def __init__(self, target: str | Path | None = None, drafter: str | Path | None = None, *,
                  engine: str | Path | None = None, policy: str | Path | None = None, dtype: str = "auto",
                  device: str = "auto", max_context: int | None = None, cuda_graphs: bool | None = None,
                  draft_vocab: int | None = None, draft_counts: str | Path | None = None,
                  proposal_temperature: float | None = None, prompt_lookup: int | None = None,
-                 draft_width: int | None = None):
+                 draft_width: int | None = None, confident_width: bool = True):
         torch_device = resolve_device(device)
         self.proposal_temperature = (DEFAULT_PROPOSAL_TEMPERATURE if proposal_temperature is None
                                      else PROPOSAL_TEMPERATURE.check(proposal_temperature))
         self.prompt_lookup = MIN_MATCH if prompt_lookup is None else PROMPT_LOOKUP.check(prompt_lookup)
         self.draft_width = None if draft_width is None else DRAFT_WIDTH.check(draft_width)
+        self.confident_width = confident_width
         if engine is None:
             target, drafter = resolve_pair(target, drafter)
         else:  # what it was built from, if given
@@ -194,6 +197,8 @@ class Pipeline:
             config = replace(config, prompt_lookup=self.prompt_lookup)
         if config.draft_width is None:
             config = replace(config, draft_width=self.draft_width)  # None: the engine's default for its runner
+        if config.confident_width is None:
+            config = replace(config, confident_width=self.confident_width)
         return config
 
     def _timing_identity(self, runner: BatchRunner) -> dict:

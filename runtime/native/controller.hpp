@@ -13,8 +13,9 @@
 //
 // A cycle may also be narrowed: it verifies only its first W positions (the bonus and W-1 drafts),
 // as when prompt lookup's copy is short and the drafter's later proposals are rarely accepted. The
-// width is chosen before the drafts are drawn, from committed tokens only, so a narrowed cycle is an
-// exact speculative step too; it counts as a ceiling only when it ran its whole block.
+// width is chosen from committed tokens (the copy) or, for a greedy request, from the drafter's own
+// probabilities, never from the target's logits, so a narrowed cycle is an exact speculative step
+// too; it counts as a ceiling only when it ran its whole block.
 #pragma once
 
 #include <algorithm>

@@ -47,7 +47,8 @@ def preflight(target, drafter, engine, dtype, device, prompts_spec, block_size, 
         raise TrtspecError("--teacher-forced runs the checkpoints: give --target and --drafter, not --engine")
     name, prompts = load_prompts(prompts_spec, limit)
     # the drafter's own acceptance over whole blocks: no copies from the text, no narrowed cycles
-    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, prompt_lookup=0, draft_width=0)
+    pipeline = load_pipeline(target, drafter, dtype, device, engine=engine, prompt_lookup=0, draft_width=0,
+                             confident_width=False)
     if not pipeline.has_drafter:
         raise TrtspecError("preflight inspects a drafter's acceptance; give --drafter DIR")
     if block_size is None:

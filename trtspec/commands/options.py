@@ -141,7 +141,12 @@ drafting_options = _stack(
         "With prompt lookup, a cycle whose copy is shorter verifies only W positions (the drafter's first "
         "W-1 proposals, which it gets right most often), and a longer copy widens it up to the block "
         "size: on a CPU each verified position costs time. Output is unchanged. 0: every cycle verifies "
-        "its whole block. [default: 4 on a CPU, 0 on a GPU]"))
+        "its whole block. [default: 4 on a CPU, 0 on a GPU]"),
+    click.option(
+        "--confident-width/--no-confident-width", default=None,
+        help="A greedy request decoding alone verifies, of the drafts it drew, as many as the drafter's own "
+             "probabilities and this engine's timing of each width say pay (fewer where a verified position "
+             "costs much, as on 4-bit weights). Output is unchanged. [default: on]"))
 
 sampling_options = _stack(
     click.option("--temperature", type=Ranged(limits.TEMPERATURE), default=0.0, show_default=True,
@@ -233,11 +238,12 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
                   with_drafter: bool = True, max_context: int | None = None, engine: str | None = None,
                   policy: str | None = None, draft_vocab: int | None = None, draft_counts: str | None = None,
                   backend: str = "eager", block_sizes: tuple[int, ...] = (), proposal_temperature: float | None = None,
-                  prompt_lookup: int | None = None, draft_width: int | None = None):
+                  prompt_lookup: int | None = None, draft_width: int | None = None,
+                  confident_width: bool | None = None):
     """Resolve model arguments (bundled names, defaults) and load them once. Without an engine,
     `backend` other than eager may build (or reuse) a cached one for the pair (`block_sizes`: the
     sizes the command will ask for, beyond the cache's usual ones). `proposal_temperature`,
-    `prompt_lookup` and `draft_width`: the pipeline's (None: its defaults)."""
+    `prompt_lookup`, `draft_width` and `confident_width`: the pipeline's (None: its defaults)."""
     from trtspec.assets import resolve_drafter, resolve_pair, resolve_target
 
     _limit_gpu_memory(device)
@@ -251,7 +257,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
             engine=engine, policy=policy if with_drafter else None, device=device, max_context=max_context,
             draft_vocab=draft_vocab if with_drafter else None, draft_counts=draft_counts,
             proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup,
-            draft_width=draft_width)
+            draft_width=draft_width, confident_width=confident_width is not False)
         built = str(pipeline.dtype).removeprefix("torch.")
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
@@ -264,7 +270,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
                              draft_vocab=draft_vocab if with_drafter else None,
                              draft_counts=draft_counts if with_drafter else None,
                              proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup,
-                             draft_width=draft_width)
+                             draft_width=draft_width, confident_width=confident_width is not False)
 
 
 def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts) -> str | None:

@@ -174,6 +174,7 @@ class BenchReport:
     proposal_temperature: float | None = None  # sampled requests' drafts drawn at this x T (0: the drafter's argmax)
     prompt_lookup: int = 0  # drafts copied where the text's last N tokens occurred before (0: off)
     draft_width: int = 0    # with lookup, positions a cycle without a long copy verifies (0: whole blocks)
+    confident_width: bool = False  # greedy cycles verify as many drafts as the drafter's confidence says pay
 
     def draft_coverage(self) -> float | None:
         """Share of AR's (the target's own) decoded tokens inside the draft vocabulary."""
@@ -243,6 +244,7 @@ class BenchReport:
             "max_new_tokens": self.config.max_new_tokens,
             "prompt_lookup": self.prompt_lookup,
             "draft_width": self.draft_width,
+            "confident_width": self.confident_width,
             "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                          "seed": sampling.seed, "proposal_temperature": self.proposal_temperature},
             **comparison,
@@ -321,7 +323,8 @@ def run_bench(pipeline, prompts: list[str], config: BenchConfig, *, reference=No
                                    spec=backend_runs[1:], machine=machine_info(backend),
                                    proposal_temperature=backend.proposal_temperature,
                                    prompt_lookup=backend.prompt_lookup,
-                                   draft_width=backend.local_engine.draft_width))
+                                   draft_width=backend.local_engine.draft_width,
+                                   confident_width=backend.local_engine.confident_width))
     report = reports[0]
     report.draft_ids = pipeline.draft_ids
     if reference is not None:

@@ -63,9 +63,14 @@ from trtspec.serving.triton_model import TritonPythonModel  # noqa: F401
 '''
 
 
+def _flag(text: str) -> bool:
+    """A boolean model parameter as written (its repr): bool("False") would be True."""
+    return {"True": True, "False": False}[text]
+
+
 # EngineConfig fields, as model parameters (a field left None is not written: the pipeline's default)
 ENGINE_PARAMETERS = {"max_running": int, "max_queued": int, "prefill_chunk": int, "proposal_temperature": float,
-                     "prompt_lookup": int, "draft_width": int}
+                     "prompt_lookup": int, "draft_width": int, "confident_width": _flag}
 
 
 def model_config(name: str, engine_dir: Path, instances: int, decoupled: bool, threads: int,
