@@ -22,6 +22,7 @@ tokenizer, `on_text` their text (`trtspec.runtime.output`: a stop string ends th
 from __future__ import annotations
 
 import functools
+import contextlib
 import itertools
 import math
 import threading
@@ -46,12 +47,27 @@ from trtspec.runtime.sampling import DEFAULT_PROPOSAL_TEMPERATURE, Sampler, draw
     point_masses, sample_requests
 from trtspec.runtime.schedule import BlockChoice, BlockChooser, BlockPolicy, Load
 from trtspec.runtime.stats import DecodeStats
-from trtspec.runtime.widths import VerifyCosts, confident_width, cycle_width, default_draft_width, widening_pays
+from trtspec.runtime.widths import (VerifyCosts, confident_width, cycle_width, default_draft_width,
+                                    top_probabilities, widening_pays)
 
 RECENT_S = 1.0  # time constant of Load.recent, the engine's recent running count
 
 OnCommit = Callable[[list[int]], None]
 OnText = Callable[[str], None]
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int | None):
+    """torch's intra-op threads set to `count` for the block (None: as they are)."""
+    before = torch.get_num_threads()
+    if count is None or count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Busy(TrtspecError):
@@ -238,6 +254,11 @@ class LocalEngine:
         self._recent, self._recent_at = 0.0, time.perf_counter()
         self._chosen: BlockChoice | None = None  # the latest `auto` admission's block, for the chooser's switches
         self.confident_width = config.confident_width is not False
+        # An ONNX Runtime engine on a CPU owns the cores (its target pool spins between calls): the
+        # loop's own torch ops (sampling, processing) run on this thread, or torch's pool wakes
+        # beside it. Measured at 2 threads, T = 1, B = 4 (docs/engines.md, "Threads"): 34-35 tok/s
+        # with torch's 2 threads, 41-43 with 1.
+        self._host_threads = 1 if runner.device.type == "cpu" and runner.executor.backend == "onnxruntime" else None
         self._costs = VerifyCosts()  # one request's verify calls by width: what widening or narrowing costs
 
     # ---- front-end side ------------------------------------------------------------------------
@@ -326,11 +347,12 @@ class LocalEngine:
             return False
         running = len(self._active)
         try:
-            if torch.is_inference_mode_enabled():  # generate() enters it once for all its steps
-                self._iteration()
-            else:
-                with torch.inference_mode():
+            with _torch_threads(self._host_threads):
+                if torch.is_inference_mode_enabled():  # generate() enters it once for all its steps
                     self._iteration()
+                else:
+                    with torch.inference_mode():
+                        self._iteration()
         except Exception as error:
             for active in list(self._active):
                 self._retire(active, error)
@@ -603,8 +625,8 @@ class LocalEngine:
         allowed = self.runner.verify_widths(width)
         chosen = self._costs.untimed(width, allowed)
         if chosen is None:
-            confidence = torch.softmax(logits[:width - 1].float(), dim=-1).amax(dim=-1).cpu().numpy()
-            chosen = confident_width(confidence, self._costs.curve(width), self._costs.overhead_ms(), allowed)
+            chosen = confident_width(top_probabilities(logits[:width - 1]), self._costs.curve(width),
+                                     self._costs.overhead_ms(), allowed)
         if chosen < width:
             active.controller.narrow(chosen)
         return chosen

@@ -12,10 +12,12 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from helpers import SAMPLED_PROMPT as PROMPT, break_acceptance_rule, code_prompts, exact_three_token_distribution, predictable_pair, pvalues
 
 from trtspec.api import Pipeline
 from trtspec.errors import Cancelled, TrtspecError
+from trtspec.runtime import engine as engine_module
 from trtspec.runtime.processing import Processing
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.engine import Busy, Engine, EngineConfig, LocalEngine
@@ -697,3 +699,22 @@ def test_load_aware_blockpilot_forgets_a_shape_it_has_not_run_lately():
     for _ in range(MEASURED_MIN - 1):
         chooser.observe_cycle(1, 4, 9.0)
     assert chooser.cost(1, 4) == 9.0 and chooser.choose(eight, Load(0, 4, (1, 1, 1))) == BlockChoice(1)
+
+
+def test_the_loop_runs_torch_on_its_own_thread_beside_an_onnxruntime_engine(ort_engine_dir, target_dir, drafter_dir,
+                                                                           monkeypatch):
+    """Beside an ONNX Runtime engine on a CPU, whose spinning pool owns the cores, the loop's own torch
+    work (here: a sampled request's) runs with one torch thread, and the caller's count comes back
+    after; eager modules keep the caller's threads for their own products."""
+    before, sample, seen = torch.get_num_threads(), engine_module.sample_requests, []
+    monkeypatch.setattr(engine_module, "sample_requests", lambda *args: seen.append(torch.get_num_threads()) or sample(*args))
+    torch.set_num_threads(2)
+    try:
+        for pipeline, inside in ((Pipeline(engine=ort_engine_dir), 1), (Pipeline(target_dir, drafter_dir), 2)):
+            seen.clear()
+            pipeline.generate("def f(x):", GenerationConfig(block=BlockChoice(4), max_new_tokens=12,
+                                                            sampling=SamplingConfig(temperature=1.0, seed=1)))
+            assert seen and set(seen) == {inside}
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

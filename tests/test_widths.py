@@ -10,7 +10,7 @@ from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AR, BlockChoice
 from trtspec.runtime.widths import (CPU_DRAFT_WIDTH, WIDTH_SAMPLES, VerifyCosts, confident_width, cycle_width,
-                                    default_draft_width, expected_tokens, widening_pays)
+                                    default_draft_width, expected_tokens, top_probabilities, widening_pays)
 
 PROMPTS = ["the cat sat on the mat; the cat sat on the", "def f(x): return x + 1\ndef f(x): return",
            "one two three four five six seven eight nine ten"]
@@ -36,6 +36,12 @@ def test_a_cycle_widens_where_its_extra_positions_cost_little():
 def test_expected_tokens_count_each_proposal_with_the_chance_that_it_and_those_before_are_accepted():
     np.testing.assert_allclose(expected_tokens(np.array([0.5, 0.5, 1.0])), [1.0, 1.5, 1.75, 2.0])
     np.testing.assert_allclose(expected_tokens(np.array([0.0, 1.0])), [1.0, 1.0, 1.0])
+
+
+def test_top_probabilities_are_the_softmax_maxima():
+    logits = torch.randn(3, 500) * 4
+    np.testing.assert_allclose(top_probabilities(logits), torch.softmax(logits, -1).amax(-1).numpy(), rtol=1e-5)
+    assert top_probabilities(torch.tensor([[1e4, 0.0, 0.0]]))[0] == 1.0  # no overflow
 
 
 # verify ms by width over ~250 cached positions, 1 thread (docs/architecture.md, "Narrowed cycles"):
