@@ -21,8 +21,8 @@ tokenizer, `on_text` their text (`trtspec.runtime.output`: a stop string ends th
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import itertools
 import math
 import threading
