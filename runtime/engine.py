@@ -254,11 +254,6 @@ class LocalEngine:
         self._recent, self._recent_at = 0.0, time.perf_counter()
         self._chosen: BlockChoice | None = None  # the latest `auto` admission's block, for the chooser's switches
         self.confident_width = config.confident_width is not False
-        # An ONNX Runtime engine on a CPU owns the cores (its target pool spins between calls): the
-        # loop's own torch ops (sampling, processing) run on this thread, or torch's pool wakes
-        # beside it. Measured at 2 threads, T = 1, B = 4 (docs/engines.md, "Threads"): 34-35 tok/s
-        # with torch's 2 threads, 41-43 with 1.
-        self._host_threads = 1 if runner.device.type == "cpu" and runner.executor.backend == "onnxruntime" else None
         self._costs = VerifyCosts()  # one request's verify calls by width: what widening or narrowing costs
 
     # ---- front-end side ------------------------------------------------------------------------
@@ -347,7 +342,7 @@ class LocalEngine:
             return False
         running = len(self._active)
         try:
-            with _torch_threads(self._host_threads):
+            with _torch_threads(self.runner.host_threads):  # the loop's torch work (sampling, processing)
                 if torch.is_inference_mode_enabled():  # generate() enters it once for all its steps
                     self._iteration()
                 else:

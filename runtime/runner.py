@@ -156,6 +156,14 @@ class BatchRunner:
                            self.block_sizes, self.mask_token_id if drafter else None, self.static, self.manifest,
                            self.draft_ids)
 
+    @property
+    def host_threads(self) -> int | None:
+        """torch's thread count for the decode loop's own work beside this runner's graphs: 1 beside an
+        ONNX Runtime engine on a CPU, whose spinning pool owns the cores (torch's pool woken beside it
+        stalls both: docs/engines.md, "Threads"); None (the caller's) for eager modules, which compute
+        with torch's threads, and on a GPU."""
+        return 1 if self._cpu and self.executor.backend == "onnxruntime" else None
+
     def verify_widths(self, widest: int) -> list[int]:
         """The widths up to `widest` a verify call can run: every one for the eager modules and an
         ONNX Runtime engine (dynamic shapes), else 1 and the block sizes the engine was built for

@@ -246,6 +246,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
     `prompt_lookup`, `draft_width` and `confident_width`: the pipeline's (None: its defaults)."""
     from trtspec.assets import resolve_drafter, resolve_pair, resolve_target
 
+    confident_width = confident_width is not False  # None: the pipeline's default (on)
     _limit_gpu_memory(device)
     if engine is None and backend != "eager":
         engine = _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts)
@@ -257,7 +258,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
             engine=engine, policy=policy if with_drafter else None, device=device, max_context=max_context,
             draft_vocab=draft_vocab if with_drafter else None, draft_counts=draft_counts,
             proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup,
-            draft_width=draft_width, confident_width=confident_width is not False)
+            draft_width=draft_width, confident_width=confident_width)
         built = str(pipeline.dtype).removeprefix("torch.")
         if dtype not in ("auto", built):
             raise TrtspecError(f"the engine was built for {built}; drop --dtype or rebuild with --dtype {dtype}")
@@ -270,7 +271,7 @@ def load_pipeline(target: str | None, drafter: str | None, dtype: str, device: s
                              draft_vocab=draft_vocab if with_drafter else None,
                              draft_counts=draft_counts if with_drafter else None,
                              proposal_temperature=proposal_temperature, prompt_lookup=prompt_lookup,
-                             draft_width=draft_width, confident_width=confident_width is not False)
+                             draft_width=draft_width, confident_width=confident_width)
 
 
 def _cached_engine(target, drafter, dtype, device, backend, block_sizes, draft_vocab, draft_counts) -> str | None:
