@@ -20,16 +20,18 @@ from pathlib import Path
 
 from trtspec.device import MODEL_DTYPES
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, GraphSpec, graph_specs
+from trtspec.export.bindings import (DRAFT, IN_PLACE, MAX_BATCH, MAX_BLOCK_SIZE, SHARED, TARGET, GraphSpec, graph_specs,
+                                     target_graph_in_place)
 from trtspec.fileio import MARKER, file_sha256
 from trtspec.models.config import DFlashConfig, Qwen3Config, target_config_from_dict
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_VERSION = 7  # 2: batched step graphs (batch and slot axes); 3: the manifest's own content hashed;
+MANIFEST_VERSION = 8  # 2: batched step graphs (batch and slot axes); 3: the manifest's own content hashed;
 # 4: the target graph's `computed` input (its feed-forward on the real positions of padded rows);
 # 5: the draft graph's `proposal_logits` output (sampled requests draw their proposals from them);
 # 6: the target graph's projections, too, on the real positions only (same bindings, a faster graph);
-# 7: its `scored` input: logits [scored, vocab] of the positions asked for (a prompt chunk's last)
+# 7: its `scored` input: logits [scored, vocab] of the positions asked for (a prompt chunk's last);
+# 8: graphs' `cache` layout (an ONNX Runtime 4-bit target's caches are per layer, updated in place)
 DIGEST_FIELD = "manifest_sha256"  # of the canonical JSON of every other field (content_sha256)
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")
@@ -86,7 +88,10 @@ class Manifest:
         return DFlashConfig.from_zlab(self.drafter_config)
 
     def specs(self) -> dict[str, GraphSpec]:
-        return graph_specs(self.target, self.drafter, (self.draft_vocab or {}).get("size"))
+        specs = graph_specs(self.target, self.drafter, (self.draft_vocab or {}).get("size"))
+        if self.graphs.get(TARGET, {}).get("cache") == IN_PLACE:
+            specs[TARGET] = target_graph_in_place(self.target, self.drafter.num_features)
+        return specs
 
     @property
     def label(self) -> str:
@@ -188,6 +193,10 @@ def validate_fields(data: dict, path: Path) -> None:
         if info["file"] not in data["artifacts"]:
             raise TrtspecError(f"{path}: graph file {info['file']} (graphs.{graph}.file) is not listed in artifacts, "
                                "so it cannot be verified; rebuild the engine")
+        if info.get("cache", SHARED) not in ((SHARED, IN_PLACE) if graph == TARGET and data["backend"] == "onnxruntime"
+                                             else (SHARED,)):
+            raise TrtspecError(f"{path}: field graphs.{graph}.cache must be {SHARED!r}"
+                               + (f" or {IN_PLACE!r}" if graph == TARGET else "") + "; rebuild the engine")
         keys = data["profiles"].get(graph)
         needed = (["prefill", 1] if graph == TARGET else []) + sizes
         if not isinstance(keys, list) or any(k not in keys for k in needed):

@@ -25,6 +25,10 @@ contiguous slice that the graphs read in place. Row r sees only its own slot's p
 starts[r] (target) or below its context (draft); the rest is masked out, so the graphs also
 accept the whole fixed-size buffer, which is what CUDA-graph replay needs. The graphs return
 only the keys/values of the new positions; the runtime writes them into the buffer.
+
+ONNX Runtime on the CPU runs the target from a graph written for it instead (`export.ort_target`):
+its cache is `in_place`, one buffer per layer, [batch, kv_heads, capacity, head_dim], that the
+graph's attention reads and writes where it lies (`target_graph_in_place`).
 """
 
 from __future__ import annotations
@@ -49,19 +53,27 @@ class TensorSpec:
         return tuple(sizes[d] if isinstance(d, str) else d for d in self.dims)
 
 
+SHARED, IN_PLACE = "shared", "in_place"  # the two KV-cache layouts a graph can read (module docstring)
+
+
 @dataclass(frozen=True)
 class GraphSpec:
     name: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    cache: str = SHARED
 
     def input(self, name: str) -> TensorSpec:
         return next(t for t in self.inputs if t.name == name)
 
+    def has_input(self, name: str) -> bool:
+        return any(t.name == name for t in self.inputs)
+
     def to_dict(self) -> dict:
         def tensors(specs):
             return [{"name": t.name, "dtype": t.dtype, "dims": list(t.dims)} for t in specs]
-        return {"inputs": tensors(self.inputs), "outputs": tensors(self.outputs)}
+        layout = {} if self.cache == SHARED else {"cache": self.cache}  # shared graphs' cache keys stay as they were
+        return {"inputs": tensors(self.inputs), "outputs": tensors(self.outputs), **layout}
 
 
 TARGET, DRAFT = "target", "draft"
@@ -89,6 +101,24 @@ def target_graph(config: Qwen3Config, num_features: int) -> GraphSpec:
         TensorSpec("new_k", "model", new),
         TensorSpec("new_v", "model", new),
     ))
+
+
+def target_graph_in_place(config: Qwen3Config, num_features: int) -> GraphSpec:
+    """The target step of `export.ort_target`: per-layer caches [batch, kv_heads, capacity, head_dim]
+    that the graph updates in place (each past_*.i and present_*.i bound to the same buffer), rows
+    padded rather than packed (no `computed`), `scored` as flat positions row * tokens + t."""
+    cache = ("batch", config.num_key_value_heads, "capacity", config.head_dim)
+    layers = range(config.num_hidden_layers)
+    return GraphSpec(TARGET, inputs=(
+        TensorSpec("tokens", "int64", ("batch", "tokens")),
+        TensorSpec("starts", "int64", ("batch",)),
+        TensorSpec("scored", "int64", ("scored",)),
+        *(TensorSpec(f"past_{kind}.{i}", "model", cache) for i in layers for kind in "kv"),
+    ), outputs=(
+        TensorSpec("logits", "model", ("scored", config.vocab_size)),
+        TensorSpec("features", "model", ("batch", "tokens", num_features * config.hidden_size)),
+        *(TensorSpec(f"present_{kind}.{i}", "model", cache) for i in layers for kind in "kv"),
+    ), cache=IN_PLACE)
 
 
 def draft_graph(config: DFlashConfig, draft_vocab: int | None = None) -> GraphSpec:

@@ -3,8 +3,9 @@
 It runs the step graphs (`trtspec.export.steps`) through any executor: the eager step modules
 (`TorchExecutor` over them, so eager and compiled decoding share every line), or a built engine's
 ONNX Runtime / TensorRT / torch.export / AOTInductor graphs (`BatchRunner.open`). The KV caches are
-preallocated once, [positions, slots, layers, kv_heads, head_dim] per graph; a request owns a
-slot from admission to its end, and what its slot holds is implied by its position: the target
+preallocated once, [positions, slots, layers, kv_heads, head_dim] per graph (a 4-bit ONNX Runtime
+target's per layer instead, updated in place by the graph: `export.ort_target`, `_target_in_place`);
+a request owns a slot from admission to its end, and what its slot holds is implied by its position: the target
 cache is valid below the request's start, the drafter cache below the start of the context it
 has not seen yet. So nothing is ever rolled back: rejected drafts' keys are simply overwritten.
 
@@ -24,7 +25,7 @@ import torch
 
 from trtspec.engines.executor import PREFILL, TORCH_DTYPES, Executor, ProfileKey
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import DRAFT, MAX_BLOCK_SIZE, TARGET, GraphSpec
+from trtspec.export.bindings import DRAFT, IN_PLACE, MAX_BLOCK_SIZE, SHARED, TARGET, GraphSpec
 from trtspec.runtime.memory import cache_bytes, check_cache_fits
 
 PACKING = ("computed", "scored")  # the target's index inputs into its own positions (not per row)
@@ -46,6 +47,33 @@ def context_bucket(count: int) -> int:
     """A draft call's context width in static mode: the next power of two, so the widths a request
     meets (1..B after its first cycle, its prompt once) take a handful of graphs."""
     return 1 << max(count - 1, 0).bit_length()
+
+
+def _cache_shape(spec: GraphSpec, capacity: int, slots: int) -> tuple[int, ...]:
+    """A graph's key (and value) buffer: shared, [capacity, slots, layers, kv_heads, head_dim]; in
+    place, [layers, slots, kv_heads, capacity, head_dim] (each layer's [slots, ...] a block of rows
+    that a call's contiguous slots are bound to as they lie)."""
+    if spec.cache == SHARED:
+        return (capacity, slots, *spec.input("past_k").dims[2:])
+    layers = sum(t.name.startswith("past_k.") for t in spec.inputs)
+    _, kv_heads, _, head_dim = spec.input("past_k.0").dims
+    return (layers, slots, kv_heads, capacity, head_dim)
+
+
+def _slot_runs(slots: list[int], count: int) -> list[list[int]]:
+    """The rows of a target call on in-place caches, grouped into calls: rows whose slots follow one
+    another (in slot order), each a block of the caches; with several tokens per row, each row
+    alone (ONNX Runtime's GroupQueryAttention takes several new tokens for one row at a time)."""
+    if count > 1:
+        return [[row] for row in range(len(slots))]
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    runs = [[order[0]]]
+    for row in order[1:]:
+        if slots[row] == slots[runs[-1][-1]] + 1:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs
 
 
 def _built_draft_ids(directory: Path, manifest) -> torch.Tensor | None:
@@ -81,12 +109,15 @@ class BatchRunner:
         self.device = executor.device
         self.max_context, self.block_sizes, self.mask_token_id = max_context, block_sizes, mask_token_id
         capacity = max_context + MAX_BLOCK_SIZE
-        shapes = {graph: (capacity, slots, *spec.input("past_k").dims[2:]) for graph, spec in specs.items()}
+        shapes = {graph: _cache_shape(spec, capacity, slots) for graph, spec in specs.items()}
         check_cache_fits(slots, cache_bytes(shapes.values(), dtype) // slots, max_context, self.device)
         self._caches = {graph: [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2)]
                         for graph, shape in shapes.items()}
-        # the caches as [slots, positions, ...] views: where a one-slot graph writes its new keys/values
-        self._by_slot = {graph: [cache.transpose(0, 1) for cache in caches] for graph, caches in self._caches.items()}
+        # the shared caches as [slots, positions, ...] views: where a one-slot graph writes its new keys/values
+        self._by_slot = {graph: [cache.transpose(0, 1) for cache in caches] for graph, caches in self._caches.items()
+                         if specs[graph].cache == SHARED}
+        self._in_place = specs[TARGET].cache == IN_PLACE
+        self._layer_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._outputs: dict[tuple, dict[str, torch.Tensor]] = {}
         self._staged: dict[tuple, tuple[torch.Tensor, np.ndarray | None]] = {}
         self._cpu = self.device.type == "cpu"
@@ -224,6 +255,52 @@ class BatchRunner:
         self._store(graph, new_at, slots, outputs, keep)
         return outputs
 
+    def _target_in_place(self, profile: ProfileKey, tokens: torch.Tensor, starts: list[int], slots: list[int],
+                         scored: list[range]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target on in-place caches (`export.ort_target`): logits [sum of len(scored), V] of each
+        row's `scored` positions, row by row, and features [b, T, F]. Rows run in calls of rows whose
+        slots follow one another (`_slot_runs`); the graph writes their new keys/values where they lie."""
+        batch, count = tokens.shape
+        runs = _slot_runs(slots, count)
+        if len(runs) == 1 and runs[0] == list(range(batch)):  # the common case: one call, rows as given
+            out = self._call_in_place(profile, tokens, self._long("starts", starts), slots[0],
+                                      self._index("scored", scored, count))
+            return out["logits"], out["features"]
+        first = np.cumsum([0] + [len(r) for r in scored])
+        logits = features = None
+        for rows in runs:
+            out = self._call_in_place(profile, tokens[rows], torch.tensor([starts[r] for r in rows]), slots[rows[0]],
+                                      self._index("scored", [scored[r] for r in rows], count))
+            if logits is None:
+                logits = out["logits"].new_empty(first[-1], out["logits"].shape[-1])
+                features = out["features"].new_empty(batch, *out["features"].shape[1:])
+            logits[np.concatenate([np.arange(first[r], first[r + 1]) for r in rows])] = out["logits"]
+            features[rows] = out["features"]
+        return logits, features
+
+    def _call_in_place(self, profile: ProfileKey, tokens: torch.Tensor, starts: torch.Tensor, slot: int,
+                       scored: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One target call for rows in slots slot..slot+b-1: each layer's cache block bound as both its
+        past and its present (outputs kept per shape, like `_run`'s)."""
+        rows, count = tokens.shape
+        key = (TARGET, profile, rows, count, scored.shape[0])
+        outputs = self._outputs.get(key)
+        if outputs is None:
+            sizes = {"batch": rows, "tokens": count, "scored": scored.shape[0]}
+            outputs = {t.name: torch.empty(t.shape(sizes), dtype=self.dtype, device=self.device)
+                       for t in self.specs[TARGET].outputs if not t.name.startswith("present_")}
+            if profile != PREFILL:
+                self._outputs[key] = outputs
+        views = self._layer_views.get((slot, rows))
+        if views is None:
+            cache_k, cache_v = self._caches[TARGET]
+            views = self._layer_views[slot, rows] = {
+                f"{kind}.{i}": cache[i, slot:slot + rows] for i in range(cache_k.shape[0])
+                for kind, cache in (("k", cache_k), ("v", cache_v))}
+        inputs = {"tokens": tokens, "starts": starts, "scored": scored, **{f"past_{n}": t for n, t in views.items()}}
+        self.executor.run(TARGET, profile, inputs, {**outputs, **{f"present_{n}": t for n, t in views.items()}})
+        return outputs
+
     def _store(self, graph: str, starts: list[int], slots: list[int], outputs: dict[str, torch.Tensor],
                keep: torch.Tensor | None = None) -> None:
         """Write the new keys/values [b, count, ...] at positions start..start+count-1 of each row's slot
@@ -281,6 +358,9 @@ class BatchRunner:
         tokens = torch.tensor(chunks, dtype=torch.long, device=self.device)
         batch, count = tokens.shape
         scored = min(count, tail)
+        if self._in_place:
+            logits, features = self._target_in_place(PREFILL, tokens, starts, slots, [range(count - scored, count)] * batch)
+            return logits.view(batch, scored, -1), features
         out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots, "scored": batch * scored},
                         max(starts), {"tokens": tokens, "starts": self._long("starts", starts),
                                       "slots": self._long("slots", slots),
@@ -325,15 +405,22 @@ class BatchRunner:
         tokens = self._long("blocks", blocks)
         batch, size = tokens.shape
         computed, real = self._computed(lengths, width), sum(lengths)
-        scored = None if computed is None else self._index("scored", [range(real)], 0)  # every computed position
-        out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots, "scored": real}, max(starts),
-                        {"tokens": tokens, "starts": self._long("starts", starts), "slots": self._long("slots", slots),
-                         "computed": computed, "scored": scored}, slots, starts)
-        logits = out["logits"]
+        if self._in_place:
+            logits, features = self._target_in_place(size, tokens, starts, slots, [range(n) for n in lengths])
+            for row, n in enumerate(lengths):  # the padding's features are zeros, as the exported graph's are
+                if n < size:
+                    features[row, n:] = 0
+        else:
+            scored = None if computed is None else self._index("scored", [range(real)], 0)  # every computed position
+            out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots, "scored": real},
+                            max(starts), {"tokens": tokens, "starts": self._long("starts", starts),
+                                          "slots": self._long("slots", slots), "computed": computed, "scored": scored},
+                            slots, starts)
+            logits, features = out["logits"], out["features"]
         if logits.shape[0] == batch * size:  # nothing padded (or a replayed call, which computes the padding)
-            return logits.view(batch, size, -1), out["features"]
+            return logits.view(batch, size, -1), features
         padded = logits.new_zeros(batch * size, logits.shape[-1]).index_copy_(0, computed, logits)
-        return padded.view(batch, size, -1), out["features"]
+        return padded.view(batch, size, -1), features
 
     def draft(self, slots: list[int], contexts: list[torch.Tensor], blocks: Sequence[np.ndarray],
               starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,9 +48,11 @@ def test_an_int4_engine_holds_matmulnbits_target_weights_and_says_so(int4_engine
         32, False, 4)
     assert manifest.label == "onnxruntime int4 (target)" and manifest.dtype == "float32"
     target_ops, draft_ops = (_ops(int4_engine / manifest.graphs[g]["file"]) for g in (TARGET, DRAFT))
-    # every weight matmul of the tiny target: q/k/v (one, export/fusion.py), o, gate/up (one), down per
-    # layer (2 layers) and the head
+    # every weight matmul of the tiny target: q/k/v (one), o, gate/up (one), down per layer (2 layers) and
+    # the head, in the target graph written for ONNX Runtime (export/ort_target.py: caches updated in place)
     assert target_ops["MatMulNBits"] == 9 and manifest.graphs[TARGET]["file"] == "target.int4.onnx"
+    assert target_ops["GroupQueryAttention"] == 2 and manifest.graphs[TARGET]["cache"] == "in_place"
+    assert manifest.specs()[TARGET].cache == "in_place" and "cache" not in manifest.graphs[DRAFT]
     assert draft_ops["MatMulNBits"] == 0 and draft_ops["MatMul"] > 0  # the drafter stays float32
     assert manifest.check["max_abs_logit_diff"] > 0  # recorded, not held to float32's tolerance
 

@@ -25,7 +25,8 @@ from trtspec.engines import tensorrt as trt_engine
 from trtspec.engines import torch as torch_engine
 from trtspec.device import MODEL_DTYPES, resolve_device, resolve_dtype
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, graph_specs
+from trtspec.export import ort_target
+from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, graph_specs, target_graph_in_place
 from trtspec.export.cache import export_cached, graph_key
 from trtspec.export.exporter import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
 from trtspec.fileio import ENGINE, check_output_dir, staged_directory
@@ -123,16 +124,20 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     block_sizes = sorted(config.block_sizes)
     modules = step_modules(target, drafter)
     specs = graph_specs(target.config, drafter.config, drafter.draft_vocab_size)
+    # The TensorRT optimization profiles of these graphs; recorded for every backend (a TensorRT
+    # build uses exactly this table), so it can be inspected and checked on any machine.
+    table = trt_engine.profile_table(specs, block_sizes, max_context, config.max_batch)
+    feature_layers = tuple(drafter.config.target_layer_ids)
+    in_place = in_place_target(backend, config.weights, target, export_device)
+    if in_place:
+        specs[TARGET] = target_graph_in_place(target.config, len(feature_layers))
     sources = {"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir)}
     # What each graph is made of: the target's graph reads only the target and which of its layers
     # feed the drafter, so a new drafter or draft vocabulary for the same target reuses it; the
     # draft graph also holds the target's embedding and head.
     graph_sources = {
-        TARGET: {"target": sources["target"], "feature_layers": list(drafter.config.target_layer_ids)},
+        TARGET: {"target": sources["target"], "feature_layers": list(feature_layers)},
         DRAFT: {**sources, "draft_vocab": ids_sha256(chosen[0]) if chosen is not None else None}}
-    # The TensorRT optimization profiles of these graphs; recorded for every backend (a TensorRT
-    # build uses exactly this table), so it can be inspected and checked on any machine.
-    table = trt_engine.profile_table(specs, block_sizes, max_context, config.max_batch)
     quantized = INT4_GRAPHS if config.weights == "int4" else ()
     steps = [(name, stage) for name in modules for stage in
              (("export", "compile") if backend in ("tensorrt", "inductor") else
@@ -149,8 +154,13 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
                 optimize = suffix == ".onnx" and (backend == "tensorrt" or name in quantized)  # export_onnx says why
                 key = graph_key(name, suffix, specs[name], sources=graph_sources[name], max_context=max_context,
                                 dtype=target.dtype, device=export_device, optimize=optimize)
-                export_cached(staging / files[name], key, functools.partial(
-                    _export, modules[name], specs[name], max_context, target.dtype, export_device, optimize=optimize))
+                if name == TARGET and in_place:  # written operator by operator (export/ort_target.py)
+                    write = functools.partial(ort_target.write_target_graph, target, feature_layers,
+                                              max_context + MAX_BLOCK_SIZE, specs[name])
+                else:
+                    write = functools.partial(_export, modules[name], specs[name], max_context, target.dtype,
+                                              export_device, optimize=optimize)
+                export_cached(staging / files[name], key, write)
             elif stage == "quantize":  # 4-bit MatMul weights, cached like the float graph they come from
                 graph = f"{name}.int4.onnx"
                 key = graph_key(name, ".int4.onnx", specs[name], max_context=max_context, dtype=target.dtype,
@@ -204,6 +214,17 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
         manifest.write(staging)
         bar.update()
     return manifest
+
+
+def in_place_target(backend: str, weights: str, target, device: torch.device) -> bool:
+    """Whether the engine's target graph is `export.ort_target`'s (fused operators, KV cache updated
+    in place) rather than the exported one: for ONNX Runtime's 4-bit engines, whose step the exported
+    graph's dispatches and cache gathers dominate (measured on SmolLM2-135M, 1 thread: AR step 14.4 ->
+    10.8 ms, verify(4) 21.9 -> 17.5 ms; 2 threads 11.8 -> 7.5 and 20.4 -> 12.6). A float32 step is
+    the weights' streaming, which the graph barely changes (-7% at batch 1), and its batched verify
+    runs one row per call there (GroupQueryAttention's limit), which a float32 matmul pays twice for
+    (docs/engines.md, "The in-place target graph")."""
+    return backend == "onnxruntime" and weights == "int4" and ort_target.supports(target, target.dtype, device)
 
 
 def _export(module: torch.nn.Module, spec, max_context: int, dtype: torch.dtype, device: torch.device,
