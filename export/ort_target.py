@@ -3,9 +3,9 @@
 torch.export's ONNX graph of `TargetStep` holds about 100 nodes per decoder layer (RoPE as slices
 and concats, attention as a dozen matmuls, reshapes and masks, the cached keys gathered out of the
 shared cache on every call). On a small model each node costs a dispatch and each gather a copy of
-the cache: a third of a 4-bit decode step on SmolLM2-135M (docs/engines.md, "The in-place target
-graph"). This graph computes the same function with ONNX Runtime's fused CPU operators, about 12
-nodes per layer:
+the cache: a quarter to a third of a 4-bit decode step on SmolLM2-135M (docs/engines.md, "The
+in-place target graph"). This graph computes the same function with ONNX Runtime's fused CPU
+operators, 11 nodes per layer:
 
 * `SkipSimplifiedLayerNormalization`: the residual add and the RMSNorm in one;
 * `GroupQueryAttention`: RoPE, grouped-query attention over the cached positions and the new ones
