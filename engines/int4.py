@@ -18,6 +18,11 @@ weights (what llama.cpp runs), not by a second rounding of them:
 
 A weight on neither grid (a float checkpoint's) is rounded to 4 bits by onnxruntime's own quantizer
 (`MatMulNBitsQuantizer`: asymmetric, round to nearest per block).
+
+The draft graph of a 4-bit engine is rounded to 8 bits the same way (`DRAFT_BITS`): its float32
+weights were a sixth of a 4-bit cycle's time, 8 bits drafted as well (tau 2.21 against 2.22), and 4
+bits did not (1.18; docs/engines.md, "4-bit weights"). A drafter's rounding never touches the
+output, only how often its drafts are accepted.
 """
 
 from __future__ import annotations
@@ -32,13 +37,14 @@ BLOCK = 32  # GGUF's Q4_1 / Q8_0 block, and MatMulNBits' block size here
 # What `--weights int4` means, recorded in the manifest and in the quantized graph's cache key.
 INT4 = {"format": "int4", "bits": 4, "block_size": BLOCK, "symmetric": False, "accuracy_level": 4,
         "gguf_blocks_kept": ["Q4_1", "Q8_0"]}
+DRAFT_BITS = 8  # the draft graph's MatMulNBits in a 4-bit engine (module docstring)
 MS_DOMAIN = "com.microsoft"
 
 
-def quantize_weights(source: Path, destination: Path) -> None:
+def quantize_weights(source: Path, destination: Path, bits: int = INT4["bits"]) -> None:
     """Write `source` (a float32 graph) to `destination` with every constant MatMul weight as
-    MatMulNBits blocks (module docstring); the embedding table (a Gather) and everything else stay
-    float32."""
+    MatMulNBits blocks of `bits` (module docstring); the embedding table (a Gather) and everything
+    else stay float32."""
     import onnx
 
     root = logging.getLogger()
@@ -50,7 +56,7 @@ def quantize_weights(source: Path, destination: Path) -> None:
     _untie_transposed_weights(model.graph)
     added = keep_gguf_blocks(model)
     quantizer = matmul_nbits_quantizer.MatMulNBitsQuantizer(
-        model, bits=INT4["bits"], block_size=BLOCK, is_symmetric=INT4["symmetric"],
+        model, bits=bits, block_size=BLOCK, is_symmetric=INT4["symmetric"],
         accuracy_level=INT4["accuracy_level"], op_types_to_quantize=("MatMul",), nodes_to_exclude=added)
     previous = matmul_nbits_quantizer.logger.level
     matmul_nbits_quantizer.logger.setLevel(logging.WARNING)  # a line per node otherwise
@@ -61,12 +67,13 @@ def quantize_weights(source: Path, destination: Path) -> None:
     onnx.save_model(quantizer.model.model, str(destination))
 
 
-def quantizer_identity() -> dict:
-    """What a quantized graph depends on besides its float graph: the format, ONNX Runtime's
+def quantizer_identity(bits: int = INT4["bits"]) -> dict:
+    """What a quantized graph depends on besides its float graph: the format and bits, ONNX Runtime's
     quantizer (its version) and this module's code (a cache key's part)."""
     from trtspec.engines.onnxruntime import version
 
-    return {**INT4, "onnxruntime": version(), "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
+    return {**INT4, "bits": bits, "onnxruntime": version(),
+            "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
 
 
 # ---- recovering a GGUF block grid from float values ----------------------------------------------

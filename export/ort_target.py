@@ -58,11 +58,13 @@ class _Graph:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
-    def node(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attributes) -> list[str]:
+    def node(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "",
+             **attributes) -> list[str]:
         self._count += 1
         if isinstance(outputs, int):
             outputs = [f"{op.lower()}_{self._count}_{k}" for k in range(outputs)]
-        self.nodes.append(helper.make_node(op, inputs, outputs, name=f"{op}_{self._count}", domain=domain, **attributes))
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=f"{op}_{self._count}", domain=domain,
+                                           **attributes))
         return outputs
 
     def one(self, op: str, inputs: list[str], domain: str = "", **attributes) -> str:
@@ -125,14 +127,16 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
             attention_inputs = [q, k, v]
         else:
             attention_inputs = [qkv, "", ""]  # packed q/k/v
-        out = g.node("GroupQueryAttention", [*attention_inputs, f"past_k.{i}", f"past_v.{i}", seqlens, total,
-                                             cos_cache, sin_cache], [f"attention.{i}", f"present_k.{i}", f"present_v.{i}"],
+        out = g.node("GroupQueryAttention",
+                     [*attention_inputs, f"past_k.{i}", f"past_v.{i}", seqlens, total, cos_cache, sin_cache],
+                     [f"attention.{i}", f"present_k.{i}", f"present_v.{i}"],
                      MS_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0)[0]
         projected = g.matmul(g.rows(out, heads * head_dim), attn.o_proj.weight, f"layers.{i}.o_proj", attn.o_proj.bias)
         post = g.constant(f"layers.{i}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
         y, h = _skip_norm(g, h, projected, post, eps)
         mlp = layer.mlp
-        gate_up = g.matmul(g.rows(y, hidden), torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), f"layers.{i}.gate_up")
+        gate_up = g.matmul(g.rows(y, hidden), torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)),
+                           f"layers.{i}.gate_up")
         gate, up = g.node("Split", [gate_up, g.constant(f"layers.{i}.gate_up.sizes", np.array(
             [config.intermediate_size] * 2, np.int64))], 2, axis=-1)
         activated = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
@@ -171,7 +175,8 @@ def _skip_norm(g: _Graph, residual: str, x: str, weight: str, eps: float) -> tup
 def _head_norm(g: _Graph, x: str, count: int, norm, name: str, head_dim: int, eps: float) -> str:
     """RMSNorm over each head of x [batch, tokens, count * head_dim]."""
     split = g.one("Reshape", [x, g.constant(f"{name}.heads", np.array([0, 0, count, head_dim], np.int64))])
-    normed = g.one("SimplifiedLayerNormalization", [split, g.constant(f"{name}.weight", norm.weight)], axis=-1, epsilon=eps)
+    weight = g.constant(f"{name}.weight", norm.weight)
+    normed = g.one("SimplifiedLayerNormalization", [split, weight], axis=-1, epsilon=eps)
     return g.one("Reshape", [normed, g.constant(f"{name}.joined", np.array([0, 0, count * head_dim], np.int64))])
 
 

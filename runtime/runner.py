@@ -359,7 +359,8 @@ class BatchRunner:
         batch, count = tokens.shape
         scored = min(count, tail)
         if self._in_place:
-            logits, features = self._target_in_place(PREFILL, tokens, starts, slots, [range(count - scored, count)] * batch)
+            last = [range(count - scored, count)] * batch
+            logits, features = self._target_in_place(PREFILL, tokens, starts, slots, last)
             return logits.view(batch, scored, -1), features
         out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots, "scored": batch * scored},
                         max(starts), {"tokens": tokens, "starts": self._long("starts", starts),

@@ -74,7 +74,7 @@ def test_the_in_place_graph_computes_what_the_eager_target_does(family, options,
     with torch.inference_mode():
         prompts = [rng.integers(0, vocab, 10).tolist() for _ in range(SLOTS)]
         # four prompts at once (several tokens per row: a call per row), the last three logits of each
-        same(graph.prefill([0, 1, 2, 3], prompts, [0] * SLOTS, tail=3), eager.prefill([0, 1, 2, 3], prompts, [0] * SLOTS, tail=3))
+        same(*(runner.prefill([0, 1, 2, 3], prompts, [0] * SLOTS, tail=3) for runner in (graph, eager)))
         starts = [10] * SLOTS
         for slots in ([2, 0, 3, 1], [0, 2], [3], [1, 2, 3]):  # AR rows: shuffled, apart, alone, adjacent
             blocks = [rng.integers(0, vocab, 1) for _ in slots]

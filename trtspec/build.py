@@ -40,9 +40,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json")
 CHECK_TOLERANCE = 1e-3  # max |logit difference| vs eager torch at float32 for a build to pass its self-check
 WEIGHTS = ("float", "int4")
-# The graphs `--weights int4` quantizes: the target's step (AR, verify and prefill). The draft graph
-# stays float32: quantized, it drafted 10-35% faster but was accepted less (docs/engines.md, "4-bit weights").
-INT4_GRAPHS = (TARGET,)
+# The graphs `--weights int4` quantizes, and to how many bits: the target's step (AR, verify and prefill)
+# to 4, the drafter's to 8 (in 4 bits it was accepted less: engines/int4.py).
+INT4_GRAPHS = {TARGET: int4.INT4["bits"], DRAFT: int4.DRAFT_BITS}
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     graph_sources = {
         TARGET: {"target": sources["target"], "feature_layers": list(feature_layers)},
         DRAFT: {**sources, "draft_vocab": ids_sha256(chosen[0]) if chosen is not None else None}}
-    quantized = INT4_GRAPHS if config.weights == "int4" else ()
+    quantized = INT4_GRAPHS if config.weights == "int4" else {}
     steps = [(name, stage) for name in modules for stage in
              (("export", "compile") if backend in ("tensorrt", "inductor") else
               ("export", "quantize") if name in quantized else ("export",))] + [("engine", "self-check")]
@@ -162,12 +162,13 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
                                               export_device, optimize=optimize)
                 export_cached(staging / files[name], key, write)
             elif stage == "quantize":  # 4-bit MatMul weights, cached like the float graph they come from
-                graph = f"{name}.int4.onnx"
-                key = graph_key(name, ".int4.onnx", specs[name], max_context=max_context, dtype=target.dtype,
+                suffix = f".int{quantized[name]}.onnx"
+                graph = f"{name}{suffix}"
+                key = graph_key(name, suffix, specs[name], max_context=max_context, dtype=target.dtype,
                                 device=export_device, sources={**graph_sources[name],
-                                                               "weights": int4.quantizer_identity()})
-                export_cached(staging / graph, key,
-                              functools.partial(int4.quantize_weights, staging / files[name]))
+                                                               "weights": int4.quantizer_identity(quantized[name])})
+                export_cached(staging / graph, key, functools.partial(int4.quantize_weights, staging / files[name],
+                                                                      bits=quantized[name]))
                 (staging / files[name]).unlink()
                 files[name] = graph
             elif backend == "inductor":  # an AOTInductor package, cached per machine like the graph it compiles
@@ -206,7 +207,8 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             draft_vocab={"dir": DRAFTER_VOCAB_DIR, "size": int(chosen[0].numel()),
                          "ids_sha256": ids_sha256(chosen[0])}
             if chosen is not None else None,
-            weights={**int4.INT4, "graphs": list(quantized), "onnxruntime": ort_engine.version()}
+            weights={**int4.INT4, "graphs": list(quantized), "graph_bits": quantized,
+                     "onnxruntime": ort_engine.version()}
             if quantized else None)
         manifest.write(staging)
         bar.set_postfix_str("self-check")
