@@ -5,9 +5,9 @@ It runs the step graphs (`trtspec.export.steps`) through any executor: the eager
 ONNX Runtime / TensorRT / torch.export / AOTInductor graphs (`BatchRunner.open`). The KV caches are
 preallocated once, [positions, slots, layers, kv_heads, head_dim] per graph (a 4-bit ONNX Runtime
 target's per layer instead, updated in place by the graph: `export.ort_target`, `_target_in_place`);
-a request owns a slot from admission to its end, and what its slot holds is implied by its position: the target
-cache is valid below the request's start, the drafter cache below the start of the context it
-has not seen yet. So nothing is ever rolled back: rejected drafts' keys are simply overwritten.
+a request owns a slot from admission to its end, and what its slot holds is implied by its
+position: the target cache is valid below the request's start, the drafter cache below the start
+of the context it has not seen yet. So nothing is ever rolled back: rejected drafts' keys are simply overwritten.
 
 Every call, of one request or of many, takes the same path. Its index and token inputs are
 staged in buffers kept per shape (on the CPU written through numpy views: for a small model a
@@ -60,20 +60,18 @@ def _cache_shape(spec: GraphSpec, capacity: int, slots: int) -> tuple[int, ...]:
     return (layers, slots, kv_heads, capacity, head_dim)
 
 
-def _slot_runs(slots: list[int], count: int) -> list[list[int]]:
-    """The rows of a target call on in-place caches, grouped into calls: rows whose slots follow one
-    another (in slot order), each a block of the caches; with several tokens per row, each row
-    alone (ONNX Runtime's GroupQueryAttention takes several new tokens for one row at a time)."""
-    if count > 1:
-        return [[row] for row in range(len(slots))]
-    order = sorted(range(len(slots)), key=slots.__getitem__)
-    runs = [[order[0]]]
-    for row in order[1:]:
-        if slots[row] == slots[runs[-1][-1]] + 1:
+def _slot_runs(slots: list[int], lengths: list[int]) -> list[list[int]]:
+    """The rows of a target call on in-place caches, grouped into calls: single-token rows whose
+    slots follow one another (in slot order), each group a block of the caches; a row of several
+    tokens alone (ONNX Runtime's GroupQueryAttention takes several new tokens for one row at a time)."""
+    single = sorted((row for row, n in enumerate(lengths) if n == 1), key=slots.__getitem__)
+    runs: list[list[int]] = []
+    for row in single:
+        if runs and slots[row] == slots[runs[-1][-1]] + 1:
             runs[-1].append(row)
         else:
             runs.append([row])
-    return runs
+    return runs + [[row] for row, n in enumerate(lengths) if n > 1]
 
 
 def _built_draft_ids(directory: Path, manifest) -> torch.Tensor | None:
@@ -256,26 +254,30 @@ class BatchRunner:
         return outputs
 
     def _target_in_place(self, profile: ProfileKey, tokens: torch.Tensor, starts: list[int], slots: list[int],
-                         scored: list[range]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target on in-place caches (`export.ort_target`): logits [sum of len(scored), V] of each
-        row's `scored` positions, row by row, and features [b, T, F]. Rows run in calls of rows whose
-        slots follow one another (`_slot_runs`); the graph writes their new keys/values where they lie."""
+                         lengths: list[int], scored: list[range]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target on in-place caches (`export.ort_target`) for rows of `lengths` real tokens (the
+        rest of tokens [b, T] padding, never run): logits [sum of len(scored), V] of each row's
+        `scored` positions, row by row, and features [b, T, F] (zeros at the padding). Rows run in
+        the calls `_slot_runs` groups them into; the graph writes their keys/values where they lie."""
         batch, count = tokens.shape
-        runs = _slot_runs(slots, count)
-        if len(runs) == 1 and runs[0] == list(range(batch)):  # the common case: one call, rows as given
+        runs = _slot_runs(slots, lengths)
+        if len(runs) == 1 and len(runs[0]) == batch and (batch == 1 or runs[0] == list(range(batch))):
+            # the common case, one call with the rows as given (one request, or AR rows in slot order)
             out = self._call_in_place(profile, tokens, self._long("starts", starts), slots[0],
                                       self._index("scored", scored, count))
             return out["logits"], out["features"]
         first = np.cumsum([0] + [len(r) for r in scored])
         logits = features = None
         for rows in runs:
-            out = self._call_in_place(profile, tokens[rows], torch.tensor([starts[r] for r in rows]), slots[rows[0]],
-                                      self._index("scored", [scored[r] for r in rows], count))
+            width = lengths[rows[0]]
+            out = self._call_in_place(PREFILL if profile == PREFILL else width, tokens[rows, :width].contiguous(),
+                                      torch.tensor([starts[r] for r in rows]), slots[rows[0]],
+                                      self._index("scored", [scored[r] for r in rows], width))
             if logits is None:
                 logits = out["logits"].new_empty(first[-1], out["logits"].shape[-1])
-                features = out["features"].new_empty(batch, *out["features"].shape[1:])
+                features = out["features"].new_zeros(batch, count, out["features"].shape[-1])
             logits[np.concatenate([np.arange(first[r], first[r + 1]) for r in rows])] = out["logits"]
-            features[rows] = out["features"]
+            features[rows, :width] = out["features"]
         return logits, features
 
     def _call_in_place(self, profile: ProfileKey, tokens: torch.Tensor, starts: torch.Tensor, slot: int,
@@ -360,7 +362,7 @@ class BatchRunner:
         scored = min(count, tail)
         if self._in_place:
             last = [range(count - scored, count)] * batch
-            logits, features = self._target_in_place(PREFILL, tokens, starts, slots, last)
+            logits, features = self._target_in_place(PREFILL, tokens, starts, slots, [count] * batch, last)
             return logits.view(batch, scored, -1), features
         out = self._run(TARGET, PREFILL, {"batch": batch, "tokens": count, "slots": self.slots, "scored": batch * scored},
                         max(starts), {"tokens": tokens, "starts": self._long("starts", starts),
@@ -407,10 +409,7 @@ class BatchRunner:
         batch, size = tokens.shape
         computed, real = self._computed(lengths, width), sum(lengths)
         if self._in_place:
-            logits, features = self._target_in_place(size, tokens, starts, slots, [range(n) for n in lengths])
-            for row, n in enumerate(lengths):  # the padding's features are zeros, as the exported graph's are
-                if n < size:
-                    features[row, n:] = 0
+            logits, features = self._target_in_place(size, tokens, starts, slots, lengths, [range(n) for n in lengths])
         else:
             scored = None if computed is None else self._index("scored", [range(real)], 0)  # every computed position
             out = self._run(TARGET, size, {"batch": batch, "tokens": size, "slots": self.slots, "scored": real},

@@ -1,8 +1,8 @@
 """Does a request's cost depend on the batch it joins? The measurement behind the routing question
 of `trtspec serve --replicas` (docs/serving.md, "Routing") and issue 59's bar on mixed batches.
 
-One engine (the one `trtspec serve` loads for `--backend`: with `auto`, the cached ONNX Runtime
-engine of the bundled pair where the run is float32, eager bfloat16 on a CPU with AMX) decodes
+One engine (`--engine`, or the one `trtspec serve` loads for `--backend`: with `auto`, the cached
+ONNX Runtime engine of the bundled pair where the run is float32, eager bfloat16 on a CPU with AMX) decodes
 a stream of `--requests` requests, `--batch` at a time (each finished request's slot going to the
 next, as on a server), three ways, alternating rounds:
 

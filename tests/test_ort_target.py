@@ -23,10 +23,11 @@ SLOTS = 4
 
 
 def test_rows_run_in_calls_of_adjacent_slots_and_multi_token_rows_alone():
-    assert _slot_runs([0, 1, 2], 1) == [[0, 1, 2]]
-    assert _slot_runs([2, 0, 3, 1], 1) == [[1, 3, 0, 2]]      # one block of slots 0..3, in slot order
-    assert _slot_runs([0, 2, 3], 1) == [[0], [1, 2]]          # slot 1 is not in the call
-    assert _slot_runs([0, 1], 4) == [[0], [1]]                # several new tokens: a row per call
+    assert _slot_runs([0, 1, 2], [1, 1, 1]) == [[0, 1, 2]]
+    assert _slot_runs([2, 0, 3, 1], [1] * 4) == [[1, 3, 0, 2]]     # one block of slots 0..3, in slot order
+    assert _slot_runs([0, 2, 3], [1] * 3) == [[0], [1, 2]]         # slot 1 is not in the call
+    assert _slot_runs([0, 1], [4, 4]) == [[0], [1]]                # several new tokens: a row per call
+    assert _slot_runs([0, 1, 2, 3], [4, 1, 2, 1]) == [[1], [3], [0], [2]]  # AR rows beside blocks
 
 
 def test_only_4_bit_onnxruntime_engines_on_the_cpu_take_the_in_place_graph(tmp_path):
@@ -90,6 +91,12 @@ def test_the_in_place_graph_computes_what_the_eager_target_does(family, options,
         same(graph.verify(slots, blocks, at), eager.verify(slots, blocks, at))
         starts[3] += 2  # row 3 keeps two of its four (the rest is overwritten), row 0 both of its two
         starts[0] += 2
+        # AR rows beside a block (a mixed batch: the AR rows in one call, the block in its own)
+        blocks, slots = [rng.integers(0, vocab, 1), rng.integers(0, vocab, 3), rng.integers(0, vocab, 1)], [0, 1, 2]
+        at = [starts[s] for s in slots]
+        same(graph.verify(slots, blocks, at), eager.verify(slots, blocks, at))
+        for s, n in zip(slots, (1, 3, 1)):
+            starts[s] += n
         # every row once more: what each reads was written by the calls above
         blocks = [rng.integers(0, vocab, 1) for _ in range(SLOTS)]
         same(graph.verify([0, 1, 2, 3], blocks, starts), eager.verify([0, 1, 2, 3], blocks, starts))

@@ -81,19 +81,22 @@ class BenchConfig:
 
 
 def add_script_options(parser, what: str) -> None:
-    """--backend, --threads and --json as the measurement scripts under scripts/ take them (`what`:
-    what their JSON holds)."""
+    """--backend, --engine, --threads and --json as the measurement scripts under scripts/ take them
+    (`what`: what their JSON holds)."""
     parser.add_argument("--backend", default="auto", help="As trtspec bench's --backend (default: auto).")
+    parser.add_argument("--engine", help="A built engine of the pair instead of --backend (e.g. trtspec build "
+                                         "--weights int4).")
     parser.add_argument("--threads", type=int, default=1, help="torch threads.")
     parser.add_argument("--json", metavar="FILE", help=f"Also write {what} as JSON.")
 
 
 def script_pipeline(args, block_size: int):
-    """The default pair on args.backend with args.threads (add_script_options), able to run `block_size`."""
+    """The default pair on args.engine or args.backend with args.threads (add_script_options), able to
+    run `block_size`."""
     from trtspec.commands.options import load_pipeline
 
     torch.set_num_threads(args.threads)
-    return load_pipeline(None, None, "auto", "cpu", backend=args.backend, block_sizes=(block_size,))
+    return load_pipeline(None, None, "auto", "cpu", backend=args.backend, engine=args.engine, block_sizes=(block_size,))
 
 
 def speedups(spec_tokens_per_s: list[float], ar_tokens_per_s: list[float]) -> list[float]:
