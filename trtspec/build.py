@@ -221,11 +221,10 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
 def in_place_target(backend: str, weights: str, target, device: torch.device) -> bool:
     """Whether the engine's target graph is `export.ort_target`'s (fused operators, KV cache updated
     in place) rather than the exported one: for ONNX Runtime's 4-bit engines, whose step the exported
-    graph's dispatches and cache gathers dominate (measured on SmolLM2-135M, 1 thread: AR step 14.4 ->
-    10.8 ms, verify(4) 21.9 -> 17.5 ms; 2 threads 11.8 -> 7.5 and 20.4 -> 12.6). A float32 step is
-    the weights' streaming, which the graph barely changes (-7% at batch 1), and its batched verify
-    runs one row per call there (GroupQueryAttention's limit), which a float32 matmul pays twice for
-    (docs/engines.md, "The in-place target graph")."""
+    graph's dispatches and cache gathers dominate (SmolLM2-135M, one request: AR step 15.3 -> 11.1 ms
+    at 1 thread, 11.8 -> 9.0 at 2). A float32 step is the weights' streaming, which the graph barely
+    changes (-7% at batch 1), and its batched verify runs one row per call there (GroupQueryAttention's
+    limit), which a float32 matmul pays dearly for (docs/engines.md, "The in-place target graph")."""
     return backend == "onnxruntime" and weights == "int4" and ort_target.supports(target, target.dtype, device)
 
 
