@@ -20,6 +20,7 @@ from trtspec.engines.manifest import read_manifest
 from trtspec.errors import TrtspecError
 from trtspec.export.bindings import DRAFT, TARGET
 from trtspec.runtime.request import GenerationConfig
+from trtspec.runtime.sampling import SamplingConfig
 from trtspec.runtime.schedule import AR, BlockChoice
 
 BLOCK_SIZES = (4, 8)
@@ -84,6 +85,15 @@ def test_greedy_speculation_through_int4_weights_equals_their_own_ar(int4_engine
         assert [r.tokens for r in results] == reference, f"B={block_size}"
         accepted += sum(a * cycles for r in results for a, cycles in enumerate(r.stats.histogram))
     assert accepted > 0  # drafts were accepted: the acceptance path ran, not only bonus tokens
+    # one batch of every kind (the in-place graph runs its sampled AR rows in one call, each block in its
+    # own): the greedy requests still write their AR text
+    sampled = GenerationConfig(block=AR, max_new_tokens=40, ignore_eos=True,
+                               sampling=SamplingConfig(temperature=1.0, seed=3))
+    configs = [GenerationConfig(block=BlockChoice(4), max_new_tokens=40), sampled,
+               GenerationConfig(block=BlockChoice(8), max_new_tokens=40), sampled]
+    mixed = pipeline.local_engine.generate(prompts, configs)
+    assert [mixed[0].tokens, mixed[2].tokens] == [reference[0], reference[2]]
+    assert all(len(r.tokens) == 40 for r in mixed)
 
 
 def test_int4_with_another_backend_is_refused_in_one_line(target_dir, trained_drafter_dir, tmp_path):
