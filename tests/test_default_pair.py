@@ -37,6 +37,17 @@ def test_the_bundled_models_fit_the_budget():
     assert size <= 55 * 10**6, f"bundled assets are {size / 10**6:.1f} MB"  # the working tree stays under 60 MB
 
 
+@needs_drafter
+def test_the_bundled_drafter_ships_a_policy_for_4_bit_engines_that_may_turn_speculation_off():
+    from trtspec.blockpilot.policy import drafter_policy, load_policy
+
+    shipped = drafter_policy(DRAFTER, "int4")
+    assert shipped == DRAFTER / "blockpilot-int4"  # labelled through the 4-bit engine (recipe step 7)
+    policy = load_policy(shipped, (4, 8, 16))
+    assert AR in [choice for choice in policy.choices]  # at T = 1 there, AR was fastest (docs/blockpilot.md)
+    assert drafter_policy(DRAFTER) == DRAFTER / "blockpilot"
+
+
 @pytest.fixture(scope="module")
 def smollm2_file() -> Path:
     try:

@@ -340,6 +340,20 @@ def test_an_engine_built_with_a_policy_decodes_auto_by_default(trained, target_d
     assert lines[-1].startswith("identical to AR: B=4 ")  # greedy, every size and auto
 
 
+def test_a_4_bit_engine_takes_the_policy_labelled_on_one_where_the_drafter_ships_it(tmp_path):
+    from trtspec.blockpilot.policy import DRAFTER_POLICY_DIR, POLICY_CONFIG, WEIGHTS_POLICY_DIRS, drafter_policy
+
+    drafter = tmp_path / "drafter"
+    (drafter / DRAFTER_POLICY_DIR).mkdir(parents=True)
+    (drafter / DRAFTER_POLICY_DIR / POLICY_CONFIG).write_text("{}")
+    assert drafter_policy(drafter, "int4") == drafter / DRAFTER_POLICY_DIR  # none of its own: the general one
+    (drafter / WEIGHTS_POLICY_DIRS["int4"]).mkdir()
+    (drafter / WEIGHTS_POLICY_DIRS["int4"] / POLICY_CONFIG).write_text("{}")
+    assert drafter_policy(drafter, "int4") == drafter / "blockpilot-int4"
+    assert drafter_policy(drafter) == drafter_policy(drafter, "float") == drafter / DRAFTER_POLICY_DIR
+    assert drafter_policy(None, "int4") is None
+
+
 def test_a_drafter_that_ships_a_policy_needs_no_policy_flag(target_dir, trained_drafter_dir, tmp_path):
     """As with the bundled drafter: `run` is `auto` by default and the size it picks is one of the
     policy's (greedy: the tokens of any fixed size); `--block-size auto` works in run and bench with

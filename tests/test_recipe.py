@@ -25,7 +25,7 @@ def run_recipe(target_dir: Path, data: Path, work: Path, **overrides: str) -> su
            "SHARD_SIZE": "3", "MAX_NEW_TOKENS": "12", "STEPS": "6", "CHUNK_MINUTES": "5", "MASK": "3", "HELD_OUT": "3",
            "SAMPLED_EVERY": "2", "NUM_FEATURES": "2", "DRAFT_VOCAB": "40",
            "STUB_MODULES": "", "MORE_STUB_MODULES": "",  # three stub sets of five: each set's steps are alike
-           "POLICY_PROMPTS": "3", "POLICY_SIZES": "4", "POLICY_TOKENS": "8", "POLICY_STEPS": "20",
+           "POLICY_PROMPTS": "3", "POLICY_SIZES": "4", "POLICY_TOKENS": "8", "POLICY_STEPS": "20", "INT4_POLICY": "0",
            "SHIP_TO": str(work.parent / "shipped"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **overrides}
     return subprocess.run(["bash", "scripts/drafter/recipe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -18,6 +18,7 @@ POLICY_SIZES=${POLICY_SIZES:-4,8,16}  # the policy's candidates besides AR
 POLICY_TOKENS=${POLICY_TOKENS:-64}    # new tokens per labelled decode
 POLICY_STEPS=${POLICY_STEPS:-600}     # the policy's training steps (each of the cross-validation's fits too)
 SHIP_POLICY=${SHIP_POLICY:-1}         # 0: ship the drafter without a BlockPilot policy (step 6 skipped)
+INT4_POLICY=${INT4_POLICY:-1}         # 0: skip step 7 (the policy for the pair's 4-bit engines)
 # Bare function stubs to complete (def line and docstring), all trained on: the standard library's
 # (stubs.jsonl) and, unless STUB_MODULES is empty, those of the packages it names (stubs-packages.jsonl).
 STUB_MODULES=${STUB_MODULES-networkx,sympy,scipy.stats,scipy.special,scipy.signal,scipy.optimize,scipy.linalg,numpy,click}
@@ -157,4 +158,26 @@ if [ "$POLICY_PROMPTS" -gt 0 ] && [ "$SHIP_POLICY" = 1 ]; then
         -o "$WORK/policy/blockpilot"
     # train-policy writes nothing into the installed package (its guard); the shipped drafter takes a copy
     rm -rf "$SHIP_TO/blockpilot" && mkdir "$SHIP_TO/blockpilot" && cp "$WORK"/policy/blockpilot/policy.* "$SHIP_TO/blockpilot/"
+fi
+
+# 7. The same policy labelled through the pair's 4-bit engine (`trtspec build --weights int4`), whose
+#    cycles cost otherwise (a verify of 16 is 4.5 AR steps there, 2 in float32, and a sampled request's
+#    speculation does not pay): shipped beside the first as blockpilot-int4/, which a 4-bit build
+#    embeds instead (trtspec.blockpilot.policy.drafter_policy). The same prompts and stubs as step 6.
+if [ "$POLICY_PROMPTS" -gt 0 ] && [ "$SHIP_POLICY" = 1 ] && [ "$INT4_POLICY" = 1 ]; then
+    trtspec --threads "$THREADS" build --target "$TARGET" --drafter "$SHIP_TO" --backend onnxruntime --weights int4 \
+        --block-sizes "$POLICY_SIZES" -o "$WORK/engine-int4"
+    LABELS=()
+    for kind in prompts stubs; do
+        for T in 0 1; do
+            trtspec --threads "$THREADS" label-blocks --engine "$WORK/engine-int4" --prompts "$WORK/policy/$kind.jsonl" \
+                --block-sizes "$POLICY_SIZES" --max-new-tokens "$POLICY_TOKENS" --temperature "$T" --seed 0 \
+                -o "$WORK/policy/labels-int4-$kind-t$T.jsonl"
+            LABELS+=("$WORK/policy/labels-int4-$kind-t$T.jsonl")
+        done
+    done
+    trtspec --threads "$THREADS" train-policy "${LABELS[@]}" --ablation --ar auto --steps "$POLICY_STEPS" \
+        -o "$WORK/policy/blockpilot-int4"
+    rm -rf "$SHIP_TO/blockpilot-int4" && mkdir "$SHIP_TO/blockpilot-int4"
+    cp "$WORK"/policy/blockpilot-int4/policy.* "$SHIP_TO/blockpilot-int4/"
 fi

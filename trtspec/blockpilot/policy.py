@@ -41,14 +41,21 @@ PREFILL_KINDS = ("last", "mean", "length", "confidence")  # summaries of what pr
 FEATURE_KINDS = PREFILL_KINDS + ("sampled",)  # ... and the request's own: 1 when it samples (T > 0)
 POLICY_CONFIG, POLICY_WEIGHTS = "policy.json", "policy.safetensors"
 DRAFTER_POLICY_DIR = "blockpilot"  # a drafter directory may ship its policy here
+# ... and one labelled through an engine of other weights, whose cycles cost otherwise: on a 4-bit engine a
+# verify of 16 costs 4.5 AR steps (2 in float32) and a sampled request's speculation does not pay
+WEIGHTS_POLICY_DIRS = {"int4": "blockpilot-int4"}
 
 
-def drafter_policy(drafter_dir: str | Path | None) -> Path | None:
-    """The policy shipped inside a drafter directory, if there is one."""
+def drafter_policy(drafter_dir: str | Path | None, weights: str = "float") -> Path | None:
+    """The policy shipped inside a drafter directory for an engine of `weights` (`trtspec build
+    --weights`): the one labelled on such an engine where the drafter ships one, else its general one;
+    None if it ships none."""
     if drafter_dir is None:
         return None
-    path = Path(drafter_dir) / DRAFTER_POLICY_DIR
-    return path if (path / POLICY_CONFIG).is_file() else None
+    for name in (WEIGHTS_POLICY_DIRS.get(weights), DRAFTER_POLICY_DIR):
+        if name is not None and (Path(drafter_dir) / name / POLICY_CONFIG).is_file():
+            return Path(drafter_dir) / name
+    return None
 
 
 def summarize_prefill(features: torch.Tensor, logits: torch.Tensor, kinds: tuple[str, ...] = PREFILL_KINDS,
