@@ -75,6 +75,14 @@ class _Graph:
         self.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "tokens", width]))
         return name
 
+    def skip_norm(self, residual: str, x: str, weight: str, eps: float) -> tuple[str, str]:
+        """(RMSNorm(residual + x), residual + x) in one node."""
+        normed, total = f"normed_{len(self.nodes)}", f"residual_{len(self.nodes)}"
+        # outputs 1 and 2 (the mean and the inverse deviation) left out: not computed
+        self.node("SkipSimplifiedLayerNormalization", [residual, x, weight], [normed, "", "", total], MS_DOMAIN,
+                  epsilon=eps)
+        return normed, total
+
     def matmul(self, x: str, weight: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> str:
         """x @ weight.T (an nn.Linear's [out, in] weight, stored [in, out] as MatMul reads it)."""
         y = self.one("MatMul", [x, self.constant(f"{name}.weight", weight.t())])
@@ -112,7 +120,7 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
         if pending is None:
             x = g.one("SimplifiedLayerNormalization", [h, norm], axis=-1, epsilon=eps)
         else:
-            x, h = _skip_norm(g, h, pending, norm, eps)
+            x, h = g.skip_norm(h, pending, norm, eps)
             if i - 1 in feature_layers:
                 taps[i - 1] = h
         qkv_weight = torch.cat((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
@@ -133,7 +141,7 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
                      MS_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0)[0]
         projected = g.matmul(g.rows(out, heads * head_dim), attn.o_proj.weight, f"layers.{i}.o_proj", attn.o_proj.bias)
         post = g.constant(f"layers.{i}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
-        y, h = _skip_norm(g, h, projected, post, eps)
+        y, h = g.skip_norm(h, projected, post, eps)
         mlp = layer.mlp
         gate_up = g.matmul(g.rows(y, hidden), torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)),
                            f"layers.{i}.gate_up")
@@ -161,15 +169,6 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
                               g.initializers, value_info=g.value_info)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
     onnx.save_model(model, str(path))
-
-
-def _skip_norm(g: _Graph, residual: str, x: str, weight: str, eps: float) -> tuple[str, str]:
-    """(RMSNorm(residual + x), residual + x) in one node."""
-    n = g._count = g._count + 1
-    normed, total = f"normed_{n}", f"residual_{n}"
-    g.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", [residual, x, weight], [normed, "", "", total],
-                                    name=f"SkipSimplifiedLayerNormalization_{n}", domain=MS_DOMAIN, epsilon=eps))
-    return normed, total
 
 
 def _head_norm(g: _Graph, x: str, count: int, norm, name: str, head_dim: int, eps: float) -> str:
