@@ -141,23 +141,27 @@ python scripts/drafter/ship.py "$WORK/smollm2-b16" --counts "$WORK/draft_vocab" 
 #    labelled with the fastest (label-blocks); then the policy trained on the four label sets, its
 #    inputs (and whether AR is a candidate) chosen by cross-validation against knowing only whether
 #    a request samples (--ablation): a summary that does not pay on unseen prompts is not shipped.
+ship_policy() {  # ship_policy NAME MODEL-OPTIONS...: label through those models, train, ship as $SHIP_TO/NAME
+    local name=$1 labels=()
+    shift
+    for kind in prompts stubs; do
+        for T in 0 1; do
+            trtspec --threads "$THREADS" label-blocks "$@" --prompts "$WORK/policy/$kind.jsonl" \
+                --block-sizes "$POLICY_SIZES" --max-new-tokens "$POLICY_TOKENS" --temperature "$T" --seed 0 \
+                -o "$WORK/policy/labels-$name-$kind-t$T.jsonl"
+            labels+=("$WORK/policy/labels-$name-$kind-t$T.jsonl")
+        done
+    done
+    trtspec --threads "$THREADS" train-policy "${labels[@]}" --ablation --ar auto --steps "$POLICY_STEPS" \
+        -o "$WORK/policy/$name"
+    # train-policy writes nothing into the installed package (its guard); the shipped drafter takes a copy
+    rm -rf "${SHIP_TO:?}/$name" && mkdir "$SHIP_TO/$name" && cp "$WORK/policy/$name"/policy.* "$SHIP_TO/$name/"
+}
 if [ "$POLICY_PROMPTS" -gt 0 ] && [ "$SHIP_POLICY" = 1 ]; then
     mkdir -p "$WORK/policy"
     tail -n "$POLICY_PROMPTS" "$DATA/prompts.jsonl" > "$WORK/policy/prompts.jsonl"
     tail -n "$POLICY_PROMPTS" "$DATA/$POLICY_STUBS.jsonl" > "$WORK/policy/stubs.jsonl"
-    LABELS=()
-    for kind in prompts stubs; do
-        for T in 0 1; do
-            trtspec --threads "$THREADS" label-blocks --target "$TARGET" --drafter "$SHIP_TO" --prompts "$WORK/policy/$kind.jsonl" \
-                --block-sizes "$POLICY_SIZES" --max-new-tokens "$POLICY_TOKENS" --temperature "$T" --seed 0 \
-                -o "$WORK/policy/labels-$kind-t$T.jsonl"
-            LABELS+=("$WORK/policy/labels-$kind-t$T.jsonl")
-        done
-    done
-    trtspec --threads "$THREADS" train-policy "${LABELS[@]}" --ablation --ar auto --steps "$POLICY_STEPS" \
-        -o "$WORK/policy/blockpilot"
-    # train-policy writes nothing into the installed package (its guard); the shipped drafter takes a copy
-    rm -rf "$SHIP_TO/blockpilot" && mkdir "$SHIP_TO/blockpilot" && cp "$WORK"/policy/blockpilot/policy.* "$SHIP_TO/blockpilot/"
+    ship_policy blockpilot --target "$TARGET" --drafter "$SHIP_TO"
 fi
 
 # 7. The same policy labelled through the pair's 4-bit engine (`trtspec build --weights int4`), whose
@@ -167,17 +171,5 @@ fi
 if [ "$POLICY_PROMPTS" -gt 0 ] && [ "$SHIP_POLICY" = 1 ] && [ "$INT4_POLICY" = 1 ]; then
     trtspec --threads "$THREADS" build --target "$TARGET" --drafter "$SHIP_TO" --backend onnxruntime --weights int4 \
         --block-sizes "$POLICY_SIZES" -o "$WORK/engine-int4"
-    LABELS=()
-    for kind in prompts stubs; do
-        for T in 0 1; do
-            trtspec --threads "$THREADS" label-blocks --engine "$WORK/engine-int4" --prompts "$WORK/policy/$kind.jsonl" \
-                --block-sizes "$POLICY_SIZES" --max-new-tokens "$POLICY_TOKENS" --temperature "$T" --seed 0 \
-                -o "$WORK/policy/labels-int4-$kind-t$T.jsonl"
-            LABELS+=("$WORK/policy/labels-int4-$kind-t$T.jsonl")
-        done
-    done
-    trtspec --threads "$THREADS" train-policy "${LABELS[@]}" --ablation --ar auto --steps "$POLICY_STEPS" \
-        -o "$WORK/policy/blockpilot-int4"
-    rm -rf "$SHIP_TO/blockpilot-int4" && mkdir "$SHIP_TO/blockpilot-int4"
-    cp "$WORK"/policy/blockpilot-int4/policy.* "$SHIP_TO/blockpilot-int4/"
+    ship_policy blockpilot-int4 --engine "$WORK/engine-int4"
 fi
