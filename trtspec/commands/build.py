@@ -32,7 +32,9 @@ Examples:
 @click.option("--weights", type=click.Choice(["float", "int4"]), default="float", show_default=True,
               help="float: weights in --dtype. int4: the target's matmul weights in 4-bit blocks of 32 with a scale "
               "and zero point each (ONNX Runtime's MatMulNBits, int8 kernels; --backend onnxruntime, CPU, float32): "
-              "about a sixth of float32's bytes per token; outputs differ from float32 by the rounding.")
+              "about a sixth of float32's bytes per token; outputs differ from float32 by the rounding. The target "
+              "graph is then written for ONNX Runtime (its attention updates the KV cache in place) and the drafter's "
+              "matmuls run in 8 bits.")
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N",
               help="Positions a request may fill. [default: the model's]")
 @click.option("--max-batch", type=Ranged(limits.BATCH), default=16, show_default=True, metavar="N",
