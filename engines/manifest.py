@@ -99,8 +99,7 @@ class Manifest:
         int8 (draft)"."""
         if self.weights is None:
             return self.backend
-        bits = self.weights.get("graph_bits") or {graph: self.weights["bits"] for graph in self.weights["graphs"]}
-        return f"{self.backend} " + ", ".join(f"int{count} ({graph})" for graph, count in bits.items())
+        return f"{self.backend} " + ", ".join(f"int{bits} ({graph})" for graph, bits in self.weights["graph_bits"].items())
 
     def profile_index(self, graph: str, key) -> int:
         return self.profiles[graph].index(key)
@@ -212,9 +211,9 @@ def validate_fields(data: dict, path: Path) -> None:
     if weights is not None and (weights.get("format") not in WEIGHT_FORMATS or data["backend"] != "onnxruntime"
                                 or not isinstance(weights.get("graphs"), list) or not weights["graphs"]
                                 or any(g not in (TARGET, DRAFT) for g in weights["graphs"])
-                                or not isinstance(weights.get("graph_bits", {}), dict)
-                                or any(g not in weights["graphs"] or b not in (4, 8)
-                                       for g, b in weights.get("graph_bits", {}).items())):
+                                or not isinstance(weights.get("graph_bits"), dict)
+                                or sorted(weights["graph_bits"]) != sorted(weights["graphs"])
+                                or any(b not in (4, 8) for b in weights["graph_bits"].values())):
         raise TrtspecError(f"{path}: field weights must be null or, in an onnxruntime engine, have a format "
                            f"({', '.join(WEIGHT_FORMATS)}) and the graphs it applies to ({TARGET}, {DRAFT}); "
                            "rebuild the engine")

@@ -66,9 +66,6 @@ class GraphSpec:
     def input(self, name: str) -> TensorSpec:
         return next(t for t in self.inputs if t.name == name)
 
-    def has_input(self, name: str) -> bool:
-        return any(t.name == name for t in self.inputs)
-
     def to_dict(self) -> dict:
         def tensors(specs):
             return [{"name": t.name, "dtype": t.dtype, "dims": list(t.dims)} for t in specs]

@@ -37,12 +37,12 @@ from trtspec.models import Qwen3Target
 OPSET, MS_DOMAIN = 21, "com.microsoft"
 
 
-def supports(target: Qwen3Target, dtype: torch.dtype, device: torch.device) -> bool:
+def supports(target: Qwen3Target, device: torch.device) -> bool:
     """Whether this graph can stand in for the exported one: a dense decoder in float32 on the CPU
     (the routed experts of Qwen3-MoE are not written here; other dtypes and devices keep torch.export)."""
     config = target.config
     dense = not any(config.is_sparse(i) for i in range(config.num_hidden_layers))
-    return dense and dtype == torch.float32 and device.type == "cpu"
+    return dense and target.dtype == torch.float32 and device.type == "cpu"
 
 
 class _Graph:

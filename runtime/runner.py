@@ -115,7 +115,7 @@ class BatchRunner:
         self._by_slot = {graph: [cache.transpose(0, 1) for cache in caches] for graph, caches in self._caches.items()
                          if specs[graph].cache == SHARED}
         self._in_place = specs[TARGET].cache == IN_PLACE
-        self._layer_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._layer_views: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self._outputs: dict[tuple, dict[str, torch.Tensor]] = {}
         self._staged: dict[tuple, tuple[torch.Tensor, np.ndarray | None]] = {}
         self._cpu = self.device.type == "cpu"
@@ -261,8 +261,8 @@ class BatchRunner:
         the calls `_slot_runs` groups them into; the graph writes their keys/values where they lie."""
         batch, count = tokens.shape
         runs = _slot_runs(slots, lengths)
-        if len(runs) == 1 and len(runs[0]) == batch and (batch == 1 or runs[0] == list(range(batch))):
-            # the common case, one call with the rows as given (one request, or AR rows in slot order)
+        if runs == [list(range(batch))]:  # the common case, one call with the rows as given (one request, or
+            # AR rows in slot order)
             out = self._call_in_place(profile, tokens, self._long("starts", starts), slots[0],
                                       self._index("scored", scored, count))
             return out["logits"], out["features"]
@@ -293,14 +293,16 @@ class BatchRunner:
                        for t in self.specs[TARGET].outputs if not t.name.startswith("present_")}
             if profile != PREFILL:
                 self._outputs[key] = outputs
-        views = self._layer_views.get((slot, rows))
-        if views is None:
+        bound = self._layer_views.get((slot, rows))
+        if bound is None:  # each layer's block of the rows' slots, named as the graph's past and present
             cache_k, cache_v = self._caches[TARGET]
-            views = self._layer_views[slot, rows] = {
-                f"{kind}.{i}": cache[i, slot:slot + rows] for i in range(cache_k.shape[0])
-                for kind, cache in (("k", cache_k), ("v", cache_v))}
-        inputs = {"tokens": tokens, "starts": starts, "scored": scored, **{f"past_{n}": t for n, t in views.items()}}
-        self.executor.run(TARGET, profile, inputs, {**outputs, **{f"present_{n}": t for n, t in views.items()}})
+            views = {f"{kind}.{i}": cache[i, slot:slot + rows] for i in range(cache_k.shape[0])
+                     for kind, cache in (("k", cache_k), ("v", cache_v))}
+            bound = self._layer_views[slot, rows] = ({f"past_{n}": t for n, t in views.items()},
+                                                     {f"present_{n}": t for n, t in views.items()})
+        past, present = bound
+        self.executor.run(TARGET, profile, {"tokens": tokens, "starts": starts, "scored": scored, **past},
+                          {**outputs, **present})
         return outputs
 
     def _store(self, graph: str, starts: list[int], slots: list[int], outputs: dict[str, torch.Tensor],

@@ -44,7 +44,7 @@ def test_the_bundled_drafter_ships_a_policy_for_4_bit_engines_that_may_turn_spec
     shipped = drafter_policy(DRAFTER, "int4")
     assert shipped == DRAFTER / "blockpilot-int4"  # labelled through the 4-bit engine (recipe step 7)
     policy = load_policy(shipped, (4, 8, 16))
-    assert AR in [choice for choice in policy.choices]  # at T = 1 there, AR was fastest (docs/blockpilot.md)
+    assert AR in policy.choices  # at T = 1 there, AR was fastest (docs/blockpilot.md)
     assert drafter_policy(DRAFTER) == DRAFTER / "blockpilot"
 
 

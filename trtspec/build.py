@@ -25,7 +25,6 @@ from trtspec.engines import tensorrt as trt_engine
 from trtspec.engines import torch as torch_engine
 from trtspec.device import MODEL_DTYPES, resolve_device, resolve_dtype
 from trtspec.errors import TrtspecError
-from trtspec.export import ort_target
 from trtspec.export.bindings import DRAFT, MAX_BATCH, MAX_BLOCK_SIZE, TARGET, graph_specs, target_graph_in_place
 from trtspec.export.cache import export_cached, graph_key
 from trtspec.export.exporter import MIN_COMPILED_BLOCK_SIZE, export_onnx, export_program, step_modules
@@ -155,7 +154,9 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
                 key = graph_key(name, suffix, specs[name], sources=graph_sources[name], max_context=max_context,
                                 dtype=target.dtype, device=export_device, optimize=optimize)
                 if name == TARGET and in_place:  # written operator by operator (export/ort_target.py)
-                    write = functools.partial(ort_target.write_target_graph, target, feature_layers,
+                    from trtspec.export.ort_target import write_target_graph
+
+                    write = functools.partial(write_target_graph, target, feature_layers,
                                               max_context + MAX_BLOCK_SIZE, specs[name])
                 else:
                     write = functools.partial(_export, modules[name], specs[name], max_context, target.dtype,
@@ -225,7 +226,11 @@ def in_place_target(backend: str, weights: str, target, device: torch.device) ->
     at 1 thread, 11.8 -> 9.0 at 2). A float32 step is the weights' streaming, which the graph barely
     changes (-7% at batch 1), and its batched verify runs one row per call there (GroupQueryAttention's
     limit), which a float32 matmul pays dearly for (docs/engines.md, "The in-place target graph")."""
-    return backend == "onnxruntime" and weights == "int4" and ort_target.supports(target, target.dtype, device)
+    if backend != "onnxruntime" or weights != "int4":
+        return False
+    from trtspec.export import ort_target  # onnx: an ONNX Runtime build's, not every build's
+
+    return ort_target.supports(target, device)
 
 
 def _export(module: torch.nn.Module, spec, max_context: int, dtype: torch.dtype, device: torch.device,
