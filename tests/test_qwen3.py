@@ -127,3 +127,29 @@ def test_bad_target_checkpoints_are_refused_by_name(tmp_path, damage, message):
         (directory / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
     with pytest.raises(CheckpointError, match=message):
         load_target(directory)
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_the_exported_attention_equals_the_fused_kernel(monkeypatch, parts):
+    """The step graphs' attention (written for export: a key/value head's queries scored as one
+    matrix, cached and new keys attended where they lie) against PyTorch's fused kernel, with three
+    query heads to a key/value head, several queries a row, padding masked off and rows of their
+    own lengths."""
+    from helpers import tiny_config
+    from trtspec.models.layers import Attention
+
+    torch.manual_seed(0)
+    attention = Attention(tiny_config(hidden=96, heads=6, kv_heads=2))
+    batch, tokens, past, dim = 3, 4, 7, attention.head_dim
+    q = torch.randn(batch, tokens, attention.num_heads, dim).transpose(1, 2)  # a transposed axis, as projected
+    keys = [torch.randn(batch, attention.num_kv_heads, n, dim) for n in (past, tokens)]
+    values = [torch.randn(batch, attention.num_kv_heads, n, dim) for n in (past, tokens)]
+    causal = torch.ones(tokens, tokens).tril().bool()
+    seen = torch.cat((torch.arange(past)[None, :] < torch.tensor([7, 3, 0])[:, None], torch.ones(batch, tokens).bool()), 1)
+    mask = (seen[:, None, :] & torch.cat((torch.ones(tokens, past).bool(), causal), 1)[None])[:, None]  # [b, 1, T, P+T]
+    as_given = (lambda x: tuple(x)) if parts == 2 else (lambda x: torch.cat(x, dim=2))
+    fused = attention.attention(q, as_given(keys), as_given(values), mask)
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    exported = attention.attention(q, as_given(keys), as_given(values), mask)
+    assert exported.shape == (batch, tokens, attention.num_heads * dim)
+    torch.testing.assert_close(exported, fused, atol=1e-5, rtol=1e-5)
