@@ -20,7 +20,9 @@ for its drain: greedy requests finish first, so a mixed run ends with sampled re
 half-empty batch, while an all-AR batch finishes together. *Under load*: the tokens committed while
 every slot was busy (until fewer requests were left than slots), the steady state of a replica
 with a queue, which is what the sum of two replicas' rates assumes. `--requests` equal to `--batch`
-is one closed batch (its whole-run figure only).
+is one closed batch (its whole-run figure only). The ratio is given twice: of the kinds' median rates,
+and paired, the median of each round's own ratio (a host whose speed drifts between rounds moves a
+round's three runs alike).
 
     python scripts/batch_mix.py --rounds 3 --block-size 4 --max-new-tokens 64 --json mix.json
     python scripts/batch_mix.py --rounds 3 --block-size 4 --max-new-tokens 64 --requests 8 --json mix-closed.json
@@ -51,6 +53,19 @@ def loaded_rate(commits: list[tuple[float, int]], finishes: list[float], began: 
         return None
     drain = sorted(finishes)[len(finishes) - slots]  # the (n - slots + 1)-th finish: slots - 1 are left
     return sum(count for at, count in commits if at <= drain) / (drain - began)
+
+
+def split_ratio(rates: dict[str, float]) -> float:
+    """Two replicas under the same stream of requests: each gets the mix, against each one kind."""
+    return 2 * rates["mixed"] / (rates["spec"] + rates["ar"])
+
+
+def paired_ratio(rounds: dict[str, list[dict]], measure: str) -> float:
+    """The median over rounds of each round's own ratio: a round's three runs are minutes apart, so
+    a host whose speed drifts between rounds moves all three alike, where the medians of the three
+    kinds' rates, taken apart, can come from different rounds."""
+    return statistics.median(split_ratio({name: runs[i][measure] for name, runs in rounds.items()})
+                             for i in range(len(rounds["mixed"])))
 
 
 def run(pipeline, ids: list[list[int]], configs: list[GenerationConfig], batch: int) -> dict[str, float | None]:
@@ -97,8 +112,8 @@ def main() -> None:
             rounds[name].append(run(pipeline, ids, [kind(seed) for seed, kind in enumerate(kinds)], args.batch))
     measures = ("whole", "under_load") if args.requests > args.batch else ("whole",)
     median = {m: {name: statistics.median(r[m] for r in runs) for name, runs in rounds.items()} for m in measures}
-    # two replicas under the same stream of requests: each gets the mix, or each gets one kind
-    ratio = {m: 2 * rates["mixed"] / (rates["spec"] + rates["ar"]) for m, rates in median.items()}
+    ratio = {m: split_ratio(rates) for m, rates in median.items()}
+    paired = {m: paired_ratio(rounds, m) for m in measures}
     kind = "one closed batch" if args.requests == args.batch else "a stream"
     print(f"{args.requests} requests ({kind}), {args.batch} at once, {args.max_new_tokens} tokens each, "
           f"median of {args.rounds} rounds; output tok/s")
@@ -108,9 +123,11 @@ def main() -> None:
         print(f"  {name:6} {label:18}" + "".join(f" {median[m][name]:{10 if m == 'whole' else 11}.1f}" for m in measures))
     print(f"  mixed / split (two replicas, each the mix vs each one kind):"
           + "".join(f" {ratio[m]:.3f} ({m.replace('_', ' ')})" for m in measures))
+    print(f"  paired (the median of each round's own ratio):"
+          + "".join(f" {paired[m]:.3f} ({m.replace('_', ' ')})" for m in measures))
     if args.json:
         atomic_write_text(Path(args.json), json.dumps({"settings": vars(args), "rounds": rounds, "median": median,
-                                                       "mixed_over_split": ratio}, indent=2) + "\n")
+                                                       "mixed_over_split": ratio, "mixed_over_split_paired": paired}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

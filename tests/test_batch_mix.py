@@ -20,3 +20,14 @@ def test_the_rate_under_load_stops_where_the_drain_begins():
 
 def test_one_closed_batch_has_no_rate_under_load():
     assert batch_mix.loaded_rate([(1.0, 8)], [1.0, 2.0], began=0.0, slots=2) is None
+
+
+def test_the_paired_ratio_takes_each_rounds_own_ratio():
+    """A host twice as fast in the second round: each round's own ratio is 0.9, while the medians of
+    the kinds' rates taken apart mix the rounds."""
+    rounds = {"spec": [{"whole": 10.0}, {"whole": 20.0}, {"whole": 10.0}],
+              "ar": [{"whole": 10.0}, {"whole": 20.0}, {"whole": 30.0}],
+              "mixed": [{"whole": 9.0}, {"whole": 18.0}, {"whole": 18.0}]}
+    assert batch_mix.paired_ratio(rounds, "whole") == 0.9
+    medians = {name: sorted(r["whole"] for r in runs)[1] for name, runs in rounds.items()}
+    assert batch_mix.split_ratio(medians) == 2 * 18.0 / (10.0 + 20.0)  # 1.2: not any round's ratio
