@@ -99,7 +99,8 @@ class Manifest:
         int8 (draft)"."""
         if self.weights is None:
             return self.backend
-        return f"{self.backend} " + ", ".join(f"int{bits} ({graph})" for graph, bits in self.weights["graph_bits"].items())
+        bits = self.weights["graph_bits"]
+        return f"{self.backend} " + ", ".join(f"int{count} ({graph})" for graph, count in bits.items())
 
     def profile_index(self, graph: str, key) -> int:
         return self.profiles[graph].index(key)

@@ -271,7 +271,7 @@ class BatchRunner:
         for rows in runs:
             width = lengths[rows[0]]
             out = self._call_in_place(PREFILL if profile == PREFILL else width, tokens[rows, :width].contiguous(),
-                                      torch.tensor([starts[r] for r in rows]), slots[rows[0]],
+                                      self._long("starts", [starts[r] for r in rows]), slots[rows[0]],
                                       self._index("scored", [scored[r] for r in rows], width))
             if logits is None:
                 logits = out["logits"].new_empty(first[-1], out["logits"].shape[-1])

@@ -126,8 +126,9 @@ def main() -> None:
     print(f"  paired (the median of each round's own ratio):"
           + "".join(f" {paired[m]:.3f} ({m.replace('_', ' ')})" for m in measures))
     if args.json:
-        atomic_write_text(Path(args.json), json.dumps({"settings": vars(args), "rounds": rounds, "median": median,
-                                                       "mixed_over_split": ratio, "mixed_over_split_paired": paired}, indent=2) + "\n")
+        figures = {"settings": vars(args), "rounds": rounds, "median": median, "mixed_over_split": ratio,
+                   "mixed_over_split_paired": paired}
+        atomic_write_text(Path(args.json), json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -145,7 +145,8 @@ def test_the_exported_attention_equals_the_fused_kernel(monkeypatch, parts):
     keys = [torch.randn(batch, attention.num_kv_heads, n, dim) for n in (past, tokens)]
     values = [torch.randn(batch, attention.num_kv_heads, n, dim) for n in (past, tokens)]
     causal = torch.ones(tokens, tokens).tril().bool()
-    seen = torch.cat((torch.arange(past)[None, :] < torch.tensor([7, 3, 0])[:, None], torch.ones(batch, tokens).bool()), 1)
+    cached = torch.arange(past)[None, :] < torch.tensor([7, 3, 0])[:, None]  # rows of their own lengths
+    seen = torch.cat((cached, torch.ones(batch, tokens).bool()), 1)
     mask = (seen[:, None, :] & torch.cat((torch.ones(tokens, past).bool(), causal), 1)[None])[:, None]  # [b, 1, T, P+T]
     as_given = (lambda x: tuple(x)) if parts == 2 else (lambda x: torch.cat(x, dim=2))
     fused = attention.attention(q, as_given(keys), as_given(values), mask)

@@ -93,7 +93,8 @@ class Pipeline:
             check_sources(self.runner.manifest, target, drafter)
             self.codec = TextCodec(Path(engine) / TOKENIZER_DIR)
             self.vocab_size = self.runner.manifest.target.vocab_size
-            self.backend, self.dtype = self.runner.manifest.label, self.runner.dtype  # "onnxruntime int4 (target), int8 (draft)"
+            # the backend as reports name it: "onnxruntime int4 (target), int8 (draft)"
+            self.backend, self.dtype = self.runner.manifest.label, self.runner.dtype
             trained = self.runner.manifest.drafter.block_size  # or the built size nearest to it
             self.drafter_block_size = min(self.runner.block_sizes, key=lambda b: abs(b - trained))
             built = (self.runner.manifest.draft_vocab or {}).get("size")

@@ -108,7 +108,8 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     policy = None
     if config.policy is not None:
         policy = load_policy(config.policy, tuple(config.block_sizes))
-    elif (shipped_dir := drafter_policy(drafter_dir, config.weights)) is not None:  # the drafter's own, if the engine can serve it
+    # else the drafter's own for these weights, if the engine can serve its sizes
+    elif (shipped_dir := drafter_policy(drafter_dir, config.weights)) is not None:
         shipped = load_policy(shipped_dir)
         policy = shipped if set(shipped.block_sizes) <= set(config.block_sizes) else None
     # Export on the CPU in float32 unless the engine's dtype needs otherwise; TensorRT/ORT move it.
