@@ -106,6 +106,8 @@ def acceptance(pipeline: Pipeline, sequences: list[tuple[list[int], int]], tempe
             for b in blocks:
                 taus[rule][b] += float((1 + chain[:, :b - 1].sum(1)).sum())
         count += len(overlap)
+    if not count:
+        raise SystemExit(f"no continuation is longer than a block of {size}: raise --max-new-tokens")
     return {"blocks": count, "rules": [
         {"proposal_temperature": rule if temperature else None,
          "tau": {str(b): round(v / count, 4) for b, v in taus[rule].items()},
