@@ -99,8 +99,8 @@ class Manifest:
         int8 (draft)"."""
         if self.weights is None:
             return self.backend
-        bits = self.weights["graph_bits"]
-        return f"{self.backend} " + ", ".join(f"int{count} ({graph})" for graph, count in bits.items())
+        graph_bits = self.weights["graph_bits"]
+        return f"{self.backend} " + ", ".join(f"int{bits} ({graph})" for graph, bits in graph_bits.items())
 
     def profile_index(self, graph: str, key) -> int:
         return self.profiles[graph].index(key)

@@ -22,8 +22,8 @@ acceptance = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(acceptance)
 
 
-def _continuation(engine: LocalEngine, ids: list[int], tokens: int) -> list[int]:
-    config = replace(GenerationConfig(max_new_tokens=tokens), block=AR)
+def _continuation(engine: LocalEngine, ids: list[int], tokens: int, sampling=SamplingConfig()) -> list[int]:
+    config = replace(GenerationConfig(max_new_tokens=tokens, sampling=sampling), block=AR)
     return ids + list(engine.generate([ids], [config])[0].tokens)
 
 
@@ -56,8 +56,7 @@ def test_sampled_acceptance_is_the_overlap_of_the_two_distributions(target_dir, 
     pipeline = Pipeline(target_dir, trained_drafter_dir, dtype="float32", device="cpu")
     engine = LocalEngine(pipeline.runner, None, EngineConfig(max_running=1, prefill_chunk=0))
     ids = pipeline.codec.encode(code_prompts(TRAINED_PROMPTS + 1)[TRAINED_PROMPTS])
-    config = replace(GenerationConfig(max_new_tokens=40, sampling=SamplingConfig(temperature=1.0, seed=3)), block=AR)
-    full = ids + list(engine.generate([ids], [config])[0].tokens)
+    full = _continuation(engine, ids, 40, SamplingConfig(temperature=1.0, seed=3))
     target_logits, draft_logits = acceptance.teacher_forced(pipeline, full, len(ids))
     overlap = acceptance.block_acceptance(pipeline, (target_logits, draft_logits), 1.0, 0.7)
     p, q = target_logits.softmax(-1), (draft_logits / 0.7).softmax(-1)

@@ -1,7 +1,7 @@
 """Expected acceptance of drafters along the target's own continuations: tau without decoding's noise.
 
 The target writes each prompt's continuation once (autoregressive through the backend the product's
-commands choose; seeded per prompt at T > 0). Then, teacher forced, one target pass gives its
+commands choose, as `generate-data` writes them). Then, teacher forced, one target pass gives its
 distribution p after every position and one packed drafter pass gives q for a block anchored at every
 response position. Block position k's draft is accepted, once the drafts before it were, with
 probability: at T = 0, 1 when the drafter's argmax is the target's (exact: the continuation is what
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 
 import torch
 
@@ -29,8 +28,8 @@ from trtspec.fileio import atomic_write_text
 from trtspec.perf.bench import add_script_options, load_prompts, script_pipeline
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.sampling import DEFAULT_PROPOSAL_TEMPERATURE, SamplingConfig
-from trtspec.runtime.schedule import AR
 from trtspec.training.blocks import pack
+from trtspec.training.data import continue_prompts
 
 BLOCKS = (4, 8, 16)
 
@@ -39,15 +38,11 @@ def continuations(args) -> list[tuple[list[int], int]]:
     """(prompt + continuation ids, prompt length) of each prompt, written by the target alone."""
     pipeline = script_pipeline(args, 1)
     _, prompts = load_prompts(args.prompts, args.limit)
-    engine = pipeline.local_engine
-    out = []
-    for index, prompt in enumerate(prompts):
-        ids = pipeline.codec.encode(prompt, chat=args.chat)
-        sampling = (SamplingConfig(temperature=args.temperature, seed=args.seed + index) if args.temperature
-                    else SamplingConfig())
-        config = replace(GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling), block=AR)
-        out.append((ids + list(engine.generate([ids], [config])[0].tokens), len(ids)))
-    return out
+    ids = [pipeline.codec.encode(prompt, chat=args.chat) for prompt in prompts]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens,
+                              sampling=SamplingConfig(temperature=args.temperature, seed=args.seed))
+    written = continue_prompts(pipeline, ids, config.with_stop_ids(pipeline.codec.stop_ids), progress=False)
+    return [(prompt + out, len(prompt)) for prompt, out in zip(ids, written)]
 
 
 @torch.no_grad()
@@ -57,14 +52,12 @@ def teacher_forced(pipeline: Pipeline, ids: list[int], prompt_length: int) -> tu
     [A, B-1, K] there."""
     target, drafter = pipeline.target, pipeline.drafter
     size = drafter.config.block_size
-    tokens, places = torch.tensor([ids]), torch.arange(len(ids))
-    hidden, features = target.decode(tokens, places, lambda i, k, v: (k, v), places[None, :] <= places[:, None],
-                                     drafter.config.target_layer_ids)
+    logits, features = target(torch.tensor([ids]), 0, None, drafter.config.target_layer_ids)
     anchors = torch.arange(prompt_length, len(ids) - size + 1)
     batch = pack([(ids, prompt_length)], size, 0, drafter.config.mask_token_id, 1.0, None, anchor_sets=[anchors])
     drafted = drafter.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
     before = batch.block_positions[0].view(len(anchors), size)[:, 1:] - 1  # the position each draft follows
-    return (target.logits(hidden)[0].float()[before],
+    return (logits[0].float()[before],
             drafter.proposal_logits(drafted[0]).float().view(len(anchors), size, -1)[:, 1:])
 
 
@@ -184,7 +177,8 @@ def main() -> None:
     parser.add_argument("--chat", action="store_true", help="Prompts in the target's chat template.")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0, help="Prompt i's continuation is sampled with seed + i.")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="Continuations sampled from this seed (each prompt its own, as generate-data's).")
     parser.add_argument("--proposal-temperatures", default=str(DEFAULT_PROPOSAL_TEMPERATURE),
                         help="At T > 0: drafts drawn at these fractions of T (comma-separated).")
     parser.add_argument("--ceiling", action="store_true",
