@@ -83,3 +83,24 @@ def test_the_marginal_ceiling_accepts_its_exact_first_position(target_dir):
     for chain in chains.values():
         assert chain.shape == (5,) and bool((chain[1:] <= chain[:-1] + 1e-6).all())
     assert chains[1.0][-1] < 0.999
+
+
+def test_a_draft_tree_grows_by_proposal_probability_and_counts_the_targets_path():
+    """Depth 2, three tokens: the target's path is token 1 then token 2. Best-first by the product of
+    the proposals: (0) 0.5, (1) 0.4, (0, 2) 0.35, (1, 2) 0.28; only (1) and (1, 2) lie on the path."""
+    q = torch.tensor([[[0.5, 0.4, 0.1], [0.1, 0.2, 0.7]]])
+    p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])
+    assert acceptance.tree_taus(p, q, [1, 2, 3, 4]).tolist() == [[1.0, 2.0, 2.0, 3.0]]
+
+
+def test_a_one_child_tree_is_the_chain(target_dir, trained_drafter_dir):
+    """With one child a node, a tree of B - 1 nodes is the drafter's greedy chain: its expected tau at
+    T = 0 is the chain's (block_acceptance, which decoding's own histogram checks above)."""
+    pipeline = Pipeline(target_dir, trained_drafter_dir, dtype="float32", device="cpu")
+    size = pipeline.drafter.config.block_size
+    engine = LocalEngine(pipeline.runner, None, EngineConfig(max_running=1, prefill_chunk=0))
+    ids = pipeline.codec.encode(code_prompts(TRAINED_PROMPTS + 1)[TRAINED_PROMPTS])
+    forced = acceptance.teacher_forced(pipeline, _continuation(engine, ids, 40), len(ids))
+    chain = 1 + acceptance.block_acceptance(pipeline, forced, 0.0, 0.0).cumprod(1).sum(1)
+    p, q = acceptance._tree_probabilities(pipeline, forced, 0.0, 0.0)
+    torch.testing.assert_close(acceptance.tree_taus(p, q, [size - 1], top=1)[:, 0], chain.double())

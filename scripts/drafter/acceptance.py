@@ -18,6 +18,7 @@ prompts; this figure moves only with the drafter, so two drafters compare on a f
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import time
 
@@ -78,8 +79,37 @@ def block_acceptance(pipeline: Pipeline, forced: tuple[torch.Tensor, torch.Tenso
     return torch.minimum(p, q).sum(-1)
 
 
+def tree_taus(target_probs: torch.Tensor, draft_probs: torch.Tensor, sizes: list[int], top: int = 8) -> torch.Tensor:
+    """[A, len(sizes)]: each block's expected tau with a draft tree of each size (nodes besides the
+    bonus token) instead of a chain. A block drafter's positions are independent, so the tree grows
+    best-first by the product of the drafts' proposal probabilities along a path (each node's
+    children: its position's `top` most probable drafts). It is verified by sampling the target at
+    each node and descending where the sample is a child (lossless as it stands: the target draws
+    every token), so a node is reached with the product of the target's probabilities along its path.
+    Teacher forced, that product takes each position's target distribution along the continuation:
+    exact at T = 0 (one-hot `target_probs`: a node counts when its path is the continuation), at
+    T > 0 an estimate (off the continuation the target's later distributions differ)."""
+    depth = draft_probs.shape[1]
+    ranked, ids = draft_probs.topk(min(top, draft_probs.shape[-1]), -1)  # [A, D, top]
+    reached = target_probs.gather(-1, ids)
+    out = torch.ones(len(draft_probs), len(sizes), dtype=torch.float64)
+    for a, (q, p) in enumerate(zip(ranked.tolist(), reached.tolist())):
+        frontier = [(-q[0][r], p[0][r], (r,)) for r in range(len(q[0]))]
+        heapq.heapify(frontier)
+        total, grown = 1.0, 0
+        for column, size in enumerate(sizes):
+            while grown < size and frontier:
+                minus_q, value, path = heapq.heappop(frontier)
+                total, grown = total + value, grown + 1
+                if len(path) < depth:
+                    for r in range(len(q[len(path)])):
+                        heapq.heappush(frontier, (minus_q * q[len(path)][r], value * p[len(path)][r], path + (r,)))
+            out[a, column] = total
+    return out
+
+
 def acceptance(pipeline: Pipeline, sequences: list[tuple[list[int], int]], temperature: float,
-               proposal_temperatures: list[float]) -> dict:
+               proposal_temperatures: list[float], tree_sizes: list[int] = ()) -> dict:
     """Mean expected tau at each block size up to the drafter's and the mean acceptance of block
     positions 1..8, per proposal temperature (T = 0: greedy drafts only)."""
     size = pipeline.drafter.config.block_size
@@ -87,6 +117,7 @@ def acceptance(pipeline: Pipeline, sequences: list[tuple[list[int], int]], tempe
     rules = proposal_temperatures if temperature > 0 else [0.0]
     taus = {rule: {b: 0.0 for b in blocks} for rule in rules}
     positions = {rule: torch.zeros(size - 1, dtype=torch.float64) for rule in rules}
+    trees = {rule: torch.zeros(len(tree_sizes), dtype=torch.float64) for rule in rules}
     count = 0
     for ids, prompt_length in sequences:
         if len(ids) - size < prompt_length:
@@ -98,13 +129,30 @@ def acceptance(pipeline: Pipeline, sequences: list[tuple[list[int], int]], tempe
             positions[rule] += overlap.sum(0).double()
             for b in blocks:
                 taus[rule][b] += float((1 + chain[:, :b - 1].sum(1)).sum())
+            if tree_sizes:
+                trees[rule] += tree_taus(*_tree_probabilities(pipeline, forced, temperature, rule), tree_sizes).sum(0)
         count += len(overlap)
     if not count:
         raise SystemExit(f"no continuation is longer than a block of {size}: raise --max-new-tokens")
     return {"blocks": count, "rules": [
         {"proposal_temperature": rule if temperature else None,
          "tau": {str(b): round(v / count, 4) for b, v in taus[rule].items()},
+         "tree_tau": {str(n): round(float(v) / count, 4) for n, v in zip(tree_sizes, trees[rule])},
          "position_acceptance": [round(float(x), 4) for x in (positions[rule] / count)[:8]]} for rule in rules]}
+
+
+def _tree_probabilities(pipeline: Pipeline, forced: tuple[torch.Tensor, torch.Tensor], temperature: float,
+                        proposal_temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """tree_taus' inputs from `teacher_forced`'s logits: the target's distributions (one-hot at
+    T = 0) over the drafter's vocabulary and the drafter's proposal distributions."""
+    target_logits, draft_logits = forced
+    if temperature == 0:
+        p = torch.zeros_like(target_logits).scatter_(-1, target_logits.argmax(-1, keepdim=True), 1.0)
+        q = draft_logits.softmax(-1)
+    else:
+        p = (target_logits / temperature).softmax(-1)
+        q = (draft_logits / (proposal_temperature * temperature)).softmax(-1)
+    return (p[..., pipeline.draft_ids] if pipeline.draft_ids is not None else p), q
 
 
 def _cache_rows(target, prefix, rows: int, room: int):
@@ -188,6 +236,9 @@ def main() -> None:
                         help="Every N-th response position anchors a ceiling block.")
     parser.add_argument("--ceiling-paths", type=int, default=48, help="Sampled continuations behind each marginal.")
     parser.add_argument("--ceiling-draws", type=int, default=32, help="Drafted blocks verified per anchor and rule.")
+    parser.add_argument("--tree-sizes", default="",
+                        help="Also the expected tau of draft trees of these sizes (comma-separated node counts, "
+                             "e.g. 4,8,16,32; exact at T = 0, an estimate at T > 0: tree_taus).")
     add_script_options(parser, "the figures")
     args = parser.parse_args()
     began = time.perf_counter()
@@ -198,13 +249,17 @@ def main() -> None:
     rules = [float(x) for x in args.proposal_temperatures.split(",")]
     for name in args.drafters.split(","):
         pipeline = Pipeline(None, name, dtype="float32", device="cpu")
-        figures = acceptance(pipeline, sequences, args.temperature, rules)
+        figures = acceptance(pipeline, sequences, args.temperature, rules,
+                             [int(x) for x in args.tree_sizes.split(",") if x])
         report["drafters"].append({"drafter": name, **figures})
         for rule in figures["rules"]:
             drawn = f" drawn at {rule['proposal_temperature']} x T" if args.temperature else ""
             taus = ", ".join(f"B={b} {t:.3f}" for b, t in rule["tau"].items())
             firsts = " ".join(f"{a:.3f}" for a in rule["position_acceptance"][:4])
             print(f"{name}{drawn}: expected tau {taus} | positions 1-4 accepted {firsts}", flush=True)
+            if rule["tree_tau"]:
+                trees = ", ".join(f"{n} nodes {t:.3f}" for n, t in rule["tree_tau"].items())
+                print(f"{name}{drawn}: draft trees, expected tau {trees}", flush=True)
     if args.ceiling and args.temperature > 0:
         report["ceiling"] = ceiling(args, sequences, [0.0] + rules)
         for rule in report["ceiling"]["rules"]:
