@@ -11,6 +11,8 @@ decoding holds accepted drafts: close, not identical). A block's expected tau is
 running products; the figure is the mean over blocks (whole blocks: no prompt-lookup copies, which
 decoding adds). A sampled request's tau in `trtspec bench` varies by +-0.05 between seeds on 40
 prompts; this figure moves only with the drafter, so two drafters compare on a few dozen prompts.
+`--tree-sizes` adds what the same drafts would give verified as a tree rather than a chain (tree_taus);
+`--ceiling` what any block drafter could reach at T > 0 (marginal_ceiling).
 
     python scripts/drafter/acceptance.py --chat --limit 40 --temperature 1 --drafters smollm2-b16,build/new-drafter
 """
