@@ -111,7 +111,7 @@ def tree_taus(target_probs: torch.Tensor, draft_probs: torch.Tensor, sizes: list
 
 
 def acceptance(pipeline: Pipeline, sequences: list[tuple[list[int], int]], temperature: float,
-               proposal_temperatures: list[float], tree_sizes: list[int] = ()) -> dict:
+               proposal_temperatures: list[float], tree_sizes: tuple[int, ...] = ()) -> dict:
     """Mean expected tau at each block size up to the drafter's and the mean acceptance of block
     positions 1..8, per proposal temperature (T = 0: greedy drafts only)."""
     size = pipeline.drafter.config.block_size
@@ -240,7 +240,8 @@ def main() -> None:
     parser.add_argument("--ceiling-draws", type=int, default=32, help="Drafted blocks verified per anchor and rule.")
     parser.add_argument("--tree-sizes", default="",
                         help="Also the expected tau of draft trees of these sizes (comma-separated node counts, "
-                             "e.g. 4,8,16,32; exact at T = 0, an estimate at T > 0: tree_taus).")
+                             "e.g. 3,7,15,31, the drafts of chains of B = 4, 8, 16, 32; exact at T = 0, an "
+                             "estimate at T > 0: tree_taus).")
     add_script_options(parser, "the figures")
     args = parser.parse_args()
     began = time.perf_counter()
@@ -252,7 +253,7 @@ def main() -> None:
     for name in args.drafters.split(","):
         pipeline = Pipeline(None, name, dtype="float32", device="cpu")
         figures = acceptance(pipeline, sequences, args.temperature, rules,
-                             [int(x) for x in args.tree_sizes.split(",") if x])
+                             tuple(int(x) for x in args.tree_sizes.split(",") if x))
         report["drafters"].append({"drafter": name, **figures})
         for rule in figures["rules"]:
             drawn = f" drawn at {rule['proposal_temperature']} x T" if args.temperature else ""
