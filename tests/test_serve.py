@@ -413,11 +413,15 @@ def test_echoed_logprobs_are_the_targets_own(server, reference, codec, target_di
 
 
 def test_streamed_logprobs_equal_the_unstreamed_ones(server):
+    """The same values up to float32 rounding (a call's arithmetic can depend on the rows it batches,
+    and the server may still be finishing an earlier test's request: one of session 33's four suite
+    runs read 5e-7 apart on one token); the text is identical."""
     whole = server.client.completions.create(**COMMON, logprobs=2, echo=True)
     logprobs = whole.choices[0].logprobs
     streamed = list(server.client.completions.create(**COMMON, logprobs=2, echo=True, stream=True))
     pieces = [c.choices[0] for c in streamed if c.choices and c.choices[0].logprobs]
-    assert [v for p in pieces for v in p.logprobs.token_logprobs] == logprobs.token_logprobs
+    values = [v for p in pieces for v in p.logprobs.token_logprobs]
+    assert values == pytest.approx(logprobs.token_logprobs, abs=1e-5) and values[0] is None
     assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
 
 
