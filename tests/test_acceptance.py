@@ -102,5 +102,5 @@ def test_a_one_child_tree_is_the_chain(target_dir, trained_drafter_dir):
     ids = pipeline.codec.encode(code_prompts(TRAINED_PROMPTS + 1)[TRAINED_PROMPTS])
     forced = acceptance.teacher_forced(pipeline, _continuation(engine, ids, 40), len(ids))
     chain = 1 + acceptance.block_acceptance(pipeline, forced, 0.0, 0.0).cumprod(1).sum(1)
-    p, q = acceptance._tree_probabilities(pipeline, forced, 0.0, 0.0)
+    p, q = acceptance.distributions(pipeline, forced, 0.0, 0.0)
     torch.testing.assert_close(acceptance.tree_taus(p, q, [size - 1], top=1)[:, 0], chain.double())

@@ -74,11 +74,22 @@ def block_acceptance(pipeline: Pipeline, forced: tuple[torch.Tensor, torch.Tenso
         if pipeline.draft_ids is not None:
             proposed = pipeline.draft_ids[proposed]
         return (proposed == target_logits.argmax(-1)).float()
-    p = (target_logits / temperature).softmax(-1)
-    if pipeline.draft_ids is not None:
-        p = p[..., pipeline.draft_ids]  # q is zero off the draft vocabulary
-    q = (draft_logits / (proposal_temperature * temperature)).softmax(-1)
-    return torch.minimum(p, q).sum(-1)
+    return torch.minimum(*distributions(pipeline, forced, temperature, proposal_temperature)).sum(-1)
+
+
+def distributions(pipeline: Pipeline, forced: tuple[torch.Tensor, torch.Tensor], temperature: float,
+                  proposal_temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """From `teacher_forced`'s logits: the target's distributions (one-hot at T = 0) over the
+    drafter's vocabulary (q is zero off it) and the drafter's proposal distributions (at T = 0 its
+    own softmax, which ranks a tree's drafts)."""
+    target_logits, draft_logits = forced
+    if temperature == 0:
+        p = torch.zeros_like(target_logits).scatter_(-1, target_logits.argmax(-1, keepdim=True), 1.0)
+        q = draft_logits.softmax(-1)
+    else:
+        p = (target_logits / temperature).softmax(-1)
+        q = (draft_logits / (proposal_temperature * temperature)).softmax(-1)
+    return (p[..., pipeline.draft_ids] if pipeline.draft_ids is not None else p), q
 
 
 def tree_taus(target_probs: torch.Tensor, draft_probs: torch.Tensor, sizes: list[int], top: int = 8) -> torch.Tensor:
@@ -132,7 +143,7 @@ def acceptance(pipeline: Pipeline, sequences: list[tuple[list[int], int]], tempe
             for b in blocks:
                 taus[rule][b] += float((1 + chain[:, :b - 1].sum(1)).sum())
             if tree_sizes:
-                trees[rule] += tree_taus(*_tree_probabilities(pipeline, forced, temperature, rule), tree_sizes).sum(0)
+                trees[rule] += tree_taus(*distributions(pipeline, forced, temperature, rule), tree_sizes).sum(0)
         count += len(overlap)
     if not count:
         raise SystemExit(f"no continuation is longer than a block of {size}: raise --max-new-tokens")
@@ -141,20 +152,6 @@ def acceptance(pipeline: Pipeline, sequences: list[tuple[list[int], int]], tempe
          "tau": {str(b): round(v / count, 4) for b, v in taus[rule].items()},
          "tree_tau": {str(n): round(float(v) / count, 4) for n, v in zip(tree_sizes, trees[rule])},
          "position_acceptance": [round(float(x), 4) for x in (positions[rule] / count)[:8]]} for rule in rules]}
-
-
-def _tree_probabilities(pipeline: Pipeline, forced: tuple[torch.Tensor, torch.Tensor], temperature: float,
-                        proposal_temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """tree_taus' inputs from `teacher_forced`'s logits: the target's distributions (one-hot at
-    T = 0) over the drafter's vocabulary and the drafter's proposal distributions."""
-    target_logits, draft_logits = forced
-    if temperature == 0:
-        p = torch.zeros_like(target_logits).scatter_(-1, target_logits.argmax(-1, keepdim=True), 1.0)
-        q = draft_logits.softmax(-1)
-    else:
-        p = (target_logits / temperature).softmax(-1)
-        q = (draft_logits / (proposal_temperature * temperature)).softmax(-1)
-    return (p[..., pipeline.draft_ids] if pipeline.draft_ids is not None else p), q
 
 
 def _cache_rows(target, prefix, rows: int, room: int):
