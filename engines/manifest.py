@@ -26,12 +26,13 @@ from trtspec.fileio import MARKER, file_sha256
 from trtspec.models.config import DFlashConfig, Qwen3Config, target_config_from_dict
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_VERSION = 8  # 2: batched step graphs (batch and slot axes); 3: the manifest's own content hashed;
+MANIFEST_VERSION = 9  # 2: batched step graphs (batch and slot axes); 3: the manifest's own content hashed;
 # 4: the target graph's `computed` input (its feed-forward on the real positions of padded rows);
 # 5: the draft graph's `proposal_logits` output (sampled requests draw their proposals from them);
 # 6: the target graph's projections, too, on the real positions only (same bindings, a faster graph);
 # 7: its `scored` input: logits [scored, vocab] of the positions asked for (a prompt chunk's last);
-# 8: graphs' `cache` layout (an ONNX Runtime 4-bit target's caches are per layer, updated in place)
+# 8: graphs' `cache` layout (an ONNX Runtime 4-bit target's caches are per layer, updated in place);
+# 9: the in-place target graph's `lengths` and `computed` (rows of any lengths in one call)
 DIGEST_FIELD = "manifest_sha256"  # of the canonical JSON of every other field (content_sha256)
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")

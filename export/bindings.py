@@ -102,13 +102,16 @@ def target_graph(config: Qwen3Config, num_features: int) -> GraphSpec:
 
 def target_graph_in_place(config: Qwen3Config, num_features: int) -> GraphSpec:
     """The target step of `export.ort_target`: per-layer caches [batch, kv_heads, capacity, head_dim]
-    that the graph updates in place (each past_*.i and present_*.i bound to the same buffer), rows
-    padded rather than packed (no `computed`), `scored` as flat positions row * tokens + t."""
+    that the graph updates in place (each past_*.i and present_*.i bound to the same buffer); each
+    row's real token count in `lengths` (0: a slot the call skips), their flat positions in
+    `computed`, and `scored` indexing `computed`, as in the exported graph."""
     cache = ("batch", config.num_key_value_heads, "capacity", config.head_dim)
     layers = range(config.num_hidden_layers)
     return GraphSpec(TARGET, inputs=(
         TensorSpec("tokens", "int64", ("batch", "tokens")),
         TensorSpec("starts", "int64", ("batch",)),
+        TensorSpec("lengths", "int64", ("batch",)),
+        TensorSpec("computed", "int64", ("positions",)),
         TensorSpec("scored", "int64", ("scored",)),
         *(TensorSpec(f"past_{kind}.{i}", "model", cache) for i in layers for kind in "kv"),
     ), outputs=(

@@ -15,12 +15,17 @@ operators, 11 nodes per layer:
 * the projections as plain MatMuls with constant weights (q/k/v as one, gate/up as one), which
   `trtspec.engines.int4` turns into `MatMulNBits` over the GGUF file's own blocks.
 
-Inputs: tokens [batch, tokens], starts [batch] (each row's cached length), scored [scored] (flat
-positions row * tokens + t whose logits are returned), past_k.i / past_v.i per layer. Outputs:
-logits [scored, vocab], features [batch, tokens, F] (the drafter's taps, as `decode` defines
-them), present_k.i / present_v.i (the same buffers). Every row runs all `tokens` positions: a
-shorter row's padding writes keys/values past what it can commit, overwritten before anything
-reads them (`BatchRunner.verify`).
+Rows are packed: embeddings, norms, projections and feed-forwards run on the real positions
+alone (`computed`, flat row * tokens + t), and each layer's attention reads them back in the padded
+[batch, tokens] layout, where each row's real count (`lengths`, 0 for a slot the call skips) tells
+`GroupQueryAttention` which queries are real (its `query_seqlens`, ONNX Runtime 1.32): one call runs
+rows of any lengths, an AR step beside a block costs its one position, and only the real keys and
+values are written to the cache.
+
+Inputs: tokens [batch, tokens], starts [batch] (each row's cached length), lengths [batch],
+computed [positions], scored [scored] (indices into `computed` whose logits are returned), past_k.i
+/ past_v.i per layer. Outputs: logits [scored, vocab], features [batch, tokens, F] (the drafter's
+taps, as `decode` defines them; zeros at the padding), present_k.i / present_v.i (the same buffers).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from trtspec.export.bindings import GraphSpec
 from trtspec.models import Qwen3Target
 
 OPSET, MS_DOMAIN = 21, "com.microsoft"
+MIN_ONNXRUNTIME = (1, 32)  # GroupQueryAttention's query_seqlens: rows of several lengths in one call
 
 
 def supports(target: Qwen3Target, device: torch.device) -> bool:
@@ -51,8 +57,13 @@ class _Graph:
     def __init__(self):
         self.nodes, self.initializers, self.value_info = [], [], []
         self._count = 0
+        self._constants: set[str] = set()
 
     def constant(self, name: str, array: np.ndarray | torch.Tensor) -> str:
+        """An initializer (a name asked for again is the same one: small shapes recur)."""
+        if name in self._constants:
+            return name
+        self._constants.add(name)
         if isinstance(array, torch.Tensor):
             array = array.detach().float().cpu().numpy()
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
@@ -71,8 +82,8 @@ class _Graph:
         return self.node(op, inputs, 1, domain, **attributes)[0]
 
     def rows(self, name: str, width: int) -> str:
-        """Declare `name` as float [batch, tokens, width] (a MatMul input's rank, for the quantizer)."""
-        self.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", "tokens", width]))
+        """Declare `name` as float [1, positions, width] (a MatMul input's rank, for the quantizer)."""
+        self.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, "positions", width]))
         return name
 
     def skip_norm(self, residual: str, x: str, weight: str, eps: float) -> tuple[str, str]:
@@ -105,13 +116,39 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
     cos_cache = g.constant("rope.cos", cos[:, :head_dim // 2])
     sin_cache = g.constant("rope.sin", sin[:, :head_dim // 2])
 
-    # Each row's total length less one, and the longest total: GroupQueryAttention's view of the cache.
+    # GroupQueryAttention's view of each row: its total length less one (at least 0, as a skipped row's
+    # must be), its real queries, and a bound on every total (at least the call's width).
     count = g.one("Shape", ["tokens"], start=1, end=2)
-    ends = g.one("Add", ["starts", count])
-    seqlens = g.one("Cast", [g.one("Sub", [ends, g.constant("one", np.array([1], np.int64))])], to=TensorProto.INT32)
-    total = g.one("Cast", [g.one("ReduceMax", [ends], keepdims=0)], to=TensorProto.INT32)
+    ends = g.one("Add", ["starts", "lengths"])
+    seqlens = g.one("Cast", [g.one("Max", [g.one("Sub", [ends, g.constant("one", np.array([1], np.int64))]),
+                                            g.constant("zero", np.array([0], np.int64))])], to=TensorProto.INT32)
+    total = g.one("Cast", [g.one("ReduceMax", [g.one("Concat", [ends, count], axis=0)], keepdims=0)],
+                  to=TensorProto.INT32)
+    queries = g.one("Cast", ["lengths"], to=TensorProto.INT32)
+    # Where each padded position's row lies among the packed ones (N, one past the last: a row of zeros).
+    padded_shape = g.one("Shape", ["tokens"])
+    packed = g.one("Shape", ["computed"])
+    where = g.one("ScatterElements", [g.one("Expand", [packed, g.one("ReduceProd", [padded_shape], keepdims=1)]),
+                                      "computed", g.one("Range", [g.constant("first", np.array(0, np.int64)),
+                                                                  g.one("Squeeze", [packed]),
+                                                                  g.constant("step", np.array(1, np.int64))])],
+                  axis=0)
+    where = g.one("Reshape", [where, padded_shape])
 
-    h = g.one("Gather", [g.constant("embed_tokens.weight", target.model.embed_tokens.weight), "tokens"])
+    def padded(x: str, width: int) -> str:
+        """Packed [1, N, width] -> [batch, tokens, width], zeros at the padding."""
+        rows = g.one("Reshape", [x, g.constant(f"rows.{width}", np.array([-1, width], np.int64))])
+        zeros = g.constant(f"zero_row.{width}", np.zeros((1, width), np.float32))
+        return g.one("Gather", [g.one("Concat", [rows, zeros], axis=0), where], axis=0)
+
+    def packed_rows(x: str, width: int) -> str:
+        """[batch, tokens, width] -> packed [1, N, width]: the real positions'."""
+        rows = g.one("Reshape", [x, g.constant(f"rows.{width}", np.array([-1, width], np.int64))])
+        return g.one("Unsqueeze", [g.one("Gather", [rows, "computed"], axis=0), g.constant("axis0", np.array([0], np.int64))])
+
+    real = g.one("Unsqueeze", [g.one("Gather", [g.one("Reshape", [
+        "tokens", g.constant("flat", np.array([-1], np.int64))]), "computed"]), g.constant("axis0", np.array([0], np.int64))])
+    h = g.one("Gather", [g.constant("embed_tokens.weight", target.model.embed_tokens.weight), real])
     pending = None  # the last layer's feed-forward output, not yet added to the residual stream
     taps: dict[int, str] = {}
     for i, layer in enumerate(layers):
@@ -132,13 +169,14 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
                 [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], np.int64))], 3, axis=-1)
             q = _head_norm(g, q, heads, attn.q_norm, f"layers.{i}.q_norm", head_dim, eps)
             k = _head_norm(g, k, kv_heads, attn.k_norm, f"layers.{i}.k_norm", head_dim, eps)
-            attention_inputs = [q, k, v]
-        else:
-            attention_inputs = [qkv, "", ""]  # packed q/k/v
-        out = g.node("GroupQueryAttention",
-                     [*attention_inputs, f"past_k.{i}", f"past_v.{i}", seqlens, total, cos_cache, sin_cache],
+            qkv = g.one("Concat", [q, k, v], axis=-1)
+        skipped = [""] * 7  # position_ids, attention_bias, head_sink, k/v scales, q/k norm weights
+        out = g.node("GroupQueryAttention",  # packed q/k/v in the padded layout
+                     [padded(qkv, (heads + 2 * kv_heads) * head_dim), "", "", f"past_k.{i}", f"past_v.{i}", seqlens,
+                      total, cos_cache, sin_cache, *skipped, queries],
                      [f"attention.{i}", f"present_k.{i}", f"present_v.{i}"],
                      MS_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0)[0]
+        out = packed_rows(out, heads * head_dim)
         projected = g.matmul(g.rows(out, heads * head_dim), attn.o_proj.weight, f"layers.{i}.o_proj", attn.o_proj.bias)
         post = g.constant(f"layers.{i}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
         y, h = g.skip_norm(h, projected, post, eps)
@@ -155,11 +193,12 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
     if last in feature_layers:  # HF's hidden_states[-1] is the final norm's output (models/target.py)
         taps[last] = normed
     if feature_layers:
-        g.node("Concat", [taps[i] for i in feature_layers], ["features"], axis=-1)
+        taps = g.one("Concat", [taps[i] for i in feature_layers], axis=-1)
+        g.node("Identity", [padded(taps, len(feature_layers) * hidden)], ["features"])
     else:  # a target without a drafter: an empty feature axis keeps the outputs fixed
-        g.node("Slice", [normed, g.constant("empty.start", np.array([0], np.int64)),
-                         g.constant("empty.end", np.array([0], np.int64)),
-                         g.constant("empty.axis", np.array([-1], np.int64))], ["features"])
+        g.node("Expand", [g.constant("no_features", np.zeros((1, 1, 0), np.float32)),
+                          g.one("Concat", [padded_shape, g.constant("empty", np.array([0], np.int64))], axis=0)],
+               ["features"])
     flat = g.one("Reshape", [normed, g.constant("rows.shape", np.array([-1, hidden], np.int64))])
     picked = g.one("Gather", [flat, "scored"], axis=0)
     g.value_info.append(helper.make_tensor_value_info(picked, TensorProto.FLOAT, ["scored", hidden]))

@@ -3,7 +3,7 @@
 It runs the step graphs (`trtspec.export.steps`) through any executor: the eager step modules
 (`TorchExecutor` over them, so eager and compiled decoding share every line), or a built engine's
 ONNX Runtime / TensorRT / torch.export / AOTInductor graphs (`BatchRunner.open`). The KV caches are
-preallocated once, [positions, slots, layers, kv_heads, head_dim] per graph (a 4-bit ONNX Runtime
+preallocated once, [positions, slots, layers, kv_heads, head_dim] per graph (an ONNX Runtime CPU
 target's per layer instead, updated in place by the graph: `export.ort_target`, `_target_in_place`);
 a request owns a slot from admission to its end, and what its slot holds is implied by its
 position: the target cache is valid below the request's start, the drafter cache below the start
@@ -58,20 +58,6 @@ def _cache_shape(spec: GraphSpec, capacity: int, slots: int) -> tuple[int, ...]:
     layers = sum(t.name.startswith("past_k.") for t in spec.inputs)
     _, kv_heads, _, head_dim = spec.input("past_k.0").dims
     return (layers, slots, kv_heads, capacity, head_dim)
-
-
-def _slot_runs(slots: list[int], lengths: list[int]) -> list[list[int]]:
-    """The rows of a target call on in-place caches, grouped into calls: single-token rows whose
-    slots follow one another (in slot order), each group a block of the caches; a row of several
-    tokens alone (ONNX Runtime's GroupQueryAttention takes several new tokens for one row at a time)."""
-    single = sorted((row for row, n in enumerate(lengths) if n == 1), key=slots.__getitem__)
-    runs: list[list[int]] = []
-    for row in single:
-        if runs and slots[row] == slots[runs[-1][-1]] + 1:
-            runs[-1].append(row)
-        else:
-            runs.append([row])
-    return runs + [[row] for row, n in enumerate(lengths) if n > 1]
 
 
 def _built_draft_ids(directory: Path, manifest) -> torch.Tensor | None:
@@ -257,31 +243,33 @@ class BatchRunner:
                          lengths: list[int], scored: list[range]) -> tuple[torch.Tensor, torch.Tensor]:
         """The target on in-place caches (`export.ort_target`) for rows of `lengths` real tokens (the
         rest of tokens [b, T] padding, never run): logits [sum of len(scored), V] of each row's
-        `scored` positions, row by row, and features [b, T, F] (zeros at the padding). Rows run in
-        the calls `_slot_runs` groups them into; the graph writes their keys/values where they lie."""
-        batch, count = tokens.shape
-        runs = _slot_runs(slots, lengths)
-        if runs == [list(range(batch))]:  # the common case, one call with the rows as given (one request, or
-            # AR rows in slot order)
-            out = self._call_in_place(profile, tokens, self._long("starts", starts), slots[0],
-                                      self._index("scored", scored, count))
-            return out["logits"], out["features"]
-        first = np.cumsum([0] + [len(r) for r in scored])
-        logits = features = None
-        for rows in runs:
-            width = lengths[rows[0]]
-            out = self._call_in_place(PREFILL if profile == PREFILL else width, tokens[rows, :width].contiguous(),
-                                      self._long("starts", [starts[r] for r in rows]), slots[rows[0]],
-                                      self._index("scored", [scored[r] for r in rows], width))
-            if logits is None:
-                logits = out["logits"].new_empty(first[-1], out["logits"].shape[-1])
-                features = out["features"].new_zeros(batch, count, out["features"].shape[-1])
-            logits[np.concatenate([np.arange(first[r], first[r + 1]) for r in rows])] = out["logits"]
-            features[rows, :width] = out["features"]
-        return logits, features
+        `scored` positions, row by row, and features [b, T, F] (zeros at the padding). One call over
+        the block of slots from the rows' lowest to their highest, in slot order; a slot in between
+        that is not in the call is skipped (no tokens), so its cache is left as it is."""
+        batch, width = tokens.shape
+        low = min(slots)
+        block = max(slots) - low + 1
+        row_at = [None] * block  # the caller's row in each slot of the block
+        for row, slot in enumerate(slots):
+            row_at[slot - low] = row
+        if row_at != list(range(batch)):  # not the rows as given: laid out in slot order, gaps skipped
+            rows = torch.tensor([r if r is not None else 0 for r in row_at], device=self.device)
+            tokens = tokens.index_select(0, rows)
+            starts = [starts[r] if r is not None else 0 for r in row_at]
+            lengths = [lengths[r] if r is not None else 0 for r in row_at]
+        first = np.cumsum([0] + lengths)  # each slot's first packed position
+        order = {row: i for i, row in enumerate(row_at) if row is not None}
+        picked = [range(first[order[r]] + s.start, first[order[r]] + s.stop) for r, s in enumerate(scored)]
+        out = self._call_in_place(profile, tokens, self._long("starts", starts), self._long("lengths", lengths),
+                                  self._index("computed", [range(n) for n in lengths], width),
+                                  self._index("scored", picked, 0), low)
+        features = out["features"]
+        if block != batch or row_at != list(range(batch)):  # back to the caller's rows
+            features = features.index_select(0, torch.tensor([order[r] for r in range(batch)], device=self.device))
+        return out["logits"], features
 
-    def _call_in_place(self, profile: ProfileKey, tokens: torch.Tensor, starts: torch.Tensor, slot: int,
-                       scored: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _call_in_place(self, profile: ProfileKey, tokens: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                       computed: torch.Tensor, scored: torch.Tensor, slot: int) -> dict[str, torch.Tensor]:
         """One target call for rows in slots slot..slot+b-1: each layer's cache block bound as both its
         past and its present (outputs kept per shape, like `_run`'s)."""
         rows, count = tokens.shape
@@ -301,8 +289,8 @@ class BatchRunner:
             bound = self._layer_views[slot, rows] = ({f"past_{n}": t for n, t in views.items()},
                                                      {f"present_{n}": t for n, t in views.items()})
         past, present = bound
-        self.executor.run(TARGET, profile, {"tokens": tokens, "starts": starts, "scored": scored, **past},
-                          {**outputs, **present})
+        self.executor.run(TARGET, profile, {"tokens": tokens, "starts": starts, "lengths": lengths,
+                                            "computed": computed, "scored": scored, **past}, {**outputs, **present})
         return outputs
 
     def _store(self, graph: str, starts: list[int], slots: list[int], outputs: dict[str, torch.Tensor],

@@ -2,15 +2,18 @@
 
 The static binding mode that replay needs (whole fixed-size caches as `past`, fixed input and
 output buffers, staged cache writes) runs on the CPU too, so its outputs are checked here against
-the ordinary mode; capture and replay themselves need a GPU.
+the ordinary mode, on the step modules that the GPU engines export (a CPU ONNX Runtime engine's
+target graph updates its caches in place instead, and is never captured); capture and replay
+themselves need a GPU.
 """
 
 import pytest
 import torch
 
-from helpers import ar_of, local_engine_of, generate, opened
+from helpers import ar_of, local_engine_of, generate, single
 from trtspec.engines.capture import CudaGraphs, binding_key
 from trtspec.engines.executor import PREFILL
+from trtspec.models import load_drafter, load_target
 from trtspec.runtime.engine import EngineConfig, LocalEngine
 from trtspec.runtime.request import GenerationConfig
 from trtspec.runtime.runner import BATCH_BUCKETS, bucket, context_bucket
@@ -25,9 +28,15 @@ def _greedy(engine, block_size):
     return [generate(engine, prompt, config).tokens for prompt in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def pair(target_dir, drafter_dir):
+    target = load_target(target_dir)
+    return target, load_drafter(drafter_dir, target)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 8])
-def test_static_bindings_decode_like_the_ordinary_engine(ort_engine_dir, block_size):
-    ordinary = opened(ort_engine_dir, torch.device("cpu"))
+def test_static_bindings_decode_like_the_ordinary_engine(pair, block_size):
+    ordinary = single(*pair)
     if block_size == 1:
         ordinary = ar_of(ordinary)
     static = local_engine_of(ordinary.runner.with_slots(1, drafter=block_size > 1))
@@ -55,10 +64,10 @@ def test_buckets():
 
 
 @pytest.fixture(scope="module")
-def static_batch(ort_engine_dir):
+def static_batch(pair):
     """Seven requests of mixed block sizes decoded together in six static slots, with the binding key
     of every decode call; and the ordinary engine, to decode each alone."""
-    ordinary = opened(ort_engine_dir, torch.device("cpu"))
+    ordinary = single(*pair)
     static_runner = ordinary.runner.with_slots(6)
     static_runner.static = True
     recorder = static_runner.executor = KeyRecorder(static_runner.executor)

@@ -19,7 +19,7 @@ from helpers import (ar_of, assert_one_line_error, exported_graphs, generate, op
 from trtspec.build import BuildConfig, build_engine
 from trtspec.engines import tensorrt as trt_engine
 from trtspec.errors import TrtspecError
-from trtspec.export.bindings import DRAFT, TARGET, graph_specs
+from trtspec.export.bindings import DRAFT, IN_PLACE, TARGET, graph_specs
 from trtspec.export.steps import DraftStep, TargetStep
 from trtspec.engines.manifest import MANIFEST_FILE, read_manifest
 from trtspec.models import load_drafter, load_target
@@ -109,7 +109,8 @@ def test_build_writes_a_manifest_with_one_profile_per_block_size(ort_engine, pai
         manifest.artifacts)
     assert manifest.check["max_abs_logit_diff"] < 1e-4
     assert [p["key"] for p in manifest.tensorrt_profiles[TARGET]] == ["prefill", 1, 4, 8]  # recorded on CPU too
-    for graph, spec in graph_specs(*(m.config for m in pair)).items():
+    assert manifest.graphs[TARGET]["cache"] == IN_PLACE  # a float32 CPU engine's target: export/ort_target.py
+    for graph, spec in manifest.specs().items():
         model = onnx.load(str(ort_engine / f"{graph}.onnx"), load_external_data=False)
         assert [i.name for i in model.graph.input] == [t.name for t in spec.inputs]
         assert [o.name for o in model.graph.output] == [t.name for t in spec.outputs]

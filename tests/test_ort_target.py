@@ -3,8 +3,9 @@
 The graph is a second implementation of `TargetStep` (fused operators, caches per layer updated in
 place by GroupQueryAttention), so every call the runner makes of it is compared with the eager
 modules' on the same requests: prompts of several rows, verify blocks of one row and of several
-(padded to the longest), AR steps of rows whose slots are in any order or not adjacent, and the
-steps after them (which read what the earlier calls wrote into the caches).
+(of different lengths, in one call), AR steps of rows whose slots are in any order or not adjacent
+(the slots between them skipped), and the steps after them (which read what the earlier calls wrote
+into the caches, and would read a skipped slot's cache overwritten).
 """
 
 import numpy as np
@@ -14,7 +15,7 @@ from helpers import random_drafter, save_hf_target
 
 from trtspec.export.bindings import IN_PLACE, TARGET, target_graph_in_place
 from trtspec.models import load_target
-from trtspec.runtime.runner import BatchRunner, _slot_runs
+from trtspec.runtime.runner import BatchRunner
 
 pytest.importorskip("onnxruntime", reason="the in-place target graph runs on ONNX Runtime")
 
@@ -22,25 +23,17 @@ MAX_CONTEXT = 64
 SLOTS = 4
 
 
-def test_rows_run_in_calls_of_adjacent_slots_and_multi_token_rows_alone():
-    assert _slot_runs([0, 1, 2], [1, 1, 1]) == [[0, 1, 2]]
-    assert _slot_runs([2, 0, 3, 1], [1] * 4) == [[1, 3, 0, 2]]     # one block of slots 0..3, in slot order
-    assert _slot_runs([0, 2, 3], [1] * 3) == [[0], [1, 2]]         # slot 1 is not in the call
-    assert _slot_runs([0, 1], [4, 4]) == [[0], [1]]                # several new tokens: a row per call
-    assert _slot_runs([0, 1, 2, 3], [4, 1, 2, 1]) == [[1], [3], [0], [2]]  # AR rows beside blocks
-
-
-def test_only_4_bit_onnxruntime_engines_on_the_cpu_take_the_in_place_graph(tmp_path):
+def test_onnxruntime_engines_of_dense_float32_targets_on_the_cpu_take_the_in_place_graph(tmp_path):
     from trtspec.build import in_place_target
 
     target = load_target(save_hf_target(tmp_path / "t", layers=2, with_tokenizer=False))
     cpu = torch.device("cpu")
-    assert in_place_target("onnxruntime", "int4", target, cpu)
-    assert not in_place_target("onnxruntime", "float", target, cpu)  # float32: a batched verify would pay (build.py)
-    assert not in_place_target("tensorrt", "float", target, cpu)
-    assert not in_place_target("onnxruntime", "int4", target.to(torch.float16), cpu)
+    assert in_place_target("onnxruntime", target, cpu)  # float32 or 4-bit weights alike
+    assert not in_place_target("tensorrt", target, cpu)
+    assert not in_place_target("onnxruntime", target, torch.device("cuda"))
+    assert not in_place_target("onnxruntime", target.to(torch.float16), cpu)
     moe = load_target(save_hf_target(tmp_path / "moe", family="qwen3_moe", layers=2, with_tokenizer=False))
-    assert not in_place_target("onnxruntime", "int4", moe, cpu)  # routed experts: the exported graph
+    assert not in_place_target("onnxruntime", moe, cpu)  # routed experts: the exported graph
 
 
 def _runners(family: str, tmp_path, **options):
@@ -74,7 +67,7 @@ def test_the_in_place_graph_computes_what_the_eager_target_does(family, options,
 
     with torch.inference_mode():
         prompts = [rng.integers(0, vocab, 10).tolist() for _ in range(SLOTS)]
-        # four prompts at once (several tokens per row: a call per row), the last three logits of each
+        # four prompts at once, the last three logits of each
         same(*(runner.prefill([0, 1, 2, 3], prompts, [0] * SLOTS, tail=3) for runner in (graph, eager)))
         starts = [10] * SLOTS
         for slots in ([2, 0, 3, 1], [0, 2], [3], [1, 2, 3]):  # AR rows: shuffled, apart, alone, adjacent
@@ -91,7 +84,7 @@ def test_the_in_place_graph_computes_what_the_eager_target_does(family, options,
         same(graph.verify(slots, blocks, at), eager.verify(slots, blocks, at))
         starts[3] += 2  # row 3 keeps two of its four (the rest is overwritten), row 0 both of its two
         starts[0] += 2
-        # AR rows beside a block (a mixed batch: the AR rows in one call, the block in its own)
+        # AR rows beside a block (a mixed batch: each row's real positions alone)
         blocks, slots = [rng.integers(0, vocab, 1), rng.integers(0, vocab, 3), rng.integers(0, vocab, 1)], [0, 1, 2]
         at = [starts[s] for s in slots]
         same(graph.verify(slots, blocks, at), eager.verify(slots, blocks, at))

@@ -128,7 +128,7 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     # build uses exactly this table), so it can be inspected and checked on any machine.
     table = trt_engine.profile_table(specs, block_sizes, max_context, config.max_batch)
     feature_layers = tuple(drafter.config.target_layer_ids)
-    in_place = in_place_target(backend, config.weights, target, export_device)
+    in_place = in_place_target(backend, target, export_device)
     if in_place:
         specs[TARGET] = target_graph_in_place(target.config, len(feature_layers))
     sources = {"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir)}
@@ -220,18 +220,22 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     return manifest
 
 
-def in_place_target(backend: str, weights: str, target, device: torch.device) -> bool:
+def in_place_target(backend: str, target, device: torch.device) -> bool:
     """Whether the engine's target graph is `export.ort_target`'s (fused operators, KV cache updated
-    in place) rather than the exported one: for ONNX Runtime's 4-bit engines, whose step the exported
-    graph's dispatches and cache gathers dominate (SmolLM2-135M, one request: AR step 15.3 -> 11.1 ms
-    at 1 thread, 11.8 -> 9.0 at 2). A float32 step is the weights' streaming, which the graph barely
-    changes (-7% at batch 1), and its batched verify runs one row per call there (GroupQueryAttention's
-    limit), which a float32 matmul pays dearly for (docs/engines.md, "The in-place target graph")."""
-    if backend != "onnxruntime" or weights != "int4":
+    in place, rows packed) rather than the exported one: every ONNX Runtime engine on the CPU whose
+    target it can write. SmolLM2-135M, 1 thread, rows over 300 cached positions, ms (exported -> in
+    place): float32 AR step 37.4 -> 33.9, verify(16) 74.8 -> 67.8, 8 rows x verify(4) 161 -> 126, 2 x
+    verify(4) beside 6 AR steps 104 -> 76; 4-bit AR step 15.3 -> 11.1 (docs/engines.md, "The in-place
+    target graph"). Its attention needs ONNX Runtime 1.32 (an older one, e.g. onnxruntime-gpu's, keeps
+    the exported graph)."""
+    if backend != "onnxruntime":
         return False
+    import onnxruntime
+
     from trtspec.export import ort_target  # onnx: an ONNX Runtime build's, not every build's
 
-    return ort_target.supports(target, device)
+    release = tuple(int(part) for part in onnxruntime.__version__.split(".")[:2])
+    return release >= ort_target.MIN_ONNXRUNTIME and ort_target.supports(target, device)
 
 
 def _export(module: torch.nn.Module, spec, max_context: int, dtype: torch.dtype, device: torch.device,
