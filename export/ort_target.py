@@ -5,7 +5,7 @@ and concats, attention as a dozen matmuls, reshapes and masks, the cached keys g
 shared cache on every call). On a small model each node costs a dispatch and each gather a copy of
 the cache: a quarter to a third of a 4-bit decode step on SmolLM2-135M (docs/engines.md, "The
 in-place target graph"). This graph computes the same function with ONNX Runtime's fused CPU
-operators, 11 nodes per layer:
+operators, 11 nodes per layer (and 3 that move rows between the packed and padded layouts, below):
 
 * `SkipSimplifiedLayerNormalization`: the residual add and the RMSNorm in one;
 * `GroupQueryAttention`: RoPE, grouped-query attention over the cached positions and the new ones
@@ -82,8 +82,8 @@ class _Graph:
         return self.node(op, inputs, 1, domain, **attributes)[0]
 
     def rows(self, name: str, width: int) -> str:
-        """Declare `name` as float [1, positions, width] (a MatMul input's rank, for the quantizer)."""
-        self.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, "positions", width]))
+        """Declare `name` as float [positions, width] (a MatMul input's rank, for the quantizer)."""
+        self.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["positions", width]))
         return name
 
     def skip_norm(self, residual: str, x: str, weight: str, eps: float) -> tuple[str, str]:
@@ -125,30 +125,33 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
     total = g.one("Cast", [g.one("ReduceMax", [g.one("Concat", [ends, count], axis=0)], keepdims=0)],
                   to=TensorProto.INT32)
     queries = g.one("Cast", ["lengths"], to=TensorProto.INT32)
-    # Where each padded position's row lies among the packed ones (N, one past the last: a row of zeros).
+    # The packed rows as the padded layout's [batch, tokens] index them: for attention's inputs any row
+    # at the padding (GroupQueryAttention reads none of it), for the features N, one past the last (a
+    # row of zeros).
     padded_shape = g.one("Shape", ["tokens"])
     packed = g.one("Shape", ["computed"])
-    where = g.one("ScatterElements", [g.one("Expand", [packed, g.one("ReduceProd", [padded_shape], keepdims=1)]),
-                                      "computed", g.one("Range", [g.constant("first", np.array(0, np.int64)),
-                                                                  g.one("Squeeze", [packed]),
-                                                                  g.constant("step", np.array(1, np.int64))])],
-                  axis=0)
-    where = g.one("Reshape", [where, padded_shape])
+    order = g.one("Range", [g.constant("first", np.array(0, np.int64)), g.one("Squeeze", [packed]),
+                            g.constant("step", np.array(1, np.int64))])
+    flat_count = g.one("ReduceProd", [padded_shape], keepdims=1)
 
-    def padded(x: str, width: int) -> str:
-        """Packed [1, N, width] -> [batch, tokens, width], zeros at the padding."""
-        rows = g.one("Reshape", [x, g.constant(f"rows.{width}", np.array([-1, width], np.int64))])
-        zeros = g.constant(f"zero_row.{width}", np.zeros((1, width), np.float32))
-        return g.one("Gather", [g.one("Concat", [rows, zeros], axis=0), where], axis=0)
+    def scattered(fill: str) -> str:
+        everywhere = g.one("Expand", [fill, flat_count])
+        return g.one("Reshape", [g.one("ScatterElements", [everywhere, "computed", order], axis=0), padded_shape])
+
+    where = scattered(g.constant("zero", np.array([0], np.int64)))
+    where_or_zeros = scattered(packed)
+
+    def padded(x: str) -> str:
+        """Packed [N, width] -> [batch, tokens, width] (the padding's rows: any)."""
+        return g.one("Gather", [x, where], axis=0)
 
     def packed_rows(x: str, width: int) -> str:
-        """[batch, tokens, width] -> packed [1, N, width]: the real positions'."""
+        """[batch, tokens, width] -> packed [N, width]: the real positions'."""
         rows = g.one("Reshape", [x, g.constant(f"rows.{width}", np.array([-1, width], np.int64))])
-        return g.one("Unsqueeze", [g.one("Gather", [rows, "computed"], axis=0), g.constant("axis0", np.array([0], np.int64))])
+        return g.one("Gather", [rows, "computed"], axis=0)
 
-    real = g.one("Unsqueeze", [g.one("Gather", [g.one("Reshape", [
-        "tokens", g.constant("flat", np.array([-1], np.int64))]), "computed"]), g.constant("axis0", np.array([0], np.int64))])
-    h = g.one("Gather", [g.constant("embed_tokens.weight", target.model.embed_tokens.weight), real])
+    real = g.one("Gather", [g.one("Reshape", ["tokens", g.constant("flat", np.array([-1], np.int64))]), "computed"])
+    h = g.one("Gather", [g.constant("embed_tokens.weight", target.model.embed_tokens.weight), real])  # [N, hidden]
     pending = None  # the last layer's feed-forward output, not yet added to the residual stream
     taps: dict[int, str] = {}
     for i, layer in enumerate(layers):
@@ -172,7 +175,7 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
             qkv = g.one("Concat", [q, k, v], axis=-1)
         skipped = [""] * 7  # position_ids, attention_bias, head_sink, k/v scales, q/k norm weights
         out = g.node("GroupQueryAttention",  # packed q/k/v in the padded layout
-                     [padded(qkv, (heads + 2 * kv_heads) * head_dim), "", "", f"past_k.{i}", f"past_v.{i}", seqlens,
+                     [padded(qkv), "", "", f"past_k.{i}", f"past_v.{i}", seqlens,
                       total, cos_cache, sin_cache, *skipped, queries],
                      [f"attention.{i}", f"present_k.{i}", f"present_v.{i}"],
                      MS_DOMAIN, num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0)[0]
@@ -194,13 +197,13 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
         taps[last] = normed
     if feature_layers:
         taps = g.one("Concat", [taps[i] for i in feature_layers], axis=-1)
-        g.node("Identity", [padded(taps, len(feature_layers) * hidden)], ["features"])
+        zeros = g.constant("zero_row", np.zeros((1, len(feature_layers) * hidden), np.float32))
+        g.node("Gather", [g.one("Concat", [taps, zeros], axis=0), where_or_zeros], ["features"], axis=0)
     else:  # a target without a drafter: an empty feature axis keeps the outputs fixed
         g.node("Expand", [g.constant("no_features", np.zeros((1, 1, 0), np.float32)),
                           g.one("Concat", [padded_shape, g.constant("empty", np.array([0], np.int64))], axis=0)],
                ["features"])
-    flat = g.one("Reshape", [normed, g.constant("rows.shape", np.array([-1, hidden], np.int64))])
-    picked = g.one("Gather", [flat, "scored"], axis=0)
+    picked = g.one("Gather", [normed, "scored"], axis=0)
     g.value_info.append(helper.make_tensor_value_info(picked, TensorProto.FLOAT, ["scored", hidden]))
     g.node("MatMul", [picked, g.constant("lm_head.weight", target.lm_head.weight.t())], ["logits"])
 
@@ -211,11 +214,11 @@ def write_target_graph(target: Qwen3Target, feature_layers: tuple[int, ...], cap
 
 
 def _head_norm(g: _Graph, x: str, count: int, norm, name: str, head_dim: int, eps: float) -> str:
-    """RMSNorm over each head of x [batch, tokens, count * head_dim]."""
-    split = g.one("Reshape", [x, g.constant(f"{name}.heads", np.array([0, 0, count, head_dim], np.int64))])
+    """RMSNorm over each head of x [positions, count * head_dim]."""
+    split = g.one("Reshape", [x, g.constant(f"{name}.heads", np.array([0, count, head_dim], np.int64))])
     weight = g.constant(f"{name}.weight", norm.weight)
     normed = g.one("SimplifiedLayerNormalization", [split, weight], axis=-1, epsilon=eps)
-    return g.one("Reshape", [normed, g.constant(f"{name}.joined", np.array([0, 0, count * head_dim], np.int64))])
+    return g.one("Reshape", [normed, g.constant(f"{name}.joined", np.array([0, count * head_dim], np.int64))])
 
 
 def _value(tensor):

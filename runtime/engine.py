@@ -202,16 +202,20 @@ class _Active:
 PADDED_PER_COMPUTED = 3
 
 
-def verify_calls(groups: dict[int, list["_Active"]]) -> list[tuple[int, dict[int, list["_Active"]]]]:
+def verify_calls(groups: dict[int, list["_Active"]],
+                 ragged: bool = False) -> list[tuple[int, dict[int, list["_Active"]]]]:
     """An iteration's verify calls, as (width, its requests by block size), from all requests by
     block size: one call over all of them at the widest size, shorter blocks padded, so a batch of
     several sizes reads the weights once (on a CPU or a small batch the call's cost is mostly that
-    read; scripts/batch_mix.py measures it, docs/serving.md has the figures). The padding costs
-    only its attention (the stack runs on the real positions), but a zero query still reads every
-    cached key: a call per size instead when the call would hold more than PADDED_PER_COMPUTED
-    times the positions computed (e.g. many AR requests beside one B = 16)."""
+    read; scripts/batch_mix.py measures it, docs/serving.md has the figures). On a `ragged` target
+    graph the padding costs nothing (ONNX Runtime's in-place graph attends on each row's real
+    queries alone). Elsewhere it costs its attention (the stack runs on the real positions), as a
+    zero query still reads every cached key: a call per size instead when the call would hold more
+    than PADDED_PER_COMPUTED times the positions computed (e.g. many AR requests beside one B = 16)."""
     if len(groups) <= 1:
         return [(size, groups) for size in groups]
+    if ragged:
+        return [(max(groups), dict(sorted(groups.items())))]
     requests = sum(len(members) for members in groups.values())
     computed = sum(size * len(members) for size, members in groups.items())
     if max(groups) * requests > PADDED_PER_COMPUTED * computed:
@@ -385,7 +389,7 @@ class LocalEngine:
             if active.controller is not None and active.controller.running:
                 groups.setdefault(active.controller.block_size, []).append(active)
         timed = self.chooser is not None
-        calls = verify_calls(groups)
+        calls = verify_calls(groups, self.runner.ragged)
         # Every call drafts before any verifies: a request's drafter context is a view of the verify
         # output it came from (no copy), which the next verify of that shape overwrites.
         drafted = []

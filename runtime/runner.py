@@ -101,6 +101,7 @@ class BatchRunner:
         self._by_slot = {graph: [cache.transpose(0, 1) for cache in caches] for graph, caches in self._caches.items()
                          if specs[graph].cache == SHARED}
         self._in_place = specs[TARGET].cache == IN_PLACE
+        self.ragged = self._in_place  # a verify call's shorter rows cost only their own positions (attention too)
         self._layer_views: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self._outputs: dict[tuple, dict[str, torch.Tensor]] = {}
         self._staged: dict[tuple, tuple[torch.Tensor, np.ndarray | None]] = {}

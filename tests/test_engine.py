@@ -152,7 +152,8 @@ def test_a_batch_of_several_block_sizes_verifies_in_one_call(monkeypatch):
     """AR, B = 4 and B = 8 requests side by side run one verify call per iteration (at 8, the
     shorter blocks padded), with each request's tokens what it decodes alone; a batch where the
     padded call would hold more than three times the positions computed (seven AR requests beside
-    one B = 8: 64 for 15) runs a call per size. (Whole blocks: draft width 0.)"""
+    one B = 8: 64 for 15) runs a call per size, unless the runner's target graph is ragged (its
+    padding costs nothing: ONNX Runtime's in-place graph). (Whole blocks: draft width 0.)"""
     pair = predictable_pair(vocab_size=64, beta=0.5)
     runner = BatchRunner.eager(*pair, slots=8)
     widths = []
@@ -161,9 +162,11 @@ def test_a_batch_of_several_block_sizes_verifies_in_one_call(monkeypatch):
         widths.append((len(slots), max(len(b) for b in blocks))), verify(slots, blocks, starts))[1])
     alone = LocalEngine(BatchRunner.eager(*pair, slots=1), config=EngineConfig(max_running=1))
     engine = LocalEngine(runner, config=EngineConfig(max_running=8, draft_width=0))
-    for sizes, calls in (((1, 4, 8, 1, 4, 8), {(6, 8)}), ((4, 4) + (1,) * 6, {(8, 4)}),  # 32 for 14: one call
-                         ((1,) * 7 + (8,), {(7, 1), (1, 8)})):
+    for sizes, calls, ragged in (((1, 4, 8, 1, 4, 8), {(6, 8)}, False),
+                                 ((4, 4) + (1,) * 6, {(8, 4)}, False),  # 32 for 14: one call
+                                 ((1,) * 7 + (8,), {(7, 1), (1, 8)}, False), ((1,) * 7 + (8,), {(8, 8)}, True)):
         widths.clear()
+        runner.ragged = ragged
         configs = [GenerationConfig(block=BlockChoice(size), max_new_tokens=30) for size in sizes]
         prompts = [[2, 3, 4 + i] for i in range(len(sizes))]
         batched = engine.generate(prompts, configs)
