@@ -36,6 +36,19 @@ def test_onnxruntime_engines_of_dense_float32_targets_on_the_cpu_take_the_in_pla
     assert not in_place_target("onnxruntime", moe, cpu)  # routed experts: the exported graph
 
 
+def test_an_onnxruntime_older_than_1_32_keeps_the_exported_target_graph(tmp_path, monkeypatch):
+    """Its GroupQueryAttention has no query_seqlens (rows of several lengths in one call)."""
+    import onnxruntime
+
+    from trtspec.build import in_place_target
+
+    target = load_target(save_hf_target(tmp_path / "t", layers=2, with_tokenizer=False))
+    monkeypatch.setattr(onnxruntime, "__version__", "1.31.0")
+    assert not in_place_target("onnxruntime", target, torch.device("cpu"))
+    monkeypatch.setattr(onnxruntime, "__version__", "1.32.0")
+    assert in_place_target("onnxruntime", target, torch.device("cpu"))
+
+
 def _runners(family: str, tmp_path, **options):
     from trtspec.engines.onnxruntime import OnnxRuntimeExecutor
     from trtspec.export.ort_target import write_target_graph
