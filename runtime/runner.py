@@ -253,7 +253,8 @@ class BatchRunner:
         row_at = [None] * block  # the caller's row in each slot of the block
         for row, slot in enumerate(slots):
             row_at[slot - low] = row
-        if row_at != list(range(batch)):  # not the rows as given: laid out in slot order, gaps skipped
+        reordered = row_at != list(range(batch))
+        if reordered:  # not the rows as given: laid out in slot order, gaps skipped
             rows = torch.tensor([r if r is not None else 0 for r in row_at], device=self.device)
             tokens = tokens.index_select(0, rows)
             starts = [starts[r] if r is not None else 0 for r in row_at]
@@ -265,7 +266,7 @@ class BatchRunner:
                                   self._index("computed", [range(n) for n in lengths], width),
                                   self._index("scored", picked, 0), low)
         features = out["features"]
-        if block != batch or row_at != list(range(batch)):  # back to the caller's rows
+        if reordered:  # back to the caller's rows
             features = features.index_select(0, torch.tensor([order[r] for r in range(batch)], device=self.device))
         return out["logits"], features
 
