@@ -19,10 +19,11 @@ weights (what llama.cpp runs), not by a second rounding of them:
 A weight on neither grid (a float checkpoint's) is rounded to 4 bits by onnxruntime's own quantizer
 (`MatMulNBitsQuantizer`: asymmetric, round to nearest per block).
 
-The draft graph of a 4-bit engine is rounded to 8 bits the same way (`DRAFT_BITS`): its float32
-weights were a sixth of a 4-bit cycle's time, 8 bits drafted as well (tau 2.21 against 2.22), and 4
-bits did not (1.18; docs/engines.md, "4-bit weights"). A drafter's rounding never touches the
-output, only how often its drafts are accepted.
+The draft graph of an ONNX Runtime CPU engine is rounded to 8 bits the same way (`DRAFT_BITS`;
+`trtspec build --draft-weights`, int8 by default there, a float32 or a 4-bit target alike): its
+float32 weights were a sixth of a 4-bit cycle's time and most of a float32 draft call's fixed cost,
+8 bits drafted as well (tau 2.21 against 2.22), and 4 bits did not (1.18; docs/engines.md, "4-bit
+weights"). A drafter's rounding never touches the output, only how often its drafts are accepted.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ BLOCK = 32  # GGUF's Q4_1 / Q8_0 block, and MatMulNBits' block size here
 # What `--weights int4` means, recorded in the manifest and in the quantized graph's cache key.
 INT4 = {"format": "int4", "bits": 4, "block_size": BLOCK, "symmetric": False, "accuracy_level": 4,
         "gguf_blocks_kept": ["Q4_1", "Q8_0"]}
-DRAFT_BITS = 8  # the draft graph's MatMulNBits in a 4-bit engine (module docstring)
+DRAFT_BITS = 8  # the draft graph's MatMulNBits (module docstring)
 MS_DOMAIN = "com.microsoft"
 
 
@@ -65,6 +66,13 @@ def quantize_weights(source: Path, destination: Path, bits: int = INT4["bits"]) 
     finally:
         matmul_nbits_quantizer.logger.setLevel(previous)
     onnx.save_model(quantizer.model.model, str(destination))
+
+
+def manifest_weights(graph_bits: dict[str, int], onnxruntime_version: str) -> dict:
+    """The manifest's record of an engine's quantized graphs ({graph: bits}): the format is named by
+    its fewest bits ("int4": a 4-bit target; "int8": an 8-bit drafter beside float weights)."""
+    return {**INT4, "format": f"int{min(graph_bits.values())}", "bits": min(graph_bits.values()),
+            "graphs": list(graph_bits), "graph_bits": dict(graph_bits), "onnxruntime": onnxruntime_version}
 
 
 def quantizer_identity(bits: int = INT4["bits"]) -> dict:

@@ -38,7 +38,7 @@ TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json")
 BACKENDS = ("onnxruntime", "tensorrt", "torch", "inductor")
 DTYPES = tuple(MODEL_DTYPES)
-WEIGHT_FORMATS = ("int4",)  # quantized weights (`weights`); absent: weights in the engine's dtype
+WEIGHT_FORMATS = ("int4", "int8")  # quantized weights (`weights`, by their fewest bits); absent: the dtype's
 UNLISTED = (MANIFEST_FILE, MARKER)  # the only files of an engine directory that are not artifacts
 
 
@@ -76,7 +76,7 @@ class Manifest:
     check: dict | None = None          # build-time comparison with eager torch
     policy: dict | None = None
     draft_vocab: dict | None = None    # {"dir", "size": K, "ids_sha256"}: the drafter proposes among K ids
-    weights: dict | None = None        # None: weights in `dtype`; else {"format": "int4", "graphs", ...}
+    weights: dict | None = None        # None: weights in `dtype`; else {"format": "int4"|"int8", "graphs", ...}
     trtspec_version: str = ""
     manifest_version: int = MANIFEST_VERSION
 

@@ -89,11 +89,13 @@ def trained_drafter_dir(target_dir, suite_cache) -> Path:
 
 @pytest.fixture(scope="session")
 def ort_engine_dir(target_dir, drafter_dir, tmp_path_factory) -> Path:
-    """The tiny pair built into an ONNX Runtime engine at block sizes 4 and 8."""
+    """The tiny pair built into an ONNX Runtime engine at block sizes 4 and 8, its drafter in float32
+    (the default rounds it to 8 bits: test_engines.py checks that build; a float draft graph is
+    checked against eager drafting exactly)."""
     pytest.importorskip("onnxruntime", reason="the onnxruntime backend needs the [onnx] extra")
     from trtspec.build import BuildConfig, build_engine
 
     output = tmp_path_factory.mktemp("engines") / "ort"
-    build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4, 8), backend="onnxruntime"),
-                 progress=False)
+    build_engine(target_dir, drafter_dir, output,
+                 BuildConfig(block_sizes=(4, 8), backend="onnxruntime", draft_weights="float"), progress=False)
     return output

@@ -116,6 +116,33 @@ def test_build_writes_a_manifest_with_one_profile_per_block_size(ort_engine, pai
         assert [o.name for o in model.graph.output] == [t.name for t in spec.outputs]
 
 
+def test_an_onnxruntime_cpu_engine_drafts_in_8_bits_by_default(target_dir, drafter_dir, ort_engine, pair, tmp_path):
+    """--draft-weights auto: the drafter's matmuls as 8-bit MatMulNBits blocks (most of a small draft
+    call's cost is reading its weights), the target's float32 and held to float32's self-check, so
+    greedy output stays eager's token for token; a float draft (ort_engine) stays exact."""
+    output = tmp_path / "engine"
+    manifest = build_engine(target_dir, drafter_dir, output, BuildConfig(block_sizes=(4,), backend="onnxruntime"),
+                            progress=False)
+    assert manifest.graphs[DRAFT]["file"] == "draft.int8.onnx" and manifest.graphs[TARGET]["file"] == "target.onnx"
+    assert manifest.weights["format"] == "int8" and manifest.weights["graph_bits"] == {DRAFT: 8}
+    assert manifest.label == "onnxruntime int8 (draft)" and read_manifest(output).label == manifest.label
+    assert manifest.check["target_max_abs_logit_diff"] < 1e-4 < manifest.check["draft_max_abs_logit_diff"]
+    exact = read_manifest(ort_engine)
+    assert exact.weights is None and exact.check["draft_max_abs_logit_diff"] < 1e-4
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 300, (n,), generator=generator).tolist() for n in (5, 30)]
+    assert _greedy(opened(output, torch.device("cpu")), prompts, 4) == _greedy(single(*pair), prompts, 4)
+
+
+def test_8_bit_drafts_need_an_onnxruntime_cpu_float32_build(target_dir, drafter_dir, tmp_path):
+    with pytest.raises(TrtspecError, match="--draft-weights int8 is ONNX Runtime's MatMulNBits format"):
+        BuildConfig(block_sizes=(4,), backend="torch", draft_weights="int8")
+    with pytest.raises(TrtspecError, match="--draft-weights int8 builds an ONNX Runtime engine for the CPU in float32"):
+        build_engine(target_dir, drafter_dir, tmp_path / "e", BuildConfig(block_sizes=(4,), backend="onnxruntime",
+                                                                          dtype="float16", draft_weights="int8"))
+    assert not (tmp_path / "e").exists()
+
+
 def _greedy(engine, prompts, block_size, tokens=24):
     return [generate(engine, prompt, GenerationConfig(block=BlockChoice(block_size), max_new_tokens=tokens)).tokens
             for prompt in prompts]
@@ -332,8 +359,8 @@ def test_a_rebuild_exports_only_the_graphs_the_cache_cannot_supply(target_dir, d
 
     exported = exported_graphs(monkeypatch)
     rebuilt = tmp_path / "rebuilt"
-    build_engine(target_dir, drafter_dir, rebuilt, BuildConfig(block_sizes=(6, 12), backend="onnxruntime"),
-                 progress=False)
+    float_drafts = {"backend": "onnxruntime", "draft_weights": "float"}  # ort_engine's graphs
+    build_engine(target_dir, drafter_dir, rebuilt, BuildConfig(block_sizes=(6, 12), **float_drafts), progress=False)
     entries = {path.read_bytes(): path.name for path in (suite_cache / GRAPHS_DIR).glob("*.onnx")}
     assert exported == [] and all((rebuilt / name).read_bytes() in entries for name in ("target.onnx", "draft.onnx"))
 
@@ -344,7 +371,7 @@ def test_a_rebuild_exports_only_the_graphs_the_cache_cannot_supply(target_dir, d
     monkeypatch.setenv("TRTSPEC_CACHE", str(cache))
     graph = (rebuilt / "draft.onnx").read_bytes()
     exported = exported_graphs(monkeypatch, stand_in=graph)
-    build_engine(target_dir, drafter_dir, tmp_path / "again", BuildConfig(block_sizes=(4,), backend="onnxruntime"),
+    build_engine(target_dir, drafter_dir, tmp_path / "again", BuildConfig(block_sizes=(4,), **float_drafts),
                  progress=False)
     assert exported == ["draft.onnx"]
     assert damaged.read_bytes() == (tmp_path / "again" / "draft.onnx").read_bytes() == graph

@@ -388,7 +388,7 @@ def test_a_drafter_that_ships_a_policy_needs_no_policy_flag(target_dir, trained_
     assert built.returncode == 0, built.stderr.decode()
     assert "B=12 (target profile 3, draft profile 1)" in built.stdout.decode()
     engine = Pipeline(engine=tmp_path / "engine")
-    assert engine.backend == "onnxruntime" and engine.runner.block_sizes == (8, 12, 16, 20, 24)
+    assert engine.backend == "onnxruntime int8 (draft)" and engine.runner.block_sizes == (8, 12, 16, 20, 24)
     assert engine.policy is not None and engine.default_block == AUTO  # the drafter's policy, embedded
     eager = Pipeline(target_dir, trained_drafter_dir)
     for text in prompts[:3]:

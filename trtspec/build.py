@@ -39,9 +39,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json")
 CHECK_TOLERANCE = 1e-3  # max |logit difference| vs eager torch at float32 for a build to pass its self-check
 WEIGHTS = ("float", "int4")
-# The graphs `--weights int4` quantizes, and to how many bits: the target's step (AR, verify and prefill)
-# to 4, the drafter's to 8 (in 4 bits it was accepted less: engines/int4.py).
-INT4_GRAPHS = {TARGET: int4.INT4["bits"], DRAFT: int4.DRAFT_BITS}
+# The drafter's matmul weights: auto = int8 on an ONNX Runtime CPU engine (its float32 weights are
+# most of a draft call's fixed cost; the rounding moves acceptance only, never output), float elsewhere.
+DRAFT_WEIGHTS = ("auto", "float", "int8")
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class BuildConfig:
     draft_vocab: int | None = None      # K: the draft graph computes only the K most frequent ids' logits
     draft_counts: Path | None = None    # the counts behind K [default: the drafter's draft_vocab/]
     weights: str = "float"  # float: the dtype's own; int4: the target's matmuls as ONNX Runtime MatMulNBits
+    draft_weights: str = "auto"  # the drafter's matmuls: float, or int8 (MatMulNBits); auto: DRAFT_WEIGHTS
 
     def __post_init__(self) -> None:
         if not self.block_sizes or any(not MIN_COMPILED_BLOCK_SIZE <= b <= MAX_BLOCK_SIZE for b in self.block_sizes):
@@ -69,9 +70,12 @@ class BuildConfig:
             raise TrtspecError(f"--max-context must be >= 2, got {self.max_context}")
         if self.weights not in WEIGHTS:
             raise TrtspecError(f"--weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
-        if self.weights == "int4" and self.backend not in ("auto", "onnxruntime"):
-            raise TrtspecError(f"--weights int4 is ONNX Runtime's MatMulNBits format; use --backend onnxruntime "
-                               f"(got --backend {self.backend})")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise TrtspecError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
+        for option, value in (("--weights", self.weights), ("--draft-weights", self.draft_weights)):
+            if value in ("int4", "int8") and self.backend not in ("auto", "onnxruntime"):
+                raise TrtspecError(f"{option} {value} is ONNX Runtime's MatMulNBits format; use --backend onnxruntime "
+                                   f"(got --backend {self.backend})")
 
 
 def best_backend() -> str:
@@ -80,7 +84,9 @@ def best_backend() -> str:
     return "onnxruntime" if ort_engine.available() else "torch"
 
 
-def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
+def _resolve(config: BuildConfig) -> tuple[str, torch.device, str, dict[str, int]]:
+    """The backend, device and dtype the build runs, and the graphs whose matmuls it quantizes, with
+    their bits."""
     backend = best_backend() if config.backend == "auto" else config.backend
     device = resolve_device(config.device)
     if backend == "tensorrt" and not trt_engine.available():
@@ -93,18 +99,23 @@ def _resolve(config: BuildConfig) -> tuple[str, torch.device, str]:
     dtype = str(resolve_dtype(config.dtype, device, compiled=True)).removeprefix("torch.")
     if backend == "onnxruntime" and dtype == "bfloat16":
         raise TrtspecError("ONNX Runtime engines are float32 or float16; pass --dtype float32 or float16")
-    if config.weights == "int4" and (backend != "onnxruntime" or device.type != "cpu" or dtype != "float32"):
-        raise TrtspecError(f"--weights int4 builds an ONNX Runtime engine for the CPU in float32 (MatMulNBits), "
-                           f"not {backend} on {device.type} in {dtype}; pass --backend onnxruntime --device cpu "
-                           "--dtype float32")
-    return backend, device, dtype
+    cpu_float32 = backend == "onnxruntime" and device.type == "cpu" and dtype == "float32"
+    for option, value in (("--weights", config.weights), ("--draft-weights", config.draft_weights)):
+        if value in ("int4", "int8") and not cpu_float32:
+            raise TrtspecError(f"{option} {value} builds an ONNX Runtime engine for the CPU in float32 (MatMulNBits), "
+                               f"not {backend} on {device.type} in {dtype}; pass --backend onnxruntime --device cpu "
+                               "--dtype float32")
+    quantized = {TARGET: int4.INT4["bits"]} if config.weights == "int4" else {}
+    if config.draft_weights == "int8" or (config.draft_weights == "auto" and cpu_float32):
+        quantized[DRAFT] = int4.DRAFT_BITS
+    return backend, device, dtype, quantized
 
 
 def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: BuildConfig,
                  progress: bool = True) -> Manifest:
     inputs = (target_dir, drafter_dir, config.policy, config.draft_counts)
     check_output_dir(output, ENGINE, inputs)  # before any work: never replace what is not an old engine
-    backend, device, dtype = _resolve(config)
+    backend, device, dtype, quantized = _resolve(config)
     policy = None
     if config.policy is not None:
         policy = load_policy(config.policy, tuple(config.block_sizes))
@@ -138,7 +149,6 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
     graph_sources = {
         TARGET: {"target": sources["target"], "feature_layers": list(feature_layers)},
         DRAFT: {**sources, "draft_vocab": ids_sha256(chosen[0]) if chosen is not None else None}}
-    quantized = INT4_GRAPHS if config.weights == "int4" else {}
     steps = [(name, stage) for name in modules for stage in
              (("export", "compile") if backend in ("tensorrt", "inductor") else
               ("export", "quantize") if name in quantized else ("export",))] + [("engine", "self-check")]
@@ -209,12 +219,10 @@ def build_engine(target_dir: Path, drafter_dir: Path, output: Path, config: Buil
             draft_vocab={"dir": DRAFTER_VOCAB_DIR, "size": int(chosen[0].numel()),
                          "ids_sha256": ids_sha256(chosen[0])}
             if chosen is not None else None,
-            weights={**int4.INT4, "graphs": list(quantized), "graph_bits": quantized,
-                     "onnxruntime": ort_engine.version()}
-            if quantized else None)
+            weights=int4.manifest_weights(quantized, ort_engine.version()) if quantized else None)
         manifest.write(staging)
         bar.set_postfix_str("self-check")
-        manifest.check = self_check(staging, device, target, drafter, block_sizes, exact=not quantized)
+        manifest.check = self_check(staging, device, target, drafter, block_sizes, exact=set(specs) - set(quantized))
         manifest.write(staging)
         bar.update()
     return manifest
@@ -260,16 +268,17 @@ def _check_prompt(vocab_size: int) -> list[int]:
 
 
 def self_check(directory: Path, device: torch.device, target, drafter, block_sizes: list[int],
-               exact: bool = True) -> dict:
+               exact: set[str] = frozenset((TARGET, DRAFT))) -> dict:
     """Run the built engine's prefill, verify(B) and draft(B) on a fixed prompt and compare them
-    with the eager modules; refuse a float32 build (`exact`) if the logits differ by more than the
-    tolerance. An engine of lower precision (float16, 4-bit weights) records its difference only."""
+    with the eager modules; in float32, refuse the build if a graph in `exact` differs by more than
+    the tolerance (or, for the draft, proposes another token). A graph of lower precision (float16,
+    quantized weights) records its difference only."""
     from trtspec.runtime.runner import BatchRunner
 
     prompt = _check_prompt(target.config.vocab_size)
     compiled = BatchRunner.open(directory, device, max_context=len(prompt) + max(block_sizes))
     eager = BatchRunner.eager(target, drafter, 1, max_context=compiled.max_context)
-    worst = 0.0
+    worst = {TARGET: 0.0, DRAFT: 0.0}
     with torch.inference_mode():
         for block_size in block_sizes:
             (logits_g, features_g), (logits_e, features_e) = (r.prefill([0], [prompt], [0], tail=len(prompt))
@@ -279,10 +288,14 @@ def self_check(directory: Path, device: torch.device, target, drafter, block_siz
             drafts_e, proposal_e = eager.draft([0], [features_e[0]], block, [len(prompt)])
             block = torch.cat((block[:, :1], drafts_e.cpu()), dim=1)
             verified = compiled.verify([0], block, [len(prompt)])[0], eager.verify([0], block, [len(prompt)])[0]
-            worst = max(worst, *((g.float().cpu() - e.float().cpu()).abs().max().item()
-                                 for g, e in ((logits_g, logits_e), verified, (proposal_g, proposal_e))))
+            for graph, pairs in ((TARGET, ((logits_g, logits_e), verified)), (DRAFT, ((proposal_g, proposal_e),))):
+                worst[graph] = max(worst[graph], *((g.float().cpu() - e.float().cpu()).abs().max().item()
+                                                   for g, e in pairs))
             agree = (drafts_g.cpu() == drafts_e.cpu()).float().mean().item()
-            if exact and target.dtype == torch.float32 and (worst > CHECK_TOLERANCE or agree < 1.0):
-                raise TrtspecError(f"self-check failed at block size {block_size}: max |logit difference| {worst:.2e}, "
-                                   f"draft agreement {agree:.0%} (the engine does not reproduce PyTorch)")
-    return {"max_abs_logit_diff": worst, "block_sizes": block_sizes, "prompt_tokens": len(prompt)}
+            failed = [graph for graph in exact if worst[graph] > CHECK_TOLERANCE or (graph == DRAFT and agree < 1.0)]
+            if target.dtype == torch.float32 and failed:
+                raise TrtspecError(f"self-check failed at block size {block_size}: max |logit difference| "
+                                   f"{max(worst[g] for g in failed):.2e} ({', '.join(sorted(failed))}), draft "
+                                   f"agreement {agree:.0%} (the engine does not reproduce PyTorch)")
+    return {"max_abs_logit_diff": max(worst.values()), "target_max_abs_logit_diff": worst[TARGET],
+            "draft_max_abs_logit_diff": worst[DRAFT], "block_sizes": block_sizes, "prompt_tokens": len(prompt)}

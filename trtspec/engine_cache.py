@@ -62,6 +62,7 @@ def engine_key(target_dir: Path, drafter_dir: Path, sizes: tuple[int, ...], draf
     """The cache entry's name: a hash of everything the built engine holds, the drafter's shipped
     BlockPilot policy included (the engine embeds it)."""
     from trtspec.blockpilot.policy import drafter_policy
+    from trtspec.engines.int4 import DRAFT_BITS
     from trtspec.export.bindings import MAX_BATCH
     from trtspec.export.cache import code_sha256
     from trtspec.models.draft_vocab import DRAFTER_VOCAB_DIR
@@ -71,7 +72,8 @@ def engine_key(target_dir: Path, drafter_dir: Path, sizes: tuple[int, ...], draf
     key = {"target": checkpoint_sha256(target_dir), "drafter": checkpoint_sha256(drafter_dir),
            "draft_vocab": draft_vocab, "counts": record_artifacts(counts) if draft_vocab and counts.is_dir() else None,
            "policy": record_artifacts(policy) if policy is not None else None,
-           "block_sizes": sizes, "max_batch": MAX_BATCH, "trtspec": __version__, "graph_code": code_sha256(),
+           "block_sizes": sizes, "max_batch": MAX_BATCH, "draft_bits": DRAFT_BITS, "trtspec": __version__,
+           "graph_code": code_sha256(),
            "manifest_version": MANIFEST_VERSION}  # a new manifest format is a new entry, not a refused one
     return key_digest(key, 16)
 

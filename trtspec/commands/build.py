@@ -35,6 +35,10 @@ Examples:
               "about a sixth of float32's bytes per token; outputs differ from float32 by the rounding. The target "
               "graph is then written for ONNX Runtime (its attention updates the KV cache in place) and the drafter's "
               "matmuls run in 8 bits.")
+@click.option("--draft-weights", type=click.Choice(["auto", "float", "int8"]), default="auto", show_default=True,
+              help="The drafter's matmul weights. int8: in 8-bit blocks of 32 (MatMulNBits; ONNX Runtime, CPU, "
+              "float32): a small draft call costs mostly the reading of its weights, and the rounding moves how "
+              "often drafts are accepted, never the output. auto: int8 where that is possible, float elsewhere.")
 @click.option("--max-context", type=Ranged(limits.MAX_CONTEXT), metavar="N",
               help="Positions a request may fill. [default: the model's]")
 @click.option("--max-batch", type=Ranged(limits.BATCH), default=16, show_default=True, metavar="N",
@@ -44,8 +48,8 @@ Examples:
 @draft_vocab_options
 @output_option("-o", "--output", required=True, metavar="DIR",
               help="Engine directory to write (replaces only a previous engine directory or an empty one).")
-def build(target, drafter, block_sizes, backend, dtype, device, weights, max_context, max_batch, policy, draft_vocab,
-          draft_counts, output) -> None:
+def build(target, drafter, block_sizes, backend, dtype, device, weights, draft_weights, max_context, max_batch, policy,
+          draft_vocab, draft_counts, output) -> None:
     """Export the step graphs and compile them into an engine directory.
 
     The directory holds the compiled graphs, the tokenizer and manifest.json (backend, dtype,
@@ -59,7 +63,7 @@ def build(target, drafter, block_sizes, backend, dtype, device, weights, max_con
     config = BuildConfig(block_sizes=block_sizes, backend=backend, dtype=dtype, device=device,
                          max_context=max_context, max_batch=max_batch, policy=Path(policy) if policy else None,
                          draft_vocab=draft_vocab, draft_counts=Path(draft_counts) if draft_counts else None,
-                         weights=weights)
+                         weights=weights, draft_weights=draft_weights)
     drafter_dir = resolve_drafter(drafter, target)
     if drafter_dir is None:
         raise TrtspecError("give --drafter DIR: an engine holds the target and its drafter")
@@ -67,7 +71,8 @@ def build(target, drafter, block_sizes, backend, dtype, device, weights, max_con
     sizes = ", ".join(f"B={row['block_size']} (target profile {row['target_profile']}, draft profile "
                       f"{row['draft_profile']})" for row in manifest.block_size_table())
     click.echo(f"wrote {output}: {manifest.label} {manifest.dtype}, max context {manifest.max_context}; {sizes}; "
-               f"self-check max |logit diff| {manifest.check['max_abs_logit_diff']:.2e}"
+               f"self-check max |logit diff| target {manifest.check['target_max_abs_logit_diff']:.2e}, "
+               f"draft {manifest.check['draft_max_abs_logit_diff']:.2e}"
                + (f"; BlockPilot policy over B={','.join(map(str, manifest.policy['block_sizes']))}"
                   if manifest.policy else "")
                + (f"; draft vocabulary {manifest.draft_vocab['size']}" if manifest.draft_vocab else ""))
