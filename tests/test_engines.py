@@ -135,6 +135,9 @@ def test_an_onnxruntime_cpu_engine_drafts_in_8_bits_by_default(target_dir, draft
 
 
 def test_8_bit_drafts_need_an_onnxruntime_cpu_float32_build(target_dir, drafter_dir, tmp_path):
+    assert_one_line_error(trtspec_in_process("build", "--target", target_dir, "--drafter", drafter_dir, "--backend",
+                                             "torch", "--draft-weights", "int8", "-o", tmp_path / "e"),
+                          "--draft-weights int8 is ONNX Runtime's MatMulNBits format")
     with pytest.raises(TrtspecError, match="--draft-weights int8 is ONNX Runtime's MatMulNBits format"):
         BuildConfig(block_sizes=(4,), backend="torch", draft_weights="int8")
     with pytest.raises(TrtspecError, match="--draft-weights int8 builds an ONNX Runtime engine for the CPU in float32"):
