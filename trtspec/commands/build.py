@@ -32,9 +32,7 @@ Examples:
 @click.option("--weights", type=click.Choice(["float", "int4"]), default="float", show_default=True,
               help="float: weights in --dtype. int4: the target's matmul weights in 4-bit blocks of 32 with a scale "
               "and zero point each (ONNX Runtime's MatMulNBits, int8 kernels; --backend onnxruntime, CPU, float32): "
-              "about a sixth of float32's bytes per token; outputs differ from float32 by the rounding. The target "
-              "graph is then written for ONNX Runtime (its attention updates the KV cache in place) and the drafter's "
-              "matmuls run in 8 bits.")
+              "about a sixth of float32's bytes per token; outputs differ from float32 by the rounding.")
 @click.option("--draft-weights", type=click.Choice(["auto", "float", "int8"]), default="auto", show_default=True,
               help="The drafter's matmul weights. int8: in 8-bit blocks of 32 (MatMulNBits; ONNX Runtime, CPU, "
               "float32): a small draft call costs mostly the reading of its weights, and the rounding moves how "
