@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+from dataclasses import replace
+
 import pytest
+import safetensors.torch
 import torch
 
 from helpers import (TRAINED_PROMPTS, assert_one_line_error, code_prompts, generate, random_drafter, single,
@@ -123,6 +126,60 @@ def test_a_draft_vocabulary_loss_ranks_only_its_ids(target_dir):
         weights = batch.weights[chosen][inside]
         expected = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * weights).sum() / weights.sum()
         assert DrafterLoss(drafter, vocab_ids=ids)(features, batch) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_soft_labels_are_the_targets_own_distributions_one_position_before(target_dir):
+    """--soft-labels K: each block label's soft target is the target's top K after the position
+    before it; a one-hot soft label at the response's token leaves the loss as it was, and the
+    soft term is the cross-entropy against the renormalised top K (a draft vocabulary's ids only)."""
+    from trtspec.training.trainer import DrafterLoss, TargetFeatures
+
+    target = load_target(target_dir)
+    drafter = random_drafter(target, layers=1, layer_ids=(0, 1), mask_token_id=1)
+    batch, features = _packed_batch(target, 8, 4)
+    ids = batch.tokens[0].tolist()
+    kept = TargetFeatures(target, (0, 1), [(ids, 12)], autocast=False, soft_labels=5)
+    assert torch.equal(kept.batch([0], len(ids)), features)
+    soft_ids, soft_probs = kept.soft_batch([0], batch.block_positions)
+    with torch.no_grad():
+        expected = target(batch.tokens, 0, None)[0][0].softmax(-1).topk(5)
+    chosen = batch.labels != IGNORE
+    before = batch.block_positions[chosen] - 1  # the label at position t is predicted at t - 1
+    assert torch.equal(soft_ids[chosen].long(), expected.indices[before])
+    assert torch.allclose(soft_probs[chosen].float(), expected.values[before], atol=1e-3)
+
+    with torch.no_grad():
+        plain = DrafterLoss(drafter)(features, batch)
+        one_hot = (batch.labels[..., None].clamp_min(0).int(), torch.ones(*batch.labels.shape, 1))
+        assert DrafterLoss(drafter, soft_weight=0.7)(features, batch, one_hot) == pytest.approx(float(plain), rel=1e-5)
+        vocab = torch.unique(torch.cat([batch.labels[chosen], soft_ids[chosen].flatten().long()]))
+        for vocab_ids in (None, vocab):
+            loss = DrafterLoss(drafter, vocab_ids=vocab_ids, soft_weight=1.0)(features, batch, (soft_ids, soft_probs))
+            hidden = drafter.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)[chosen]
+            logits = drafter.lm_head(hidden) if vocab_ids is None else drafter.lm_head(hidden)[:, vocab_ids]
+            log_q = logits.log_softmax(-1)
+            columns = soft_ids[chosen].long() if vocab_ids is None else torch.searchsorted(vocab_ids, soft_ids[chosen].long())
+            probs = soft_probs[chosen].float()
+            term = -(probs * log_q.gather(-1, columns)).sum(-1) / probs.sum(-1)
+            weights = batch.weights[chosen]
+            assert float(loss) == pytest.approx(float((term * weights).sum() / weights.sum()), rel=1e-4)
+
+
+def test_soft_label_training_keeps_its_own_feature_store(tiny_data, tmp_path):
+    """A run with soft labels stores each sequence's top K beside its features, in a folder of its
+    own (a features-only store stays valid), and the soft term moves the weights."""
+    pipeline, sequences, _ = tiny_data
+    store = tmp_path / "features"
+    config = TrainConfig(block_size=4, num_features=2, mask_token_id=1, steps=6, batch_size=4, anchors_per_sequence=4)
+    plain = train_drafter(pipeline.target, sequences, config, tmp_path / "plain", progress=False, feature_store=store)
+    soft = train_drafter(pipeline.target, sequences, replace(config, soft_labels=8), tmp_path / "soft",
+                         progress=False, feature_store=store)
+    folders = {frozenset(safetensors.torch.load_file(next(d.glob("*.safetensors")))) for d in store.iterdir()}
+    assert folders == {frozenset({"features"}), frozenset({"features", "soft_ids", "soft_probs"})}
+    weights = [load_drafter(path, pipeline.target).state_dict() for path in (plain, soft)]
+    assert any(not torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    with pytest.raises(TrtspecError, match="weight in"):
+        replace(config, soft_labels=8, soft_weight=1.5)
 
 
 def test_a_drafter_trained_on_a_draft_vocabulary_drafts_among_it(tiny_data, target_dir, tmp_path):

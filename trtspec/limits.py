@@ -146,6 +146,7 @@ NON_NEGATIVE = Limit("count", 0, INT32_MAX)      # optional steps, triton-repo's
 THREADS = Limit("threads", 1, cpu_cores(), why="the CPU cores this process may use")
 POSITIVE_REAL = Limit("value", 0.0, math.inf, integer=False, low_open=True)  # learning rates
 NON_NEGATIVE_REAL = Limit("value", 0.0, math.inf, integer=False)             # weights, decays (0 = default)
+SHARE = Limit("share", 0.0, 1.0, integer=False)                               # a loss term's share
 TOKEN_ID = Limit("token id", 0, INT32_MAX)
 # Stops of one request (`run --stop/--stop-token-id`, the Triton model's stop/stop_token_ids):
 # counted, and each string's length checked, before any of them is tokenized.

@@ -154,10 +154,18 @@ Examples:
               help="Train the drafter to propose among the K most frequent response ids of --data (the loss "
                    "computes K logits, not the vocabulary's: steps ~2x faster on a CPU); it then drafts with "
                    "--draft-vocab K by default. Ship the same file's counts (trtspec draft-vocab --data).")
+@click.option("--soft-labels", "soft_labels", type=Ranged(limits.COUNT), metavar="K",
+              help="Also learn the target's own next-token distribution at every position (its K likeliest "
+                   "tokens, from the same target pass as the features: the whole stack and the LM head run), "
+                   "what sampled requests accept drafts by; the response's token alone teaches only one sample "
+                   "of it (or, greedily, its argmax). [default: off]")
+@click.option("--soft-weight", type=Ranged(limits.SHARE), default=0.5, show_default=True,
+              help="The soft labels' share of each position's loss (with --soft-labels).")
 @device_options
 def train_drafter(target, data_file, block_size, output, layers, num_features, target_layer_ids, steps,
                   batch_size, anchors, max_length, lr, gamma, mask_token_id, seed, checkpoint_every, work_dir,
-                  feature_cache, init_from, layers_from_target, bf16_autocast, draft_vocab, dtype, device) -> None:
+                  feature_cache, init_from, layers_from_target, bf16_autocast, draft_vocab, soft_labels, soft_weight,
+                  dtype, device) -> None:
     """Train a DFlash drafter for a frozen target (resumes from --work when restarted)."""
     from trtspec.device import fast_bfloat16
     from trtspec.fileio import CHECKPOINT, check_distinct_outputs, check_output_dir, check_work_dir
@@ -184,6 +192,7 @@ def train_drafter(target, data_file, block_size, output, layers, num_features, t
                          steps=steps, batch_size=batch_size, anchors_per_sequence=anchors, max_length=max_length,
                          lr=lr, gamma=gamma, seed=seed, checkpoint_every=checkpoint_every,
                          layers_from_target=layers_from_target, draft_vocab=draft_vocab or 0,
+                         soft_labels=soft_labels or 0, soft_weight=soft_weight,
                          bfloat16_autocast=fast_bfloat16(pipeline.target.device) if bf16_autocast is None
                          else bf16_autocast,
                          lineage={"initialised_from": dict(start.config.lineage)} if start else {})

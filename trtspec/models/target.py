@@ -125,11 +125,21 @@ class DecoderTarget(nn.Module):
         """The tapped layers' features of `tokens` [b, T] from position 0 without a cache, as
         forward() gives them, but with neither the layers above the deepest tap nor the LM head run:
         training wants only the features, and on a small model the head is a fifth of the arithmetic."""
+        return self._from_start(tokens, feature_layers, depth=max(feature_layers) + 1)[1]
+
+    def features_and_logits(self, tokens: torch.Tensor,
+                            feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`features` and the logits [b, T, V] of the same pass (the whole stack and the LM head):
+        distillation's soft labels, the target's own next-token distributions."""
+        hidden, features = self._from_start(tokens, feature_layers)
+        return features, self.logits(hidden)
+
+    def _from_start(self, tokens: torch.Tensor, feature_layers: tuple[int, ...],
+                    depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         count = tokens.shape[1]
         positions = torch.arange(count, device=tokens.device)
         causal = positions[None, :] <= positions[:, None] if count > 1 else None
-        return self.decode(tokens, positions, lambda i, k, v: (k, v), causal, feature_layers,
-                           depth=max(feature_layers) + 1)[1]
+        return self.decode(tokens, positions, lambda i, k, v: (k, v), causal, feature_layers, depth=depth)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attend_kv: KVHook, mask: torch.Tensor | None,
                feature_layers: tuple[int, ...] = (), computed: torch.Tensor | None = None, depth: int | None = None,

@@ -55,6 +55,8 @@ class TrainConfig:
     bfloat16_autocast: bool = False             # forward passes in bfloat16, float32 weights and optimizer
     layers_from_target: bool = False            # start the drafter's layers as copies of the target's last ones
     draft_vocab: int = 0                        # >0: the loss ranks only the K most frequent response ids (FR-Spec)
+    soft_labels: int = 0                        # >0: also learn the target's own next-token distribution (its top K)
+    soft_weight: float = 0.5                    # that term's share of each position's loss
     lineage: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,6 +69,9 @@ class TrainConfig:
             raise TrtspecError(f"max length must be >= 4, got {self.max_length}")
         if not self.lr > 0:
             raise TrtspecError(f"learning rate must be > 0, got {self.lr}")
+        if self.soft_labels < 0 or not 0 <= self.soft_weight <= 1:
+            raise TrtspecError(f"soft labels need K >= 0 and a weight in [0, 1], got {self.soft_labels} and "
+                               f"{self.soft_weight}")
 
     @property
     def decay(self) -> float:
@@ -79,14 +84,22 @@ class DrafterLoss(nn.Module):
     With a `teacher` (expand-block), block positions below `distill_below` also pay the KL
     divergence from the teacher's predictions on the same blocks: the drafter learns its new,
     later positions without giving up the early ones it was already good at.
+
+    With `soft` labels (the target's K likeliest next tokens and their probabilities at each
+    position), a `soft_weight` share of each position's loss is the cross-entropy against that
+    distribution rather than the one token the response holds: a sampled request accepts a draft
+    drawn from q with probability sum min(p, q), so q should learn the target's spread, which a
+    greedy response (most of the data) does not show.
     """
 
     def __init__(self, drafter: DFlashDrafter, teacher: DFlashDrafter | None = None, distill_below: int = 0,
-                 distill_weight: float = 1.0, block_size: int = 0, vocab_ids: torch.Tensor | None = None):
+                 distill_weight: float = 1.0, block_size: int = 0, vocab_ids: torch.Tensor | None = None,
+                 soft_weight: float = 0.0):
         super().__init__()
         if distill_below and teacher is None:
             raise TrtspecError("distilling early positions needs a teacher drafter")
         self.drafter, self.distill_below, self.distill_weight = drafter, distill_below, distill_weight
+        self.soft_weight = soft_weight
         self.block_size = block_size
         self.teacher = [teacher]  # in a list: frozen, not a submodule (no gradients, not in DDP's buckets)
         # A draft vocabulary: logits over its K ids only (the head's other rows never computed, the
@@ -103,7 +116,10 @@ class DrafterLoss(nn.Module):
     def _logits(self, drafter: DFlashDrafter, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, drafter.lm_head.weight if self.vocab_head is None else self.vocab_head).float()
 
-    def forward(self, features: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, batch: PackedBatch,
+                soft: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The batch's loss; `soft`: the target's distribution of each block position's label, as
+        (ids, probabilities) [b, N, K] (TargetFeatures.soft_batch)."""
         hidden = self.drafter.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)
         chosen = batch.labels != IGNORE
         labels = batch.labels[chosen]
@@ -111,6 +127,8 @@ class DrafterLoss(nn.Module):
             labels = self.label_index[labels]
         logits = self._logits(self.drafter, hidden[chosen])
         losses = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE)
+        if soft is not None and self.soft_weight:
+            losses = (1 - self.soft_weight) * losses + self.soft_weight * self._soft_loss(logits, *(t[chosen] for t in soft))
         if self.distill_below:
             teacher = self.teacher[0]
             offsets = torch.arange(batch.labels.shape[1], device=logits.device) % self.block_size
@@ -122,6 +140,16 @@ class DrafterLoss(nn.Module):
             losses = losses + self.distill_weight * divergence * early
         weights = batch.weights[chosen] * (labels != IGNORE)
         return (losses * weights).sum() / weights.sum().clamp_min(1e-6)
+
+    def _soft_loss(self, logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the drafter's logits [M, V'] against the target's top-K [M, K], renormalised
+        over the ids the drafter can propose (a draft vocabulary drops the rest)."""
+        ids = ids.long()
+        if self.label_index is not None:
+            ids = self.label_index[ids]
+        probs = probs.float() * (ids != IGNORE)
+        log_q = logits.log_softmax(dim=-1).gather(-1, ids.clamp_min(0))
+        return -(probs * log_q).sum(-1) / probs.sum(-1).clamp_min(1e-6)
 
 
 def _feature_bytes() -> int:
@@ -142,44 +170,61 @@ class TargetFeatures:
     features never depend on its batch, and a resumed run sees the same numbers) at its first batch
     and kept within FEATURE_BYTES: after the first epoch a step runs no target forward pass.
 
+    With `soft_labels` K the same pass also keeps, after every position, the target's K likeliest
+    next tokens and their probabilities (the whole stack and the LM head then run).
+
     With a `store` directory they are also written there, a safetensors file per sequence (named by
-    its token ids) in a folder named by the target's weights, taps and dtype: a later run over the
+    its token ids) in a folder named by the target's weights, taps, dtype and K: a later run over the
     same sequences (the next run of a recipe, on more shards) reads them instead of running the
     target (most of a first epoch's time), and a data set beyond FEATURE_BYTES is read back rather
     than computed again every epoch."""
 
     def __init__(self, target: Qwen3Target, layer_ids: tuple[int, ...], sequences: list, autocast: bool,
-                 store: str | Path | None = None):
+                 store: str | Path | None = None, soft_labels: int = 0):
         self.target, self.layer_ids, self.sequences, self.autocast = target, tuple(layer_ids), sequences, autocast
-        self.kept: dict[int, torch.Tensor] = {}
+        self.soft_labels = soft_labels
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
         self.kept_bytes = 0
         self.store = None
         if store is not None:
             key = {"target": target_fingerprint(target), "layers": list(self.layer_ids), "autocast": autocast,
                    "torch": torch.__version__}
+            if soft_labels:  # stores of features alone keep their name
+                key["soft_labels"] = soft_labels
             self.store = Path(store) / key_digest(key, 16)
             self.store.mkdir(parents=True, exist_ok=True)
 
-    def of(self, index: int) -> torch.Tensor:
-        """[length, F] for sequence `index`."""
-        features = self.kept.get(index)
-        if features is not None:
-            return features
+    def _of(self, index: int) -> dict[str, torch.Tensor]:
+        """Sequence `index`'s features [length, F] (and soft_ids, soft_probs [length, K])."""
+        kept = self.kept.get(index)
+        if kept is not None:
+            return kept
         ids = self.sequences[index][0]
         stored = self.store / f"{_fingerprint(json.dumps(ids).encode())[:32]}.safetensors" if self.store else None
         if stored is not None and stored.is_file():
-            features = safetensors.torch.load_file(stored, device=str(self.target.device))["features"]
+            kept = safetensors.torch.load_file(stored, device=str(self.target.device))
         else:
-            with torch.no_grad(), torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                features = self.target.features(torch.tensor([ids], device=self.target.device), self.layer_ids)[0]
+            kept = self._compute(torch.tensor([ids], device=self.target.device))
             if stored is not None:  # written beside, then renamed: a run cut off leaves no half file
                 partial = stored.with_name(f".{stored.name}.{os.getpid()}")
-                safetensors.torch.save_file({"features": features.contiguous().cpu()}, partial)
+                safetensors.torch.save_file({name: t.contiguous().cpu() for name, t in kept.items()}, partial)
                 os.replace(partial, stored)
-        size = features.numel() * features.element_size()
+        size = sum(t.numel() * t.element_size() for t in kept.values())
         if self.kept_bytes + size <= FEATURE_BYTES:
-            self.kept[index], self.kept_bytes = features, self.kept_bytes + size
-        return features
+            self.kept[index], self.kept_bytes = kept, self.kept_bytes + size
+        return kept
+
+    def _compute(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        with torch.no_grad(), torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            if not self.soft_labels:
+                return {"features": self.target.features(tokens, self.layer_ids)[0]}
+            features, logits = self.target.features_and_logits(tokens, self.layer_ids)
+        probs, ids = logits[0].float().softmax(dim=-1).topk(self.soft_labels, dim=-1)
+        return {"features": features[0], "soft_ids": ids.int(), "soft_probs": probs.half()}
+
+    def of(self, index: int) -> torch.Tensor:
+        """[length, F] for sequence `index`."""
+        return self._of(index)["features"]
 
     def batch(self, indices: list[int], length: int) -> torch.Tensor:
         """[b, length, F]: the sequences' features, zero-padded at the end as pack() pads the tokens."""
@@ -188,6 +233,16 @@ class TargetFeatures:
         for row, features in enumerate(rows):
             out[row, :features.shape[0]] = features
         return out
+
+    def soft_batch(self, indices: list[int], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's distribution of the token at each of `positions` [b, N] (a block's labels:
+        its prediction one position before), as (ids, probabilities) [b, N, K]."""
+        rows = [self._of(i) for i in indices]
+        ids = torch.stack([row["soft_ids"][(where - 1).clamp(0, len(row["soft_ids"]) - 1)]
+                           for row, where in zip(rows, positions)])
+        probs = torch.stack([row["soft_probs"][(where - 1).clamp(0, len(row["soft_probs"]) - 1)]
+                             for row, where in zip(rows, positions)])
+        return ids, probs
 
 
 def response_top_ids(sequences: list[tuple[list[int], int]], k: int, vocab_size: int) -> torch.Tensor:
@@ -294,7 +349,9 @@ def _check_resume(path: Path, state: dict, config: dict, run: dict) -> None:
     other options, naming what differs (a silent resume would continue someone else's run)."""
     differ = [f"{key} (checkpoint {state['config'][key]!r}, now {value!r})"
               for key, value in config.items() if key in state["config"] and state["config"][key] != value]
-    differ += [f"{key} option (not in the checkpoint)" for key in config if key not in state["config"]]
+    defaults = json.loads(json.dumps(asdict(TrainConfig())))  # an option newer than the checkpoint, left at its default
+    differ += [f"{key} option (not in the checkpoint)" for key, value in config.items()
+               if key not in state["config"] and (key not in defaults or value != defaults[key])]
     # checkpoints written before the data, target and starting drafter were recorded are resumed as before
     differ += [RUN_INPUTS[key] for key, value in run.items() if state.get(key, value) != value]
     if differ:
@@ -363,7 +420,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
         drafter.float()
     drafter.train()
     loss_module: nn.Module = DrafterLoss(drafter, teacher, config.distill_below, config.distill_weight,
-                                         config.block_size, vocab_ids)
+                                         config.block_size, vocab_ids, config.soft_weight if config.soft_labels else 0)
     if world > 1:
         loss_module = nn.parallel.DistributedDataParallel(loss_module)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95),
@@ -387,7 +444,7 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
 
     my_sequences = sequences[rank::world]
     kept = TargetFeatures(target, drafter.config.target_layer_ids, my_sequences, config.bfloat16_autocast,
-                          feature_store)
+                          feature_store, config.soft_labels)
     bar = tqdm(total=config.steps, initial=step, disable=not progress or rank != 0, unit="step",
                dynamic_ncols=True, desc="train-drafter")
     while step < config.steps:
@@ -399,9 +456,10 @@ def train_drafter(target: Qwen3Target, sequences: list[tuple[list[int], int]], c
                      drafter.config.mask_token_id, config.decay, generator,
                      emphasis_from=config.position_weight_shift)
         batch = PackedBatch(*(t.to(target.device) for t in vars(batch).values()))
+        soft = kept.soft_batch(chosen, batch.block_positions) if config.soft_labels else None
         with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=config.bfloat16_autocast):
             features = kept.batch(chosen, batch.tokens.shape[1])
-            loss = loss_module(features, batch)
+            loss = loss_module(features, batch, soft)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.clip_norm)
