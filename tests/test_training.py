@@ -158,7 +158,9 @@ def test_soft_labels_are_the_targets_own_distributions_one_position_before(targe
             hidden = drafter.forward_packed(features, batch.block_tokens, batch.block_positions, batch.mask)[chosen]
             logits = drafter.lm_head(hidden) if vocab_ids is None else drafter.lm_head(hidden)[:, vocab_ids]
             log_q = logits.log_softmax(-1)
-            columns = soft_ids[chosen].long() if vocab_ids is None else torch.searchsorted(vocab_ids, soft_ids[chosen].long())
+            columns = soft_ids[chosen].long()
+            if vocab_ids is not None:
+                columns = torch.searchsorted(vocab_ids, columns)
             probs = soft_probs[chosen].float()
             term = -(probs * log_q.gather(-1, columns)).sum(-1) / probs.sum(-1)
             weights = batch.weights[chosen]

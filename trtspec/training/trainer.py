@@ -128,7 +128,8 @@ class DrafterLoss(nn.Module):
         logits = self._logits(self.drafter, hidden[chosen])
         losses = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE)
         if soft is not None and self.soft_weight:
-            losses = (1 - self.soft_weight) * losses + self.soft_weight * self._soft_loss(logits, *(t[chosen] for t in soft))
+            taught = self._soft_loss(logits, *(t[chosen] for t in soft))
+            losses = (1 - self.soft_weight) * losses + self.soft_weight * taught
         if self.distill_below:
             teacher = self.teacher[0]
             offsets = torch.arange(batch.labels.shape[1], device=logits.device) % self.block_size
