@@ -332,6 +332,22 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_data, target_dir,
         train_drafter(pipeline.target, sequences, config, tmp_path / "resumed", progress=False)
 
 
+def test_a_checkpoint_older_than_an_option_resumes_while_the_option_keeps_its_default(tiny_data, tmp_path):
+    pipeline, sequences, _ = tiny_data
+    config = TrainConfig(block_size=4, num_features=2, mask_token_id=1, steps=2, batch_size=4, anchors_per_sequence=4)
+    train_drafter(pipeline.target, sequences, config, tmp_path / "first", progress=False)
+    checkpoint = tmp_path / "first.work" / "checkpoint.pt"
+    state = torch.load(checkpoint, weights_only=False)
+    for newer in ("soft_labels", "soft_weight"):  # as a checkpoint written before these options existed
+        del state["config"][newer]
+    torch.save(state, checkpoint)
+    assert train_drafter(pipeline.target, sequences, config, tmp_path / "again", tmp_path / "first.work",
+                         progress=False).is_dir()
+    with pytest.raises(TrtspecError, match=r"soft_labels option \(not in the checkpoint\)"):
+        train_drafter(pipeline.target, sequences, replace(config, soft_labels=8), tmp_path / "other",
+                      tmp_path / "first.work", progress=False)
+
+
 def test_the_training_commands_turn_prompts_into_a_drafter(target_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(6)))

@@ -239,10 +239,8 @@ class TargetFeatures:
         """The target's distribution of the token at each of `positions` [b, N] (a block's labels:
         its prediction one position before), as (ids, probabilities) [b, N, K]."""
         rows = [self._of(i) for i in indices]
-        ids = torch.stack([row["soft_ids"][(where - 1).clamp(0, len(row["soft_ids"]) - 1)]
-                           for row, where in zip(rows, positions)])
-        probs = torch.stack([row["soft_probs"][(where - 1).clamp(0, len(row["soft_probs"]) - 1)]
-                             for row, where in zip(rows, positions)])
+        before = [(where - 1).clamp(0, len(row["soft_ids"]) - 1) for row, where in zip(rows, positions)]
+        ids, probs = (torch.stack([row[name][at] for row, at in zip(rows, before)]) for name in ("soft_ids", "soft_probs"))
         return ids, probs
 
 
